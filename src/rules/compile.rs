@@ -1,0 +1,386 @@
+//! Raw packs -> a [`RuleSet`]: every value checked, every pattern compiled,
+//! every problem reported with file, line and rule id.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use regex::{Regex, RegexBuilder};
+
+use super::load::{LoadedPack, RawDefaults, RawRule};
+use super::matcher::{PatternSpec, ScopeMatcher, Unless, View};
+use super::normalize::normalize;
+use super::validate::Validator;
+use super::{Action, LoadError, LoadErrors, PackInfo, Rule, RuleSet, Scope};
+
+/// The compiled size one user-written regex may reach. Rule patterns are user
+/// input: a pattern such as `\w{1000}` compiles to megabytes and slows every
+/// scan, so it is refused with a clear error instead.
+pub const MAX_REGEX_SIZE: usize = 1 << 20;
+
+/// The longest `unless` window, in words.
+const MAX_UNLESS_WORDS: usize = 50;
+
+/// Settings of the compile step.
+#[derive(Debug, Clone)]
+pub struct CompileOptions {
+    /// The length, in bytes, assumed for regexes whose matches have no upper
+    /// bound (`.*`, `+`), when computing [`RuleSet::match_limits`].
+    pub unbounded_match_cap: usize,
+}
+
+impl Default for CompileOptions {
+    fn default() -> Self {
+        CompileOptions {
+            unbounded_match_cap: 512,
+        }
+    }
+}
+
+/// What the compile step gathers for one scope before building its matcher.
+#[derive(Default)]
+pub(super) struct ScopePatterns {
+    pub keywords: Vec<(String, usize)>,
+    pub regexes: Vec<PatternSpec>,
+}
+
+pub(super) fn compile(
+    packs: Vec<LoadedPack>,
+    options: &CompileOptions,
+    mut errors: Vec<LoadError>,
+) -> Result<RuleSet, LoadErrors> {
+    let mut rules: Vec<Rule> = Vec::new();
+    let mut infos = Vec::new();
+    let mut scopes: [ScopePatterns; 3] = Default::default();
+    let mut ids: HashMap<Arc<str>, (PathBuf, Option<usize>)> = HashMap::new();
+    let mut pack_names: HashMap<String, PathBuf> = HashMap::new();
+    let mut version = Fnv::new();
+
+    for pack in &packs {
+        version.write(pack.file.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
+        version.write(pack.source.as_bytes());
+        let name = pack.header.pack.trim();
+        if name.is_empty() {
+            errors.push(LoadError::new(&pack.file, pack.lines.get("pack"), None, "`pack` name is empty".into()));
+        } else if let Some(first) = pack_names.insert(name.to_owned(), pack.file.clone()) {
+            errors.push(LoadError::new(
+                &pack.file,
+                pack.lines.get("pack"),
+                None,
+                format!("pack `{name}` is also defined in {}", first.display()),
+            ));
+        }
+        let before = rules.len();
+        for (index, raw) in &pack.rules {
+            let mut cx = RuleContext {
+                pack,
+                index: *index,
+                id: raw.id.clone(),
+                errors: &mut errors,
+            };
+            let Some((rule, patterns)) = compile_rule(&mut cx, raw, &pack.header.defaults) else {
+                continue;
+            };
+            if let Some((file, line)) = ids.get(&rule.id) {
+                let at = match line {
+                    Some(l) => format!("{}:{l}", file.display()),
+                    None => file.display().to_string(),
+                };
+                cx.error("", format!("duplicate rule id; first defined at {at}"));
+                continue;
+            }
+            ids.insert(rule.id.clone(), (rule.file.clone(), rule.line));
+            let rule_index = rules.len();
+            for scope in &rule.scopes {
+                let target = &mut scopes[*scope as usize];
+                target.keywords.extend(patterns.keywords.iter().map(|k| (k.clone(), rule_index)));
+                target.regexes.extend(patterns.regexes.iter().map(|r| PatternSpec {
+                    rule: rule_index,
+                    ..r.clone()
+                }));
+            }
+            rules.push(rule);
+        }
+        infos.push(PackInfo {
+            name: name.to_owned(),
+            description: pack.header.description.clone(),
+            file: pack.file.clone(),
+            rules: rules.len() - before,
+        });
+    }
+
+    let mut build = |scope: Scope, patterns: &ScopePatterns| {
+        ScopeMatcher::build(patterns, options).unwrap_or_else(|message| {
+            errors.push(LoadError::new(
+                &PathBuf::from("(rule set)"),
+                None,
+                None,
+                format!("scope {scope}: {message}"),
+            ));
+            ScopeMatcher::empty()
+        })
+    };
+    let matchers = [
+        build(Scope::Prompt, &scopes[0]),
+        build(Scope::Response, &scopes[1]),
+        build(Scope::Context, &scopes[2]),
+    ];
+    if !errors.is_empty() {
+        return Err(LoadErrors(errors));
+    }
+    Ok(RuleSet {
+        rules,
+        packs: infos,
+        matchers,
+        version: format!("{:016x}", version.0),
+    })
+}
+
+/// Where errors of the rule being compiled go.
+struct RuleContext<'a> {
+    pack: &'a LoadedPack,
+    index: usize,
+    id: String,
+    errors: &'a mut Vec<LoadError>,
+}
+
+impl RuleContext<'_> {
+    /// Records an error at the line of `field` (a path below the rule such as
+    /// `.regex[1]`), or at the rule's own line.
+    fn error(&mut self, field: &str, message: String) {
+        let rule_path = format!("rules[{}]", self.index);
+        let line = self
+            .pack
+            .lines
+            .get(&format!("{rule_path}{field}"))
+            .or_else(|| self.pack.lines.get(&rule_path));
+        let id = (!self.id.is_empty()).then(|| self.id.clone());
+        self.errors.push(LoadError::new(&self.pack.file, line, id, message));
+    }
+}
+
+/// The patterns of one rule, to be added to the matchers of its scopes.
+struct RulePatterns {
+    keywords: Vec<String>,
+    regexes: Vec<PatternSpec>,
+}
+
+fn compile_rule(cx: &mut RuleContext, raw: &RawRule, defaults: &RawDefaults) -> Option<(Rule, RulePatterns)> {
+    let errors_before = cx.errors.len();
+    let id = raw.id.trim();
+    if id.is_empty() {
+        cx.error(".id", "`id` is empty".into());
+    }
+
+    let category = raw.category.as_ref().or(defaults.category.as_ref());
+    let category = match category.map(|c| c.trim()) {
+        Some(c) if !c.is_empty() => c.to_owned(),
+        _ => {
+            cx.error(".category", "no `category` (set it on the rule or in the pack's `defaults`)".into());
+            String::new()
+        }
+    };
+
+    let mut scopes = Vec::new();
+    match raw.scopes.as_ref().or(defaults.scopes.as_ref()) {
+        None => cx.error("", "no `scopes` (any of prompt, response, context)".into()),
+        Some(list) if list.is_empty() => cx.error(".scopes", "`scopes` is empty".into()),
+        Some(list) => {
+            for (i, s) in list.iter().enumerate() {
+                match Scope::parse(s) {
+                    Some(scope) if !scopes.contains(&scope) => scopes.push(scope),
+                    Some(_) => {}
+                    None => cx.error(
+                        &format!(".scopes[{i}]"),
+                        format!("unknown scope `{s}`; expected prompt, response or context"),
+                    ),
+                }
+            }
+        }
+    }
+
+    let action = match raw.action.as_deref().or(defaults.action.as_deref()) {
+        None => {
+            cx.error("", "no `action` (block, redact, flag or log)".into());
+            Action::Log
+        }
+        Some(a) => Action::parse(a).unwrap_or_else(|| {
+            cx.error(".action", format!("unknown action `{a}`; expected block, redact, flag or log"));
+            Action::Log
+        }),
+    };
+
+    let weight = match raw.weight.or(defaults.weight) {
+        None => {
+            cx.error("", "no `weight` (a number from 0 to 1)".into());
+            0.0
+        }
+        Some(w) if !(0.0..=1.0).contains(&w) => {
+            cx.error(".weight", format!("weight {w} is out of range; expected a number from 0 to 1"));
+            0.0
+        }
+        Some(w) => w,
+    };
+
+    let message = match raw.message.as_deref().map(str::trim) {
+        Some(m) if !m.is_empty() => m.to_owned(),
+        _ => {
+            cx.error(".message", "no `message` (the reason shown to clients)".into());
+            String::new()
+        }
+    };
+
+    let mut keywords = Vec::new();
+    for (i, k) in raw.keywords.iter().enumerate() {
+        let normalized = normalize(k).trim().to_owned();
+        if normalized.is_empty() {
+            cx.error(&format!(".keywords[{i}]"), format!("keyword {k:?} is empty after normalization"));
+        } else {
+            keywords.push(normalized);
+        }
+    }
+
+    let view = if raw.normalize { View::Normalized } else { View::Raw };
+    let mut regexes = Vec::new();
+    for (i, pattern) in raw.regex.to_vec().iter().enumerate() {
+        match compile_regex(pattern, view == View::Normalized) {
+            Ok((regex, max_len)) => regexes.push(PatternSpec {
+                regex,
+                view,
+                max_len,
+                rule: 0,
+            }),
+            Err(message) => {
+                let field = match raw.regex {
+                    super::load::OneOrMany::Many(_) => format!(".regex[{i}]"),
+                    _ => ".regex".to_owned(),
+                };
+                cx.error(&field, message);
+            }
+        }
+    }
+    if raw.keywords.is_empty() && raw.regex.to_vec().is_empty() {
+        cx.error("", "the rule matches nothing: give it `keywords` or `regex`".into());
+    }
+
+    let unless = raw.unless.as_ref().and_then(|u| {
+        if u.patterns.is_empty() || u.patterns.iter().any(|p| p.trim().is_empty()) {
+            cx.error(".unless.patterns", "`unless.patterns` must be a list of non-empty patterns".into());
+            return None;
+        }
+        if u.before == 0 || u.before > MAX_UNLESS_WORDS {
+            cx.error(
+                ".unless.before",
+                format!("`unless.before` is {}; expected 1 to {MAX_UNLESS_WORDS} words", u.before),
+            );
+            return None;
+        }
+        let alternation = format!(r"\b(?:{})\b", u.patterns.join("|"));
+        match RegexBuilder::new(&alternation)
+            .case_insensitive(true)
+            .size_limit(MAX_REGEX_SIZE)
+            .build()
+        {
+            Ok(regex) => Some(Unless {
+                regex,
+                before: u.before,
+            }),
+            Err(e) => {
+                cx.error(".unless.patterns", format!("invalid `unless` pattern: {}", one_line(&e.to_string())));
+                None
+            }
+        }
+    });
+
+    let validator = raw.validate.as_deref().and_then(|v| {
+        Validator::parse(v).or_else(|| {
+            cx.error(".validate", format!("unknown validator `{v}`; expected luhn or iban"));
+            None
+        })
+    });
+
+    if raw.examples.block.is_empty() || raw.examples.allow.is_empty() {
+        cx.error(
+            ".examples",
+            "every rule needs `examples` with at least one `block` and one `allow` text".into(),
+        );
+    }
+
+    if cx.errors.len() > errors_before {
+        return None;
+    }
+    let rule_path = format!("rules[{}]", cx.index);
+    let rule = Rule {
+        id: id.into(),
+        pack: cx.pack.header.pack.trim().into(),
+        description: raw.description.clone(),
+        category: category.into(),
+        scopes,
+        action,
+        weight,
+        placeholder: raw
+            .placeholder
+            .clone()
+            .unwrap_or_else(|| format!("[REDACTED:{id}]"))
+            .into(),
+        message: message.into(),
+        examples_block: raw.examples.block.clone(),
+        examples_allow: raw.examples.allow.clone(),
+        file: cx.pack.file.clone(),
+        line: cx.pack.lines.get(&rule_path),
+        unless,
+        validator,
+    };
+    Some((rule, RulePatterns { keywords, regexes }))
+}
+
+/// Compiles one user pattern and finds the longest text it can match.
+fn compile_regex(pattern: &str, case_insensitive: bool) -> Result<(Regex, Option<usize>), String> {
+    if pattern.is_empty() {
+        return Err("empty regex".into());
+    }
+    let regex = RegexBuilder::new(pattern)
+        .case_insensitive(case_insensitive)
+        .size_limit(MAX_REGEX_SIZE)
+        .build()
+        .map_err(|e| match e {
+            regex::Error::CompiledTooBig(limit) => {
+                format!("regex {pattern:?} is too large: it compiles to more than {limit} bytes; simplify it")
+            }
+            other => format!("invalid regex {pattern:?}: {}", one_line(&other.to_string())),
+        })?;
+    let hir = regex_syntax::ParserBuilder::new()
+        .case_insensitive(case_insensitive)
+        .build()
+        .parse(pattern)
+        .map_err(|e| format!("invalid regex {pattern:?}: {}", one_line(&e.to_string())))?;
+    if hir.properties().minimum_len() == Some(0) {
+        return Err(format!("regex {pattern:?} can match the empty string"));
+    }
+    Ok((regex, hir.properties().maximum_len()))
+}
+
+/// The regex crate's errors draw a caret diagram over several lines; a load
+/// error is one line per problem.
+fn one_line(message: &str) -> String {
+    let last = message.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or(message);
+    last.trim().trim_start_matches("error: ").to_owned()
+}
+
+/// FNV-1a, 64 bit: a stable hash of the rule files for the version string.
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        // A separator, so that ("ab", "c") and ("a", "bc") differ.
+        self.0 = (self.0 ^ 0xff).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+}
