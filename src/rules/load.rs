@@ -25,6 +25,10 @@ pub struct RawPackHeader {
     pub description: String,
     #[serde(default)]
     pub defaults: RawDefaults,
+    /// Free-form YAML that rules refer to by anchor (`&name` / `*name`),
+    /// such as a shared `unless` list. Not read otherwise.
+    #[serde(default)]
+    pub shared: Option<Value>,
     #[serde(default)]
     pub rules: Vec<Value>,
 }
@@ -88,7 +92,7 @@ const RULE_FIELDS: &[&str] = &[
 ];
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "`regex` to be a pattern or a list of patterns (quote patterns that contain `: ` or ` #`)")]
 pub enum OneOrMany {
     #[default]
     None,
