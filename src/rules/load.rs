@@ -92,7 +92,7 @@ const RULE_FIELDS: &[&str] = &[
 ];
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(untagged, expecting = "`regex` to be a pattern or a list of patterns (quote patterns that contain `: ` or ` #`)")]
+#[serde(untagged, expecting = "expected `regex` to be a pattern or a list of patterns (quote patterns that contain `: ` or ` #`)")]
 pub enum OneOrMany {
     #[default]
     None,
