@@ -16,7 +16,13 @@ pub fn rules_check(config: &Config, dir: &Path, out: &mut dyn Write) -> io::Resu
     match RuleSet::load_dir(dir, &config.rules.compile_options()) {
         Ok(rules) => {
             for pack in rules.packs() {
-                writeln!(out, "{:<24} {:>4} rules  {}", pack.name, pack.rules, pack.file.display())?;
+                writeln!(
+                    out,
+                    "{:<24} {:>4} rules  {}",
+                    pack.name,
+                    pack.rules,
+                    pack.file.display()
+                )?;
             }
             writeln!(
                 out,
@@ -29,7 +35,12 @@ pub fn rules_check(config: &Config, dir: &Path, out: &mut dyn Write) -> io::Resu
         }
         Err(errors) => {
             writeln!(out, "{errors}")?;
-            writeln!(out, "error: {} problem(s) in {}", errors.0.len(), dir.display())?;
+            writeln!(
+                out,
+                "error: {} problem(s) in {}",
+                errors.0.len(),
+                dir.display()
+            )?;
             Ok(false)
         }
     }
@@ -70,7 +81,11 @@ pub struct ScanRequest<'a> {
 }
 
 /// `fairgate scan`: the hits, risk and verdict of one text.
-pub fn scan(config: &Config, request: &ScanRequest, out: &mut dyn Write) -> anyhow::Result<Verdict> {
+pub fn scan(
+    config: &Config,
+    request: &ScanRequest,
+    out: &mut dyn Write,
+) -> anyhow::Result<Verdict> {
     let text = read_input(request.input)?;
     let rules = RuleSet::load_dir(request.rules_dir, &config.rules.compile_options())?;
     let verdict = scan_text(config, &rules, request.scope, &text, request.question);
@@ -84,7 +99,13 @@ pub fn scan(config: &Config, request: &ScanRequest, out: &mut dyn Write) -> anyh
 }
 
 /// Scans one text in one scope and assesses it.
-pub fn scan_text(config: &Config, rules: &RuleSet, scope: Scope, text: &str, question: Option<&str>) -> Verdict {
+pub fn scan_text(
+    config: &Config,
+    rules: &RuleSet,
+    scope: Scope,
+    text: &str,
+    question: Option<&str>,
+) -> Verdict {
     let hits = rules.scan(scope, text);
     let relevance: Vec<f64> = match (scope, question) {
         (Scope::Context, Some(q)) => vec![text::cosine(q, text)],
@@ -99,11 +120,17 @@ fn read_input(input: Option<&Path>) -> anyhow::Result<String> {
         None => io::stdin().read_to_end(&mut bytes)?,
         Some(p) if p == Path::new("-") => io::stdin().read_to_end(&mut bytes)?,
         Some(p) => {
-            bytes = std::fs::read(p).map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", p.display()))?;
+            bytes = std::fs::read(p)
+                .map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", p.display()))?;
             bytes.len()
         }
     };
-    String::from_utf8(bytes).map_err(|e| anyhow::anyhow!("input is not UTF-8 text (invalid byte at offset {})", e.utf8_error().valid_up_to()))
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "input is not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        )
+    })
 }
 
 fn write_table(verdict: &Verdict, out: &mut dyn Write) -> io::Result<()> {

@@ -48,11 +48,17 @@ impl RulesConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{path}: cannot read: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {message}")]
     Parse { path: PathBuf, message: String },
     #[error("{path}: invalid configuration:\n  {}", .problems.join("\n  "))]
-    Invalid { path: PathBuf, problems: Vec<String> },
+    Invalid {
+        path: PathBuf,
+        problems: Vec<String>,
+    },
 }
 
 impl Config {
@@ -103,15 +109,25 @@ mod tests {
 
     #[test]
     fn empty_file_gives_defaults() {
-        assert_eq!(Config::parse(Path::new("f"), "").unwrap(), Config::default());
+        assert_eq!(
+            Config::parse(Path::new("f"), "").unwrap(),
+            Config::default()
+        );
     }
 
     #[test]
     fn unknown_keys_and_bad_values_are_rejected() {
         let e = Config::parse(Path::new("f.yaml"), "risk:\n  treshold: 1\n").unwrap_err();
         assert!(e.to_string().contains("unknown field `treshold`"), "{e}");
-        let e = Config::parse(Path::new("f.yaml"), "risk:\n  block_threshold: 3\n  weights: {prompt: 2}\n").unwrap_err();
+        let e = Config::parse(
+            Path::new("f.yaml"),
+            "risk:\n  block_threshold: 3\n  weights: {prompt: 2}\n",
+        )
+        .unwrap_err();
         let text = e.to_string();
-        assert!(text.contains("risk.block_threshold") && text.contains("risk.weights.prompt"), "{text}");
+        assert!(
+            text.contains("risk.block_threshold") && text.contains("risk.weights.prompt"),
+            "{text}"
+        );
     }
 }

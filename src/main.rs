@@ -10,7 +10,11 @@ use fairgate::config::Config;
 use fairgate::rules::Scope;
 
 #[derive(Parser)]
-#[command(name = "fairgate", version, about = "Inline guardrail proxy for LLM APIs")]
+#[command(
+    name = "fairgate",
+    version,
+    about = "Inline guardrail proxy for LLM APIs"
+)]
 struct Cli {
     /// Configuration file (YAML); every setting has a default.
     #[arg(long, global = true, env = "FAIRGATE_CONFIG")]

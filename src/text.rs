@@ -57,7 +57,10 @@ mod tests {
 
     #[test]
     fn tokens_keep_unicode_letters_marks_and_digits() {
-        assert_eq!(tokens("Café 2024 naïve e\u{301}"), ["café", "2024", "naïve", "e\u{301}"]);
+        assert_eq!(
+            tokens("Café 2024 naïve e\u{301}"),
+            ["café", "2024", "naïve", "e\u{301}"]
+        );
         assert_eq!(tokens("''' -- !!"), Vec::<String>::new());
         assert_eq!(tokens("rock'n'roll"), ["rock'n'roll"]);
     }

@@ -90,9 +90,17 @@ impl RiskConfig {
             }
         };
         unit("risk.weights.prompt", self.weights.prompt, &mut problems);
-        unit("risk.weights.response", self.weights.response, &mut problems);
+        unit(
+            "risk.weights.response",
+            self.weights.response,
+            &mut problems,
+        );
         unit("risk.weights.context", self.weights.context, &mut problems);
-        unit("risk.relevance.weight", self.relevance.weight, &mut problems);
+        unit(
+            "risk.relevance.weight",
+            self.relevance.weight,
+            &mut problems,
+        );
         if !(self.block_threshold > 0.0 && self.block_threshold <= 1.0) {
             problems.push(format!(
                 "risk.block_threshold: {} is out of range; expected more than 0, at most 1",
@@ -254,17 +262,27 @@ mod tests {
 
     #[test]
     fn total_uses_the_configured_weights_and_threshold() {
-        let mut config = RiskConfig::default();
-        config.weights = ScopeWeights {
-            prompt: 0.6,
-            response: 0.3,
-            context: 0.1,
+        let config = RiskConfig {
+            weights: ScopeWeights {
+                prompt: 0.6,
+                response: 0.3,
+                context: 0.1,
+            },
+            block_threshold: 0.5,
+            ..RiskConfig::default()
         };
-        config.block_threshold = 0.5;
-        let v = assess(&config, vec![hit("a", Scope::Prompt, Action::Log, 0.9)], &[]);
+        let v = assess(
+            &config,
+            vec![hit("a", Scope::Prompt, Action::Log, 0.9)],
+            &[],
+        );
         assert!(close(v.risk.total, 0.54));
         assert_eq!(v.decision, Decision::Block);
-        let v = assess(&config, vec![hit("a", Scope::Response, Action::Log, 0.9)], &[]);
+        let v = assess(
+            &config,
+            vec![hit("a", Scope::Response, Action::Log, 0.9)],
+            &[],
+        );
         assert!(close(v.risk.total, 0.27));
         assert_eq!(v.decision, Decision::Allow);
     }
@@ -273,14 +291,21 @@ mod tests {
     fn the_most_severe_action_decides() {
         let config = RiskConfig::default();
         let decide = |actions: &[Action]| {
-            let hits = actions.iter().enumerate().map(|(i, a)| hit(&i.to_string(), Scope::Prompt, *a, 0.0)).collect();
+            let hits = actions
+                .iter()
+                .enumerate()
+                .map(|(i, a)| hit(&i.to_string(), Scope::Prompt, *a, 0.0))
+                .collect();
             assess(&config, hits, &[]).decision
         };
         assert_eq!(decide(&[]), Decision::Allow);
         assert_eq!(decide(&[Action::Log]), Decision::Allow);
         assert_eq!(decide(&[Action::Log, Action::Flag]), Decision::Flag);
         assert_eq!(decide(&[Action::Flag, Action::Redact]), Decision::Redact);
-        assert_eq!(decide(&[Action::Redact, Action::Block, Action::Flag]), Decision::Block);
+        assert_eq!(
+            decide(&[Action::Redact, Action::Block, Action::Flag]),
+            Decision::Block
+        );
     }
 
     #[test]
@@ -291,7 +316,11 @@ mod tests {
         assert_eq!(v.context_relevance, Some(0.0));
         let v = assess(&config, vec![], &[0.05]);
         assert!(close(v.risk.context, 0.25));
-        let v = assess(&config, vec![hit("a", Scope::Context, Action::Flag, 0.5)], &[0.05]);
+        let v = assess(
+            &config,
+            vec![hit("a", Scope::Context, Action::Flag, 0.5)],
+            &[0.05],
+        );
         assert!(close(v.risk.context, 1.0 - 0.5 * 0.75));
         let v = assess(&config, vec![], &[0.1, 0.9]);
         assert!(close(v.risk.context, 0.0));

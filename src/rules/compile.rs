@@ -5,10 +5,14 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use regex::{Regex, RegexBuilder};
+use regex::RegexBuilder;
+use regex_automata::meta;
+use regex_automata::util::syntax;
+use regex_syntax::hir::literal::{ExtractKind, Extractor};
+use regex_syntax::hir::{Hir, HirKind, Look};
 
 use super::load::{LoadedPack, RawDefaults, RawRule};
-use super::matcher::{PatternSpec, ScopeMatcher, Unless, View};
+use super::matcher::{PatternSpec, ScopeMatcher, Trigger, Unless, View};
 use super::normalize::normalize;
 use super::validate::Validator;
 use super::{Action, LoadError, LoadErrors, PackInfo, Rule, RuleSet, Scope};
@@ -57,11 +61,21 @@ pub(super) fn compile(
     let mut version = Fnv::new();
 
     for pack in &packs {
-        version.write(pack.file.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
+        version.write(
+            pack.file
+                .file_name()
+                .map(|n| n.as_encoded_bytes())
+                .unwrap_or_default(),
+        );
         version.write(pack.source.as_bytes());
         let name = pack.header.pack.trim();
         if name.is_empty() {
-            errors.push(LoadError::new(&pack.file, pack.lines.get("pack"), None, "`pack` name is empty".into()));
+            errors.push(LoadError::new(
+                &pack.file,
+                pack.lines.get("pack"),
+                None,
+                "`pack` name is empty".into(),
+            ));
         } else if let Some(first) = pack_names.insert(name.to_owned(), pack.file.clone()) {
             errors.push(LoadError::new(
                 &pack.file,
@@ -93,11 +107,15 @@ pub(super) fn compile(
             let rule_index = rules.len();
             for scope in &rule.scopes {
                 let target = &mut scopes[*scope as usize];
-                target.keywords.extend(patterns.keywords.iter().map(|k| (k.clone(), rule_index)));
-                target.regexes.extend(patterns.regexes.iter().map(|r| PatternSpec {
-                    rule: rule_index,
-                    ..r.clone()
-                }));
+                target
+                    .keywords
+                    .extend(patterns.keywords.iter().map(|k| (k.clone(), rule_index)));
+                target
+                    .regexes
+                    .extend(patterns.regexes.iter().map(|r| PatternSpec {
+                        rule: rule_index,
+                        ..r.clone()
+                    }));
             }
             rules.push(rule);
         }
@@ -155,7 +173,8 @@ impl RuleContext<'_> {
             .get(&format!("{rule_path}{field}"))
             .or_else(|| self.pack.lines.get(&rule_path));
         let id = (!self.id.is_empty()).then(|| self.id.clone());
-        self.errors.push(LoadError::new(&self.pack.file, line, id, message));
+        self.errors
+            .push(LoadError::new(&self.pack.file, line, id, message));
     }
 }
 
@@ -165,7 +184,11 @@ struct RulePatterns {
     regexes: Vec<PatternSpec>,
 }
 
-fn compile_rule(cx: &mut RuleContext, raw: &RawRule, defaults: &RawDefaults) -> Option<(Rule, RulePatterns)> {
+fn compile_rule(
+    cx: &mut RuleContext,
+    raw: &RawRule,
+    defaults: &RawDefaults,
+) -> Option<(Rule, RulePatterns)> {
     let errors_before = cx.errors.len();
     let id = raw.id.trim();
     if id.is_empty() {
@@ -176,7 +199,10 @@ fn compile_rule(cx: &mut RuleContext, raw: &RawRule, defaults: &RawDefaults) -> 
     let category = match category.map(|c| c.trim()) {
         Some(c) if !c.is_empty() => c.to_owned(),
         _ => {
-            cx.error(".category", "no `category` (set it on the rule or in the pack's `defaults`)".into());
+            cx.error(
+                ".category",
+                "no `category` (set it on the rule or in the pack's `defaults`)".into(),
+            );
             String::new()
         }
     };
@@ -205,7 +231,10 @@ fn compile_rule(cx: &mut RuleContext, raw: &RawRule, defaults: &RawDefaults) -> 
             Action::Log
         }
         Some(a) => Action::parse(a).unwrap_or_else(|| {
-            cx.error(".action", format!("unknown action `{a}`; expected block, redact, flag or log"));
+            cx.error(
+                ".action",
+                format!("unknown action `{a}`; expected block, redact, flag or log"),
+            );
             Action::Log
         }),
     };
@@ -216,7 +245,10 @@ fn compile_rule(cx: &mut RuleContext, raw: &RawRule, defaults: &RawDefaults) -> 
             0.0
         }
         Some(w) if !(0.0..=1.0).contains(&w) => {
-            cx.error(".weight", format!("weight {w} is out of range; expected a number from 0 to 1"));
+            cx.error(
+                ".weight",
+                format!("weight {w} is out of range; expected a number from 0 to 1"),
+            );
             0.0
         }
         Some(w) => w,
@@ -225,7 +257,10 @@ fn compile_rule(cx: &mut RuleContext, raw: &RawRule, defaults: &RawDefaults) -> 
     let message = match raw.message.as_deref().map(str::trim) {
         Some(m) if !m.is_empty() => m.to_owned(),
         _ => {
-            cx.error(".message", "no `message` (the reason shown to clients)".into());
+            cx.error(
+                ".message",
+                "no `message` (the reason shown to clients)".into(),
+            );
             String::new()
         }
     };
@@ -234,22 +269,24 @@ fn compile_rule(cx: &mut RuleContext, raw: &RawRule, defaults: &RawDefaults) -> 
     for (i, k) in raw.keywords.iter().enumerate() {
         let normalized = normalize(k).trim().to_owned();
         if normalized.is_empty() {
-            cx.error(&format!(".keywords[{i}]"), format!("keyword {k:?} is empty after normalization"));
+            cx.error(
+                &format!(".keywords[{i}]"),
+                format!("keyword {k:?} is empty after normalization"),
+            );
         } else {
             keywords.push(normalized);
         }
     }
 
-    let view = if raw.normalize { View::Normalized } else { View::Raw };
+    let view = if raw.normalize {
+        View::Normalized
+    } else {
+        View::Raw
+    };
     let mut regexes = Vec::new();
     for (i, pattern) in raw.regex.to_vec().iter().enumerate() {
-        match compile_regex(pattern, view == View::Normalized) {
-            Ok((regex, max_len)) => regexes.push(PatternSpec {
-                regex,
-                view,
-                max_len,
-                rule: 0,
-            }),
+        match compile_regex(pattern, view) {
+            Ok(spec) => regexes.push(spec),
             Err(message) => {
                 let field = match raw.regex {
                     super::load::OneOrMany::Many(_) => format!(".regex[{i}]"),
@@ -260,18 +297,27 @@ fn compile_rule(cx: &mut RuleContext, raw: &RawRule, defaults: &RawDefaults) -> 
         }
     }
     if raw.keywords.is_empty() && raw.regex.to_vec().is_empty() {
-        cx.error("", "the rule matches nothing: give it `keywords` or `regex`".into());
+        cx.error(
+            "",
+            "the rule matches nothing: give it `keywords` or `regex`".into(),
+        );
     }
 
     let unless = raw.unless.as_ref().and_then(|u| {
         if u.patterns.is_empty() || u.patterns.iter().any(|p| p.trim().is_empty()) {
-            cx.error(".unless.patterns", "`unless.patterns` must be a list of non-empty patterns".into());
+            cx.error(
+                ".unless.patterns",
+                "`unless.patterns` must be a list of non-empty patterns".into(),
+            );
             return None;
         }
         if u.before == 0 || u.before > MAX_UNLESS_WORDS {
             cx.error(
                 ".unless.before",
-                format!("`unless.before` is {}; expected 1 to {MAX_UNLESS_WORDS} words", u.before),
+                format!(
+                    "`unless.before` is {}; expected 1 to {MAX_UNLESS_WORDS} words",
+                    u.before
+                ),
             );
             return None;
         }
@@ -286,7 +332,10 @@ fn compile_rule(cx: &mut RuleContext, raw: &RawRule, defaults: &RawDefaults) -> 
                 before: u.before,
             }),
             Err(e) => {
-                cx.error(".unless.patterns", format!("invalid `unless` pattern: {}", one_line(&e.to_string())));
+                cx.error(
+                    ".unless.patterns",
+                    format!("invalid `unless` pattern: {}", one_line(&e.to_string())),
+                );
                 None
             }
         }
@@ -294,7 +343,10 @@ fn compile_rule(cx: &mut RuleContext, raw: &RawRule, defaults: &RawDefaults) -> 
 
     let validator = raw.validate.as_deref().and_then(|v| {
         Validator::parse(v).or_else(|| {
-            cx.error(".validate", format!("unknown validator `{v}`; expected luhn or iban"));
+            cx.error(
+                ".validate",
+                format!("unknown validator `{v}`; expected luhn or iban"),
+            );
             None
         })
     });
@@ -334,36 +386,122 @@ fn compile_rule(cx: &mut RuleContext, raw: &RawRule, defaults: &RawDefaults) -> 
     Some((rule, RulePatterns { keywords, regexes }))
 }
 
-/// Compiles one user pattern and finds the longest text it can match.
-fn compile_regex(pattern: &str, case_insensitive: bool) -> Result<(Regex, Option<usize>), String> {
+/// Compiles one user pattern, finds the longest text it can match and the
+/// literals that trigger it.
+fn compile_regex(pattern: &str, view: View) -> Result<PatternSpec, String> {
     if pattern.is_empty() {
         return Err("empty regex".into());
     }
-    let regex = RegexBuilder::new(pattern)
-        .case_insensitive(case_insensitive)
-        .size_limit(MAX_REGEX_SIZE)
-        .build()
-        .map_err(|e| match e {
-            regex::Error::CompiledTooBig(limit) => {
+    let case_insensitive = view == View::Normalized;
+    let regex = meta::Regex::builder()
+        .syntax(syntax::Config::new().case_insensitive(case_insensitive))
+        .configure(meta::Config::new().nfa_size_limit(Some(MAX_REGEX_SIZE)))
+        .build(pattern)
+        .map_err(|e| match (e.size_limit(), e.syntax_error()) {
+            (Some(limit), _) => {
                 format!("regex {pattern:?} is too large: it compiles to more than {limit} bytes; simplify it")
             }
-            other => format!("invalid regex {pattern:?}: {}", one_line(&other.to_string())),
+            (None, Some(syntax)) => format!("invalid regex {pattern:?}: {}", one_line(&syntax.to_string())),
+            (None, None) => format!("invalid regex {pattern:?}: {}", one_line(&e.to_string())),
         })?;
+    // The trigger literals are read from the pattern as written: with case
+    // folding every letter would double the literals. The normalized view is
+    // lower case, so its literals are lower-cased instead.
     let hir = regex_syntax::ParserBuilder::new()
-        .case_insensitive(case_insensitive)
         .build()
         .parse(pattern)
         .map_err(|e| format!("invalid regex {pattern:?}: {}", one_line(&e.to_string())))?;
     if hir.properties().minimum_len() == Some(0) {
         return Err(format!("regex {pattern:?} can match the empty string"));
     }
-    Ok((regex, hir.properties().maximum_len()))
+    Ok(PatternSpec {
+        pattern: pattern.to_owned(),
+        regex,
+        view,
+        max_len: hir.properties().maximum_len(),
+        trigger: trigger(&hir, case_insensitive),
+        rule: 0,
+    })
+}
+
+/// The best literal set every match of `hir` must contain: taken from the
+/// prefixes of `hir` with its first `i` elements dropped, for the `i` whose
+/// literals are longest (fewest false alarms), provided those first elements
+/// have a bounded length. `None` when no element yields a finite set of
+/// non-empty literals.
+fn trigger(hir: &Hir, lowercase: bool) -> Option<Trigger> {
+    let mut top = hir;
+    while let HirKind::Capture(capture) = top.kind() {
+        top = &capture.sub;
+    }
+    let elements: Vec<Hir> = match top.kind() {
+        HirKind::Concat(elements) => elements.clone(),
+        _ => vec![top.clone()],
+    };
+    let word_start = matches!(
+        elements.first().map(Hir::kind),
+        Some(HirKind::Look(Look::WordUnicode | Look::WordAscii))
+    );
+    let mut extractor = Extractor::new();
+    extractor
+        .kind(ExtractKind::Prefix)
+        .limit_class(10)
+        .limit_literal_len(16)
+        .limit_total(64);
+    let mut best: Option<(usize, Trigger)> = None;
+    for i in 0..elements.len() {
+        let Some(lead) = Hir::concat(elements[..i].to_vec())
+            .properties()
+            .maximum_len()
+        else {
+            break;
+        };
+        let seq = extractor.extract(&Hir::concat(elements[i..].to_vec()));
+        let Some(literals) = seq.literals() else {
+            continue;
+        };
+        if literals.is_empty() || literals.iter().any(|l| l.is_empty()) {
+            continue;
+        }
+        // Longer literals raise fewer false alarms; past 4 bytes it hardly
+        // matters, and a shorter lead means a smaller window.
+        let score = literals.iter().map(|l| l.len()).min().unwrap_or(0).min(4);
+        if best.as_ref().is_some_and(|(s, _)| *s >= score) {
+            continue;
+        }
+        let mut literals: Vec<Vec<u8>> = literals
+            .iter()
+            .map(|l| {
+                let bytes = l.as_bytes();
+                match (lowercase, std::str::from_utf8(bytes)) {
+                    (false, _) => bytes.to_vec(),
+                    (true, Ok(text)) => text.to_lowercase().into_bytes(),
+                    (true, Err(_)) => bytes.to_ascii_lowercase(),
+                }
+            })
+            .collect();
+        literals.sort();
+        literals.dedup();
+        best = Some((
+            score,
+            Trigger {
+                literals,
+                lead,
+                word_start: word_start && lead == 0,
+            },
+        ));
+    }
+    best.map(|(_, t)| t)
 }
 
 /// The regex crate's errors draw a caret diagram over several lines; a load
 /// error is one line per problem.
 fn one_line(message: &str) -> String {
-    let last = message.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or(message);
+    let last = message
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or(message);
     last.trim().trim_start_matches("error: ").to_owned()
 }
 

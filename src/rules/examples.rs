@@ -49,7 +49,11 @@ pub fn run(rules: &RuleSet) -> ExampleReport {
                 .examples_block
                 .iter()
                 .map(|t| (t, ExampleKind::Missed))
-                .chain(rule.examples_allow.iter().map(|t| (t, ExampleKind::FalsePositive)));
+                .chain(
+                    rule.examples_allow
+                        .iter()
+                        .map(|t| (t, ExampleKind::FalsePositive)),
+                );
             for (text, kind) in cases {
                 report.examples += 1;
                 let hit = rules.scan(scope, text).iter().any(|h| h.rule == rule.id);

@@ -92,7 +92,10 @@ const RULE_FIELDS: &[&str] = &[
 ];
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(untagged, expecting = "expected `regex` to be a pattern or a list of patterns (quote patterns that contain `: ` or ` #`)")]
+#[serde(
+    untagged,
+    expecting = "expected `regex` to be a pattern or a list of patterns (quote patterns that contain `: ` or ` #`)"
+)]
 pub enum OneOrMany {
     #[default]
     None,
@@ -149,7 +152,12 @@ pub fn load_dir(dir: &Path, errors: &mut Vec<LoadError>) -> Vec<LoadedPack> {
     let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) => {
-            errors.push(LoadError::new(dir, None, None, format!("cannot read rules directory: {e}")));
+            errors.push(LoadError::new(
+                dir,
+                None,
+                None,
+                format!("cannot read rules directory: {e}"),
+            ));
             return Vec::new();
         }
     };
@@ -159,9 +167,17 @@ pub fn load_dir(dir: &Path, errors: &mut Vec<LoadError>) -> Vec<LoadedPack> {
         .collect();
     files.sort();
     if files.is_empty() {
-        errors.push(LoadError::new(dir, None, None, "no rule files (*.yaml) in this directory".into()));
+        errors.push(LoadError::new(
+            dir,
+            None,
+            None,
+            "no rule files (*.yaml) in this directory".into(),
+        ));
     }
-    files.into_iter().filter_map(|file| load_file(&file, errors)).collect()
+    files
+        .into_iter()
+        .filter_map(|file| load_file(&file, errors))
+        .collect()
 }
 
 /// Parses one rule file.
@@ -169,7 +185,12 @@ pub fn load_file(file: &Path, errors: &mut Vec<LoadError>) -> Option<LoadedPack>
     let source = match fs::read_to_string(file) {
         Ok(s) => s,
         Err(e) => {
-            errors.push(LoadError::new(file, None, None, format!("cannot read: {e}")));
+            errors.push(LoadError::new(
+                file,
+                None,
+                None,
+                format!("cannot read: {e}"),
+            ));
             return None;
         }
     };
@@ -182,7 +203,12 @@ pub fn parse_pack(file: &Path, source: String, errors: &mut Vec<LoadError>) -> O
         Ok(v) => v,
         Err(e) => {
             let line = e.location().map(|l| l.line());
-            errors.push(LoadError::new(file, line, None, format!("invalid YAML: {e}")));
+            errors.push(LoadError::new(
+                file,
+                line,
+                None,
+                format!("invalid YAML: {e}"),
+            ));
             return None;
         }
     };
@@ -190,7 +216,12 @@ pub fn parse_pack(file: &Path, source: String, errors: &mut Vec<LoadError>) -> O
     let header: RawPackHeader = match serde_yaml_ng::from_value(value) {
         Ok(h) => h,
         Err(e) => {
-            errors.push(LoadError::new(file, Some(1), None, format!("invalid pack: {e}")));
+            errors.push(LoadError::new(
+                file,
+                Some(1),
+                None,
+                format!("invalid pack: {e}"),
+            ));
             return None;
         }
     };
@@ -214,7 +245,10 @@ pub fn parse_pack(file: &Path, source: String, errors: &mut Vec<LoadError>) -> O
                     file,
                     line,
                     id.clone(),
-                    format!("unknown field `{key}`; expected one of {}", RULE_FIELDS.join(", ")),
+                    format!(
+                        "unknown field `{key}`; expected one of {}",
+                        RULE_FIELDS.join(", ")
+                    ),
                 ));
                 map.remove(key.as_str());
             }
@@ -222,7 +256,12 @@ pub fn parse_pack(file: &Path, source: String, errors: &mut Vec<LoadError>) -> O
         match serde_yaml_ng::from_value::<RawRule>(value) {
             Ok(rule) if !unknown_field => rules.push((index, rule)),
             Ok(_) => {}
-            Err(e) => errors.push(LoadError::new(file, lines.get(&path), id, format!("invalid rule: {e}"))),
+            Err(e) => errors.push(LoadError::new(
+                file,
+                lines.get(&path),
+                id,
+                format!("invalid rule: {e}"),
+            )),
         }
     }
     Some(LoadedPack {

@@ -175,7 +175,9 @@ impl RuleSet {
         let mut errors = Vec::new();
         let packs = sources
             .into_iter()
-            .filter_map(|(name, text)| load::parse_pack(Path::new(name), text.to_owned(), &mut errors))
+            .filter_map(|(name, text)| {
+                load::parse_pack(Path::new(name), text.to_owned(), &mut errors)
+            })
             .collect();
         compile::compile(packs, options, errors)
     }

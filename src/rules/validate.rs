@@ -52,7 +52,7 @@ pub fn luhn(text: &str) -> bool {
             (false, _) => d,
         })
         .sum();
-    sum % 10 == 0
+    sum.is_multiple_of(10)
 }
 
 /// The IBAN check: country code, check digits, 11 to 30 more characters, and
