@@ -6,10 +6,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use regex::RegexBuilder;
+use regex_automata::Anchored;
+use regex_automata::dfa::{Automaton, StartKind, dense};
 use regex_automata::meta;
+use regex_automata::nfa::thompson;
+use regex_automata::util::start;
 use regex_automata::util::syntax;
 use regex_syntax::hir::literal::{ExtractKind, Extractor};
-use regex_syntax::hir::{Hir, HirKind, Look};
+use regex_syntax::hir::{Class, ClassUnicode, ClassUnicodeRange, Hir, HirKind, Look, Repetition};
 
 use super::load::{LoadedPack, RawDefaults, RawRule};
 use super::matcher::{PatternSpec, ScopeMatcher, Trigger, Unless, View};
@@ -21,6 +25,10 @@ use super::{Action, LoadError, LoadErrors, PackInfo, Rule, RuleSet, Scope};
 /// input: a pattern such as `\w{1000}` compiles to megabytes and slows every
 /// scan, so it is refused with a clear error instead.
 pub const MAX_REGEX_SIZE: usize = 1 << 20;
+
+/// How far before its trigger literal a regex match may start, at most; a
+/// literal further in is not used (each byte before it is a place to try).
+const MAX_TRIGGER_LEAD: usize = 128;
 
 /// The longest `unless` window, in words.
 const MAX_UNLESS_WORDS: usize = 50;
@@ -43,7 +51,7 @@ impl Default for CompileOptions {
 
 /// What the compile step gathers for one scope before building its matcher.
 #[derive(Default)]
-pub(super) struct ScopePatterns {
+pub(crate) struct ScopePatterns {
     pub keywords: Vec<(String, usize)>,
     pub regexes: Vec<PatternSpec>,
 }
@@ -442,30 +450,35 @@ fn trigger(hir: &Hir, lowercase: bool) -> Option<Trigger> {
         elements.first().map(Hir::kind),
         Some(HirKind::Look(Look::WordUnicode | Look::WordAscii))
     );
+    let prefix_bytes = prefix_bytes(hir, lowercase);
     let mut extractor = Extractor::new();
     extractor
         .kind(ExtractKind::Prefix)
         .limit_class(10)
-        .limit_literal_len(16)
+        .limit_literal_len(8)
         .limit_total(64);
     let mut best: Option<(usize, Trigger)> = None;
     for i in 0..elements.len() {
+        // Every start within `lead` bytes before a trigger is tried.
         let Some(lead) = Hir::concat(elements[..i].to_vec())
             .properties()
             .maximum_len()
+            .filter(|&lead| lead <= MAX_TRIGGER_LEAD)
         else {
             break;
         };
-        let seq = extractor.extract(&Hir::concat(elements[i..].to_vec()));
+        let mut seq = extractor.extract(&Hir::concat(elements[i..].to_vec()));
+        // A literal that another one starts is redundant as a trigger.
+        seq.minimize_by_preference();
         let Some(literals) = seq.literals() else {
             continue;
         };
         if literals.is_empty() || literals.iter().any(|l| l.is_empty()) {
             continue;
         }
-        // Longer literals raise fewer false alarms; past 4 bytes it hardly
-        // matters, and a shorter lead means a smaller window.
-        let score = literals.iter().map(|l| l.len()).min().unwrap_or(0).min(4);
+        // Longer literals raise fewer false alarms; past 6 bytes it hardly
+        // matters, and a shorter lead means fewer places to try.
+        let score = literals.iter().map(|l| l.len()).min().unwrap_or(0).min(6);
         if best.as_ref().is_some_and(|(s, _)| *s >= score) {
             continue;
         }
@@ -487,11 +500,122 @@ fn trigger(hir: &Hir, lowercase: bool) -> Option<Trigger> {
             Trigger {
                 literals,
                 lead,
-                word_start: word_start && lead == 0,
+                word_start,
+                prefix_bytes: prefix_bytes.clone(),
             },
         ));
     }
     best.map(|(_, t)| t)
+}
+
+/// The bytes each of the first few bytes of a match can be: `sets[j][b]`
+/// says whether byte `b` can be byte `j` of a match. Found by walking a small
+/// anchored DFA of the pattern with its look-arounds dropped (which only
+/// allows more), for as many bytes as every match has; empty when the DFA
+/// would be too large.
+fn prefix_bytes(hir: &Hir, case_insensitive: bool) -> Vec<[bool; 256]> {
+    const DEPTH: usize = 4;
+    let depth = hir.properties().minimum_len().unwrap_or(0).min(DEPTH);
+    if depth == 0 {
+        return Vec::new();
+    }
+    let mut stripped = without_looks(hir);
+    if case_insensitive {
+        // Re-parse is not possible from a HIR; fold the classes instead.
+        stripped = case_folded(&stripped);
+    }
+    let Ok(nfa) = thompson::Compiler::new()
+        .configure(thompson::Config::new().nfa_size_limit(Some(MAX_REGEX_SIZE)))
+        .build_from_hir(&stripped)
+    else {
+        return Vec::new();
+    };
+    let Ok(dfa) = dense::Builder::new()
+        .configure(
+            dense::Config::new()
+                .start_kind(StartKind::Anchored)
+                .dfa_size_limit(Some(1 << 20))
+                .determinize_size_limit(Some(1 << 20)),
+        )
+        .build_from_nfa(&nfa)
+    else {
+        return Vec::new();
+    };
+    let Ok(start) = dfa.start_state(&start::Config::new().anchored(Anchored::Yes)) else {
+        return Vec::new();
+    };
+    let mut frontier = vec![start];
+    let mut sets = Vec::with_capacity(depth);
+    for _ in 0..depth {
+        let mut set = [false; 256];
+        let mut next = Vec::new();
+        for &state in &frontier {
+            for b in 0..=255u8 {
+                let to = dfa.next_state(state, b);
+                if dfa.is_dead_state(to) || dfa.is_quit_state(to) {
+                    continue;
+                }
+                set[usize::from(b)] = true;
+                if !next.contains(&to) {
+                    next.push(to);
+                }
+            }
+        }
+        sets.push(set);
+        frontier = next;
+    }
+    sets
+}
+
+/// `hir` with every look-around (`\b`, `^`, `$`) replaced by the empty
+/// pattern: it matches everything `hir` matches, and more.
+fn without_looks(hir: &Hir) -> Hir {
+    match hir.kind() {
+        HirKind::Look(_) => Hir::empty(),
+        HirKind::Capture(capture) => without_looks(&capture.sub),
+        HirKind::Repetition(repetition) => Hir::repetition(Repetition {
+            sub: Box::new(without_looks(&repetition.sub)),
+            ..repetition.clone()
+        }),
+        HirKind::Concat(subs) => Hir::concat(subs.iter().map(without_looks).collect()),
+        HirKind::Alternation(subs) => Hir::alternation(subs.iter().map(without_looks).collect()),
+        _ => hir.clone(),
+    }
+}
+
+/// `hir` with every class and literal widened to both cases.
+fn case_folded(hir: &Hir) -> Hir {
+    match hir.kind() {
+        HirKind::Literal(literal) => match std::str::from_utf8(&literal.0) {
+            Ok(text) => Hir::concat(
+                text.chars()
+                    .map(|c| {
+                        let mut class = ClassUnicode::new([ClassUnicodeRange::new(c, c)]);
+                        class.case_fold_simple();
+                        Hir::class(Class::Unicode(class))
+                    })
+                    .collect(),
+            ),
+            Err(_) => hir.clone(),
+        },
+        HirKind::Class(Class::Unicode(class)) => {
+            let mut class = class.clone();
+            class.case_fold_simple();
+            Hir::class(Class::Unicode(class))
+        }
+        HirKind::Class(Class::Bytes(class)) => {
+            let mut class = class.clone();
+            class.case_fold_simple();
+            Hir::class(Class::Bytes(class))
+        }
+        HirKind::Repetition(repetition) => Hir::repetition(Repetition {
+            sub: Box::new(case_folded(&repetition.sub)),
+            ..repetition.clone()
+        }),
+        HirKind::Concat(subs) => Hir::concat(subs.iter().map(case_folded).collect()),
+        HirKind::Alternation(subs) => Hir::alternation(subs.iter().map(case_folded).collect()),
+        _ => hir.clone(),
+    }
 }
 
 /// The regex crate's errors draw a caret diagram over several lines; a load

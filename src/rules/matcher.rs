@@ -12,8 +12,8 @@
 //! compile step reads from its syntax a set of literals one of which every
 //! match must contain, and how far before that literal a match may start
 //! ([`Trigger`]). The single pass reports keyword hits and trigger
-//! occurrences together; a regex is then run only in the small window around
-//! its triggers (anchored, when the trigger is the start of the match). On
+//! occurrences together; a regex is then tried, anchored, only at the few
+//! places before each trigger where a match could start. On
 //! this machine a full automaton pass costs about 2 ns a byte, so reading the
 //! text once for keywords and once more for every regex would be several
 //! times slower than this one pass.
@@ -52,9 +52,29 @@ pub(crate) enum View {
 pub(crate) struct Trigger {
     pub literals: Vec<Vec<u8>>,
     pub lead: usize,
-    /// The regex starts with `\b`, so with `lead == 0` a trigger that is not
-    /// at a word boundary cannot start a match.
+    /// The regex starts with `\b`, so a match can only start at a word
+    /// boundary.
     pub word_start: bool,
+    /// The bytes the first few bytes of a match can be, when the syntax
+    /// says (see `compile::prefix_bytes`).
+    pub prefix_bytes: Vec<[bool; 256]>,
+}
+
+impl Trigger {
+    /// Whether a match could start at byte `at`: the cheap checks that save
+    /// most attempts.
+    #[inline]
+    fn could_start(&self, hay: &str, at: usize) -> bool {
+        let bytes = hay.as_bytes();
+        at < bytes.len()
+            && hay.is_char_boundary(at)
+            && self
+                .prefix_bytes
+                .iter()
+                .enumerate()
+                .all(|(j, set)| bytes.get(at + j).is_some_and(|&b| set[usize::from(b)]))
+            && (!self.word_start || is_word_boundary(hay, at))
+    }
 }
 
 /// A compiled regex of one rule.
@@ -88,13 +108,41 @@ pub struct MatchLimits {
     pub raw: usize,
 }
 
+/// The automaton holds at most this many bytes of each literal. A longer
+/// keyword is checked in full where its first bytes occur. A small automaton
+/// stays in the processor's caches; that matters more than the few extra
+/// checks.
+const LITERAL_PREFIX: usize = 16;
+
 /// What one literal of the automaton stands for.
 #[derive(Debug, Default)]
 struct Target {
-    /// Rules with this keyword.
-    keyword_rules: Vec<usize>,
+    /// Keywords starting with this literal, with their rules.
+    keywords: Vec<(Box<[u8]>, usize)>,
     /// Regexes (indexes into `ViewMatcher::regexes`) with this trigger.
     regexes: Vec<usize>,
+}
+
+/// The literals of the automaton, each with its [`Target`].
+#[derive(Default)]
+struct LiteralTable {
+    index: HashMap<Vec<u8>, usize>,
+    literals: Vec<Vec<u8>>,
+    targets: Vec<Target>,
+}
+
+impl LiteralTable {
+    /// The target of the first [`LITERAL_PREFIX`] bytes of `literal`.
+    fn entry(&mut self, literal: &[u8]) -> &mut Target {
+        let literal = &literal[..literal.len().min(LITERAL_PREFIX)];
+        let next = self.targets.len();
+        let t = *self.index.entry(literal.to_vec()).or_insert(next);
+        if t == next {
+            self.literals.push(literal.to_vec());
+            self.targets.push(Target::default());
+        }
+        &mut self.targets[t]
+    }
 }
 
 /// Every pattern of one scope that runs on one view of the text.
@@ -116,44 +164,31 @@ struct Candidate {
 
 impl ViewMatcher {
     fn build(keywords: &[(String, usize)], regexes: Vec<PatternSpec>) -> Result<Self, String> {
-        let mut index: HashMap<Vec<u8>, usize> = HashMap::new();
-        let mut literals: Vec<Vec<u8>> = Vec::new();
-        let mut targets: Vec<Target> = Vec::new();
-        let mut target = |literal: &[u8]| {
-            *index.entry(literal.to_vec()).or_insert_with(|| {
-                literals.push(literal.to_vec());
-                targets.push(Target::default());
-                targets.len() - 1
-            })
-        };
-        let mut slots: Vec<(usize, Option<usize>, Option<usize>)> = Vec::new();
+        let mut table = LiteralTable::default();
         for (keyword, rule) in keywords {
-            slots.push((target(keyword.as_bytes()), Some(*rule), None));
+            let entry = table.entry(keyword.as_bytes());
+            let keyword: Box<[u8]> = keyword.as_bytes().into();
+            if !entry.keywords.contains(&(keyword.clone(), *rule)) {
+                entry.keywords.push((keyword, *rule));
+            }
         }
         let mut untriggered = Vec::new();
         for (i, spec) in regexes.iter().enumerate() {
             match &spec.trigger {
                 Some(trigger) => {
                     for literal in &trigger.literals {
-                        slots.push((target(literal), None, Some(i)));
+                        let entry = table.entry(literal);
+                        if !entry.regexes.contains(&i) {
+                            entry.regexes.push(i);
+                        }
                     }
                 }
                 None => untriggered.push(i),
             }
         }
-        for (t, rule, regex) in slots {
-            let entry = &mut targets[t];
-            if let Some(rule) = rule
-                && !entry.keyword_rules.contains(&rule)
-            {
-                entry.keyword_rules.push(rule);
-            }
-            if let Some(regex) = regex
-                && !entry.regexes.contains(&regex)
-            {
-                entry.regexes.push(regex);
-            }
-        }
+        let LiteralTable {
+            literals, targets, ..
+        } = table;
         let automaton = if literals.is_empty() {
             None
         } else {
@@ -194,27 +229,32 @@ impl ViewMatcher {
     }
 
     fn find(&self, hay: &str, view: View, found: &mut Vec<Candidate>) {
-        // Trigger occurrences, as (regex, position of the literal).
-        let mut triggered: Vec<(usize, usize)> = Vec::new();
+        // Per regex: where its last trigger was, and the first start not yet
+        // tried (or inside a match already found), as `find_iter` would skip
+        // it. Allocated on the first trigger only.
+        let mut cursors: Vec<(usize, usize)> = Vec::new();
         if let Some(ac) = &self.literals {
             for m in ac.find_overlapping_iter(hay) {
                 let target = &self.targets[m.pattern().as_usize()];
-                if !target.keyword_rules.is_empty() && at_word_boundaries(hay, m.range()) {
-                    for &rule in &target.keyword_rules {
+                for (keyword, rule) in &target.keywords {
+                    let span = m.start()..m.start() + keyword.len();
+                    if hay.as_bytes()[m.start()..].starts_with(keyword)
+                        && at_word_boundaries(hay, span.clone())
+                    {
                         found.push(Candidate {
-                            rule,
-                            span: m.range(),
+                            rule: *rule,
+                            span,
                             view,
                         });
                     }
                 }
-                triggered.extend(target.regexes.iter().map(|&r| (r, m.start())));
+                for &r in &target.regexes {
+                    if cursors.is_empty() {
+                        cursors = vec![(usize::MAX, 0); self.regexes.len()];
+                    }
+                    self.try_regex(hay, view, r, m.start(), &mut cursors[r], found);
+                }
             }
-        }
-        if !triggered.is_empty() {
-            triggered.sort_unstable();
-            triggered.dedup();
-            self.run_triggered(hay, view, &triggered, found);
         }
         if let Some((set, indexes)) = &self.untriggered {
             for i in set.matches(hay).iter() {
@@ -230,75 +270,50 @@ impl ViewMatcher {
         }
     }
 
-    /// Runs each triggered regex around its trigger occurrences (sorted by
-    /// regex, then position).
-    fn run_triggered(
+    /// Tries regex `r` for a trigger literal at byte `at`: an anchored
+    /// attempt at each place a match could start, `lead` bytes or fewer
+    /// before the literal. Failed attempts cost some 20 ns each, and the
+    /// cheap checks of [`Trigger::could_start`] rule out most places first.
+    fn try_regex(
         &self,
         hay: &str,
         view: View,
-        triggered: &[(usize, usize)],
+        r: usize,
+        at: usize,
+        (last_at, next_start): &mut (usize, usize),
         found: &mut Vec<Candidate>,
     ) {
-        let mut i = 0;
-        while i < triggered.len() {
-            let r = triggered[i].0;
-            let spec = &self.regexes[r];
-            let Some(trigger) = &spec.trigger else {
-                i += 1;
+        let spec = &self.regexes[r];
+        let Some(trigger) = &spec.trigger else {
+            return;
+        };
+        if *last_at == at {
+            return;
+        }
+        // Literals of different lengths end in order, so a trigger can start
+        // before the previous one; then nothing before it was tried.
+        let first = if *last_at != usize::MAX && at < *last_at {
+            at.saturating_sub(trigger.lead)
+        } else {
+            at.saturating_sub(trigger.lead).max(*next_start)
+        };
+        *last_at = at;
+        for start in first..=at {
+            if !trigger.could_start(hay, start) {
                 continue;
-            };
-            // Matches already found by this regex end here; a later window
-            // starts its search no earlier, as `find_iter` would.
-            let mut searched = 0;
-            while i < triggered.len() && triggered[i].0 == r {
-                let at = triggered[i].1;
-                i += 1;
-                if trigger.lead == 0 {
-                    if at < searched || trigger.word_start && !is_word_boundary(hay, at) {
-                        continue;
-                    }
-                    let input = Input::new(hay).range(at..).anchored(Anchored::Yes);
-                    if let Some(m) = spec.regex.search(&input) {
-                        searched = m.end().max(at + 1);
-                        found.push(Candidate {
-                            rule: spec.rule,
-                            span: m.range(),
-                            view,
-                        });
-                    }
-                    continue;
-                }
-                // The match starts in [at - lead, at]; merge the windows of
-                // occurrences that follow closely.
-                let mut last = at;
-                while i < triggered.len()
-                    && triggered[i].0 == r
-                    && triggered[i].1 <= last + trigger.lead
-                {
-                    last = triggered[i].1;
-                    i += 1;
-                }
-                let start = floor_char_boundary(hay, at.saturating_sub(trigger.lead)).max(searched);
-                let end = match spec.max_len {
-                    Some(len) => ceil_char_boundary(hay, (last + len).min(hay.len())),
-                    None => hay.len(),
-                };
-                if start > last || start >= end {
-                    continue;
-                }
-                for m in spec.regex.find_iter(Input::new(hay).range(start..end)) {
-                    if m.start() > last {
-                        break;
-                    }
-                    searched = m.end();
-                    found.push(Candidate {
-                        rule: spec.rule,
-                        span: m.range(),
-                        view,
-                    });
-                }
+            }
+            let input = Input::new(hay).range(start..).anchored(Anchored::Yes);
+            if let Some(m) = spec.regex.search(&input) {
+                found.push(Candidate {
+                    rule: spec.rule,
+                    span: m.range(),
+                    view,
+                });
+                *next_start = (*next_start).max(m.end()).max(start + 1);
+                return;
             }
         }
+        *next_start = (*next_start).max(at + 1);
     }
 }
 
@@ -420,20 +435,6 @@ fn at_word_boundaries(text: &str, span: Range<usize>) -> bool {
     let glued_before = word(first) && word(head.chars().next_back());
     let glued_after = word(last) && word(tail.chars().next());
     !glued_before && !glued_after
-}
-
-fn floor_char_boundary(text: &str, mut at: usize) -> usize {
-    while !text.is_char_boundary(at) {
-        at -= 1;
-    }
-    at
-}
-
-fn ceil_char_boundary(text: &str, mut at: usize) -> usize {
-    while !text.is_char_boundary(at) {
-        at += 1;
-    }
-    at
 }
 
 /// The up to `words` words before byte `at`, not reaching back past the start
