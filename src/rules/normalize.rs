@@ -484,73 +484,130 @@ static SKIM: [u8; 256 * 256] = {
 /// Each step of the automaton waits on the previous one, so the text is
 /// walked as two halves at once, which keeps the processor busy.
 fn find_changes(bytes: &[u8]) -> Vec<(usize, usize)> {
-    let mut first = Skimmer::new(0, bytes.len(), START);
+    let mut changes = Vec::new();
     let Some(middle) = clean_split(bytes, bytes.len() / 2) else {
-        while first.step(bytes) {}
-        return first.changes;
+        Walk::new(0, START).run(bytes, bytes.len(), &mut changes);
+        return changes;
     };
-    first.end = middle;
-    let mut second = Skimmer::new(middle, bytes.len(), AFTER_SPACE);
-    while first.step(bytes) & second.step(bytes) {}
-    while first.step(bytes) {}
-    while second.step(bytes) {}
-    first.changes.append(&mut second.changes);
-    first.changes
+    let mut first = Walk::new(0, START);
+    let mut second = Walk::new(middle, AFTER_SPACE);
+    let mut second_changes = Vec::new();
+    loop {
+        let n = (middle - first.at).min(bytes.len() - second.at);
+        let (a, b, k) = lockstep(
+            &bytes[first.at..first.at + n],
+            &bytes[second.at..second.at + n],
+            first.state,
+            second.state,
+        );
+        (first.state, second.state) = (a, b);
+        first.at += k;
+        second.at += k;
+        if k == n {
+            break;
+        }
+        // One of them found a change: take one byte each, the slow way.
+        first.step(bytes, middle, &mut changes);
+        second.step(bytes, bytes.len(), &mut second_changes);
+    }
+    first.run(bytes, middle, &mut changes);
+    second.run(bytes, bytes.len(), &mut second_changes);
+    changes.append(&mut second_changes);
+    changes
 }
 
-/// One walk of the automaton over `bytes[at..end]`.
-struct Skimmer {
+/// The automaton over two slices at once, until either finds a change or
+/// they end: the states reached and how many bytes were taken.
+#[inline]
+fn lockstep(x: &[u8], y: &[u8], mut a: u8, mut b: u8) -> (u8, u8, usize) {
+    for (k, (&p, &q)) in x.iter().zip(y).enumerate() {
+        let (next_a, next_b) = (
+            SKIM[(a as usize) << 8 | p as usize],
+            SKIM[(b as usize) << 8 | q as usize],
+        );
+        if next_a == CHANGE || next_b == CHANGE {
+            return (a, b, k);
+        }
+        (a, b) = (next_a, next_b);
+    }
+    (a, b, x.len())
+}
+
+/// One walk of the automaton.
+struct Walk {
     at: usize,
-    end: usize,
     state: u8,
     /// Where the current clean stretch began; episodes reach back no further.
     clean_from: usize,
-    changes: Vec<(usize, usize)>,
 }
 
-impl Skimmer {
-    fn new(at: usize, end: usize, state: u8) -> Self {
-        Skimmer {
+impl Walk {
+    fn new(at: usize, state: u8) -> Self {
+        Walk {
             at,
-            end,
             state,
             clean_from: at,
-            changes: Vec::new(),
         }
     }
 
-    /// Takes one byte; `false` once the end is reached.
-    #[inline]
-    fn step(&mut self, bytes: &[u8]) -> bool {
-        if self.at >= self.end {
-            return false;
+    /// Walks to `end`, recording changes.
+    fn run(&mut self, bytes: &[u8], end: usize, changes: &mut Vec<(usize, usize)>) {
+        loop {
+            let mut state = self.state;
+            let mut taken = 0;
+            for &b in &bytes[self.at.min(end)..end] {
+                let next = SKIM[(state as usize) << 8 | b as usize];
+                if next == CHANGE {
+                    break;
+                }
+                state = next;
+                taken += 1;
+            }
+            self.state = state;
+            self.at += taken;
+            if self.at >= end {
+                self.finish(bytes, end, changes);
+                return;
+            }
+            self.change(bytes, end, changes);
         }
-        self.state = SKIM[(self.state as usize) << 8 | bytes[self.at] as usize];
-        if self.state == CHANGE {
-            self.change(bytes);
+    }
+
+    /// Takes one byte, if any is left before `end`.
+    fn step(&mut self, bytes: &[u8], end: usize, changes: &mut Vec<(usize, usize)>) {
+        if self.at >= end {
+            return;
+        }
+        let next = SKIM[(self.state as usize) << 8 | bytes[self.at] as usize];
+        if next == CHANGE {
+            self.change(bytes, end, changes);
         } else {
+            self.state = next;
             self.at += 1;
-            if self.at == self.end
-                && self.end == bytes.len()
-                && (self.state == R1_LETTER || self.state == R1_DIGIT)
-            {
-                // A run of two single characters open at the very end.
-                self.changes
-                    .push((episode_start(bytes, self.clean_from, self.at), self.end));
+            if self.at == end {
+                self.finish(bytes, end, changes);
             }
         }
-        true
     }
 
-    /// Records a change and restarts at the next clean point.
+    /// At `end`: a run of two single characters open at the very end of the
+    /// text is a change.
+    fn finish(&mut self, bytes: &[u8], end: usize, changes: &mut Vec<(usize, usize)>) {
+        if end == bytes.len() && (self.state == R1_LETTER || self.state == R1_DIGIT) {
+            changes.push((episode_start(bytes, self.clean_from, end), end));
+            self.state = AFTER_SPACE;
+        }
+    }
+
+    /// Records the change at `at` and restarts at the next clean point.
     #[cold]
-    fn change(&mut self, bytes: &[u8]) {
+    fn change(&mut self, bytes: &[u8], end: usize, changes: &mut Vec<(usize, usize)>) {
         let episode = episode_start(bytes, self.clean_from, self.at);
         let resume = clean_split(bytes, self.at + 1)
-            .filter(|&p| p < self.end)
+            .filter(|&p| p < end)
             .unwrap_or(bytes.len());
-        self.changes.push((episode, resume));
-        self.at = resume.min(self.end);
+        changes.push((episode, resume));
+        self.at = resume.min(end);
         self.clean_from = self.at;
         self.state = AFTER_SPACE;
     }
