@@ -1,0 +1,240 @@
+//! The `fairgate` binary: `rules check`, `rules test` and `scan`, run as a
+//! user runs them.
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+fn fairgate(args: &[&str], stdin: &[u8]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fairgate"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("fairgate runs");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(stdin)
+        .expect("write stdin");
+    child.wait_with_output().expect("fairgate finishes")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn write_pack(dir: &Path, name: &str, yaml: &str) {
+    std::fs::write(dir.join(name), yaml).expect("write pack");
+}
+
+const PACK: &str = "pack: t
+description: test
+rules:
+  - id: t.rich
+    category: financial_safety
+    scopes: [response]
+    keywords: [get rich quick]
+    weight: 0.9
+    action: block
+    message: no
+    examples:
+      block: [you will get rich quick]
+      allow: [get rich slowly]
+";
+
+#[test]
+fn rules_check_lists_the_shipped_packs() {
+    let out = fairgate(&["rules", "check", "rules"], b"");
+    assert!(out.status.success(), "{}", stdout(&out));
+    let text = stdout(&out);
+    for pack in [
+        "financial_safety",
+        "prompt_injection",
+        "jailbreak",
+        "secrets",
+        "pii",
+        "harm",
+        "shame_language",
+    ] {
+        assert!(text.contains(pack), "{pack} missing:\n{text}");
+    }
+    assert!(text.contains("ok: "), "{text}");
+}
+
+#[test]
+fn rules_check_reports_every_error_and_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let broken = PACK
+        .replace("weight: 0.9", "weight: 9")
+        .replace("action: block", "action: stop");
+    write_pack(dir.path(), "broken.yaml", &broken);
+    let out = fairgate(&["rules", "check", dir.path().to_str().unwrap()], b"");
+    assert_eq!(out.status.code(), Some(1));
+    let text = stdout(&out);
+    assert!(
+        text.contains("broken.yaml:8: rule t.rich: weight 9 is out of range"),
+        "{text}"
+    );
+    assert!(
+        text.contains("broken.yaml:9: rule t.rich: unknown action `stop`"),
+        "{text}"
+    );
+    assert!(text.contains("error: 2 problem(s)"), "{text}");
+}
+
+#[test]
+fn rules_test_passes_on_the_shipped_packs() {
+    let out = fairgate(&["rules", "test", "rules"], b"");
+    assert!(out.status.success(), "{}", stdout(&out));
+    assert!(stdout(&out).contains(" 0 failed"), "{}", stdout(&out));
+}
+
+#[test]
+fn rules_test_prints_each_failing_example() {
+    let dir = tempfile::tempdir().unwrap();
+    write_pack(
+        dir.path(),
+        "t.yaml",
+        &PACK.replace("allow: [get rich slowly]", "allow: [get rich quick now]"),
+    );
+    let out = fairgate(&["rules", "test", dir.path().to_str().unwrap()], b"");
+    assert_eq!(out.status.code(), Some(1));
+    let text = stdout(&out);
+    assert!(
+        text.contains("FAIL t.rich (response): allow example matched: \"get rich quick now\""),
+        "{text}"
+    );
+    assert!(text.contains("1 passed, 1 failed"), "{text}");
+}
+
+#[test]
+fn scan_json_reports_hits_with_byte_offsets_into_the_original() {
+    let input = "Honestly? Ｉｎｖｅｓｔ everything in one stock.";
+    let out = fairgate(&["scan", "--scope", "response", "--json"], input.as_bytes());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["verdict"], "block");
+    assert!(
+        (v["risk"]["response"].as_f64().unwrap() - 0.9).abs() < 1e-9,
+        "{v}"
+    );
+    assert!(
+        (v["risk"]["total"].as_f64().unwrap() - 0.3).abs() < 1e-9,
+        "{v}"
+    );
+    assert_eq!(v["risk"]["prompt"], 0.0);
+    let hit = &v["hits"][0];
+    assert_eq!(hit["rule"], "fin.invest_everything");
+    assert_eq!(hit["category"], "financial_safety");
+    assert_eq!(hit["scope"], "response");
+    assert_eq!(hit["action"], "block");
+    let (start, end) = (
+        hit["start"].as_u64().unwrap() as usize,
+        hit["end"].as_u64().unwrap() as usize,
+    );
+    assert_eq!(&input[start..end], "Ｉｎｖｅｓｔ everything in");
+    assert_eq!(hit["snippet"], "Ｉｎｖｅｓｔ everything in");
+}
+
+#[test]
+fn scan_table_reads_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("reply.txt");
+    std::fs::write(&file, "Pay with 4111 1111 1111 1111 today.").unwrap();
+    let out = fairgate(&["scan", "--scope", "prompt", file.to_str().unwrap()], b"");
+    assert!(out.status.success());
+    let text = stdout(&out);
+    assert!(text.starts_with("verdict: redact\n"), "{text}");
+    assert!(text.contains("pii.card_number"), "{text}");
+    assert!(text.contains("9..28"), "{text}");
+}
+
+#[test]
+fn scan_context_with_a_question_scores_relevance() {
+    let out = fairgate(
+        &[
+            "scan",
+            "--scope",
+            "context",
+            "--question",
+            "how much should I save for retirement",
+            "--json",
+        ],
+        b"The weather in Lisbon is mild all year.",
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["context_relevance"], 0.0);
+    assert!(
+        (v["risk"]["context"].as_f64().unwrap() - 0.5).abs() < 1e-9,
+        "{v}"
+    );
+    assert_eq!(v["verdict"], "allow");
+}
+
+#[test]
+fn scan_rejects_input_that_is_not_text() {
+    let out = fairgate(&["scan", "--scope", "prompt"], &[b'h', b'i', 0xff, 0xfe]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("input is not UTF-8 text (invalid byte at offset 2)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn scan_with_a_missing_rules_directory_says_so() {
+    let out = fairgate(
+        &["scan", "--scope", "prompt", "--rules", "/nonexistent"],
+        b"hi",
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("/nonexistent: cannot read rules directory"),
+        "{err}"
+    );
+}
+
+#[test]
+fn config_file_changes_the_risk_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fairgate.yaml");
+    std::fs::write(
+        &config,
+        "risk:\n  weights: {prompt: 0, response: 1, context: 0}\n  block_threshold: 0.99\n",
+    )
+    .unwrap();
+    let out = fairgate(
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "scan",
+            "--scope",
+            "response",
+            "--json",
+        ],
+        b"That was a pathetic budget.",
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["verdict"], "flag");
+    assert!(
+        (v["risk"]["total"].as_f64().unwrap() - 0.2).abs() < 1e-9,
+        "{v}"
+    );
+
+    std::fs::write(&config, "risk:\n  block_treshold: 0.5\n").unwrap();
+    let out = fairgate(
+        &["--config", config.to_str().unwrap(), "rules", "check"],
+        b"",
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown field `block_treshold`"));
+}
