@@ -1,6 +1,9 @@
 //! The `fairgate` binary: `rules check`, `rules test` and `scan`, run as a
 //! user runs them.
 
+// Test helpers fail the test the way a test fails: by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};

@@ -1,6 +1,9 @@
 //! Loading rule packs: every kind of mistake is reported, all at once, each
 //! with its file, line and rule id.
 
+// Test helpers fail the test the way a test fails: by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::Path;
 
 use fairgate::rules::{CompileOptions, LoadError, RuleSet};

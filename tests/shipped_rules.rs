@@ -2,6 +2,9 @@
 //! user relies on (warnings pass, disguises do not, spans point at the
 //! original text).
 
+// Test helpers fail the test the way a test fails: by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::Path;
 use std::sync::LazyLock;
 
