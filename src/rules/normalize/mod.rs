@@ -18,11 +18,10 @@
 //!    but only in a word that has more letters than digits (or one of each)
 //!    and is not a number with a short unit, so `$100`, `2024`, `10x`, `$1k`,
 //!    `3rd`, `401k` and the `GB82` of an IBAN stay as they are; `@` stays, so
-//!    e-mail addresses keep their shape; runs of two
-//!    or more single letters separated by exactly one space or punctuation
-//!    mark (`g u a r a n t e e d`, `g.u.a.r.a.n.t.e.e.d`) are joined into one
-//!    word. Two spaces end such a run, so `g u a r a n t e e d  r e t u r n s`
-//!    becomes `guaranteed returns`.
+//!    e-mail addresses keep their shape; runs of two or more single letters
+//!    separated by exactly one space or punctuation mark (`g u a r a n t e e d`,
+//!    `g.u.a.r.a.n.t.e.e.d`) are joined into one word. Two spaces end such a
+//!    run, so `g u a r a n t e e d  r e t u r n s` becomes `guaranteed returns`.
 //!
 //! Every byte of the view remembers where it came from, so a match in the view
 //! maps back to a byte span of the original text ([`Normalized::original_span`]).
