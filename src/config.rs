@@ -1,6 +1,8 @@
 //! fairgate's configuration file: raw serde structs with defaults for every
 //! setting, then a validation step that reports every problem at once.
 
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -9,12 +11,160 @@ use crate::risk::RiskConfig;
 use crate::rules::CompileOptions;
 
 /// The whole configuration. Every field has a default, so an empty file (or
-/// none) is a valid configuration.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+/// none) is a valid configuration: the proxy on 127.0.0.1:8080 in front of the
+/// public OpenAI and Anthropic APIs, with the rules in `./rules`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
+    /// Where the proxy listens.
+    pub listen: SocketAddr,
+    pub admin: AdminConfig,
+    /// Upstream APIs by name.
+    pub upstreams: BTreeMap<String, UpstreamConfig>,
+    /// Which upstream serves a request, first match wins.
+    pub routes: Vec<RouteConfig>,
+    pub guard: GuardConfig,
     pub rules: RulesConfig,
     pub risk: RiskConfig,
+    /// How long in-flight exchanges may take to finish on shutdown.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            admin: AdminConfig::default(),
+            upstreams: BTreeMap::from([
+                ("openai".to_owned(), UpstreamConfig::new("https://api.openai.com")),
+                ("anthropic".to_owned(), UpstreamConfig::new("https://api.anthropic.com")),
+            ]),
+            routes: vec![
+                RouteConfig {
+                    path_prefix: "/v1/messages".into(),
+                    model_prefix: None,
+                    upstream: "anthropic".into(),
+                    stream_mode: None,
+                },
+                RouteConfig {
+                    path_prefix: "/".into(),
+                    model_prefix: None,
+                    upstream: "openai".into(),
+                    stream_mode: None,
+                },
+            ],
+            guard: GuardConfig::default(),
+            rules: RulesConfig::default(),
+            risk: RiskConfig::default(),
+            shutdown_grace_ms: 30_000,
+        }
+    }
+}
+
+/// The admin listener: metrics, health, rules, reload.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    pub listen: SocketAddr,
+    /// The environment variable holding the bearer token that admin requests
+    /// must carry. Required when `listen` is not a loopback address.
+    pub token_env: Option<String>,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9090)),
+            token_env: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// Base URL, such as `https://api.openai.com`.
+    pub url: String,
+    /// The environment variable holding this upstream's API key. Without one
+    /// the client's own `Authorization` / `x-api-key` is forwarded.
+    pub api_key_env: Option<String>,
+    pub connect_timeout_ms: u64,
+    /// The whole exchange, streams included.
+    pub timeout_ms: u64,
+}
+
+impl UpstreamConfig {
+    pub fn new(url: &str) -> Self {
+        UpstreamConfig {
+            url: url.to_owned(),
+            ..UpstreamConfig::default()
+        }
+    }
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        UpstreamConfig {
+            url: String::new(),
+            api_key_env: None,
+            connect_timeout_ms: 5_000,
+            timeout_ms: 600_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub path_prefix: String,
+    /// Only requests whose `model` starts with this.
+    #[serde(default)]
+    pub model_prefix: Option<String>,
+    pub upstream: String,
+    /// Overrides `guard.stream_mode` for this route.
+    #[serde(default)]
+    pub stream_mode: Option<StreamMode>,
+}
+
+/// How a streamed response is guarded (see `guard::stream`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StreamMode {
+    Holdback,
+    Buffer,
+    Monitor,
+}
+
+/// What a blocked response looks like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnBlock {
+    /// 200 with `finish_reason: content_filter` / `stop_reason: refusal`.
+    Refusal,
+    /// The 400 error of a blocked prompt.
+    Error,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GuardConfig {
+    pub stream_mode: StreamMode,
+    pub on_block: OnBlock,
+    /// Larger request bodies get 413.
+    pub max_body_bytes: usize,
+    /// Largest non-streaming response body the guard reads.
+    pub max_response_bytes: usize,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        GuardConfig {
+            stream_mode: StreamMode::Holdback,
+            on_block: OnBlock::Refusal,
+            max_body_bytes: 10 << 20,
+            max_response_bytes: 50 << 20,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -25,6 +175,10 @@ pub struct RulesConfig {
     /// The length assumed for regexes with unbounded matches, in bytes (see
     /// [`crate::rules::RuleSet::match_limits`]).
     pub unbounded_match_cap: usize,
+    /// Reload when a rule file changes.
+    pub watch: bool,
+    /// Changes closer together than this reload once.
+    pub debounce_ms: u64,
 }
 
 impl Default for RulesConfig {
@@ -32,6 +186,8 @@ impl Default for RulesConfig {
         RulesConfig {
             dir: PathBuf::from("rules"),
             unbounded_match_cap: CompileOptions::default().unbounded_match_cap,
+            watch: true,
+            debounce_ms: 200,
         }
     }
 }
@@ -99,7 +255,39 @@ impl Config {
         if self.rules.unbounded_match_cap == 0 {
             problems.push("rules.unbounded_match_cap: must be at least 1".into());
         }
+        for (name, upstream) in &self.upstreams {
+            if !(upstream.url.starts_with("http://") || upstream.url.starts_with("https://")) {
+                problems.push(format!("upstreams.{name}.url: {:?} is not an http(s) URL", upstream.url));
+            }
+        }
+        for (i, route) in self.routes.iter().enumerate() {
+            if !self.upstreams.contains_key(&route.upstream) {
+                problems.push(format!("routes[{i}].upstream: no upstream named {:?}", route.upstream));
+            }
+            if !route.path_prefix.starts_with('/') {
+                problems.push(format!("routes[{i}].path_prefix: {:?} must start with /", route.path_prefix));
+            }
+        }
+        if !self.admin.listen.ip().is_loopback() && self.admin.token_env.is_none() {
+            problems.push(format!(
+                "admin.token_env: the admin listener {} is not on loopback, so it needs a bearer token",
+                self.admin.listen
+            ));
+        }
+        if self.guard.max_body_bytes == 0 {
+            problems.push("guard.max_body_bytes: must be at least 1".into());
+        }
         problems
+    }
+
+    /// The route for a request path and model.
+    pub fn route(&self, path: &str, model: Option<&str>) -> Option<&RouteConfig> {
+        self.routes.iter().find(|r| {
+            path.starts_with(&r.path_prefix)
+                && r.model_prefix
+                    .as_deref()
+                    .is_none_or(|prefix| model.is_some_and(|m| m.starts_with(prefix)))
+        })
     }
 }
 

@@ -16,8 +16,14 @@
 //! * [`commands`]: the `rules check`, `rules test` and `scan` commands, as
 //!   functions that write to any output (the binary only parses arguments).
 
+pub mod admin;
 pub mod commands;
 pub mod config;
+pub mod exchange;
+pub mod guard;
+pub mod proxy;
 pub mod risk;
 pub mod rules;
+pub mod telemetry;
 pub mod text;
+pub mod watch;

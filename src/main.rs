@@ -25,6 +25,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the proxy (and its admin listener) until SIGTERM or Ctrl-C.
+    Serve {
+        #[command(flatten)]
+        overrides: Overrides,
+    },
+    /// Validate a configuration file and print the effective configuration.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
     /// Check or test rule packs.
     Rules {
         #[command(subcommand)]
@@ -46,6 +56,54 @@ enum Command {
         json: bool,
         /// The text to scan; `-` or nothing reads standard input.
         file: Option<PathBuf>,
+    },
+}
+
+/// The essentials, settable without a configuration file.
+#[derive(clap::Args, Clone, Default)]
+struct Overrides {
+    /// Proxy listen address.
+    #[arg(long, env = "FAIRGATE_LISTEN")]
+    listen: Option<std::net::SocketAddr>,
+    /// Admin listen address (/metrics, /healthz, /admin/*).
+    #[arg(long, env = "FAIRGATE_ADMIN_LISTEN")]
+    admin_listen: Option<std::net::SocketAddr>,
+    /// Rule directory.
+    #[arg(long, env = "FAIRGATE_RULES")]
+    rules: Option<PathBuf>,
+    /// Base URL of the OpenAI-compatible upstream.
+    #[arg(long, env = "FAIRGATE_UPSTREAM_OPENAI")]
+    upstream_openai: Option<String>,
+    /// Base URL of the Anthropic upstream.
+    #[arg(long, env = "FAIRGATE_UPSTREAM_ANTHROPIC")]
+    upstream_anthropic: Option<String>,
+}
+
+impl Overrides {
+    fn apply(&self, config: &mut Config) {
+        if let Some(listen) = self.listen {
+            config.listen = listen;
+        }
+        if let Some(admin) = self.admin_listen {
+            config.admin.listen = admin;
+        }
+        if let Some(rules) = &self.rules {
+            config.rules.dir = rules.clone();
+        }
+        for (name, url) in [("openai", &self.upstream_openai), ("anthropic", &self.upstream_anthropic)] {
+            if let Some(url) = url {
+                config.upstreams.entry(name.to_owned()).or_default().url = url.clone();
+            }
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Load and validate the configuration; print it with every default.
+    Check {
+        #[command(flatten)]
+        overrides: Overrides,
     },
 }
 
@@ -80,6 +138,55 @@ impl From<ScopeArg> for Scope {
     }
 }
 
+/// Runs the proxy until SIGTERM or Ctrl-C, then drains.
+fn serve(config: Config) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,hyper=warn".into()),
+        )
+        .init();
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async move {
+        let state = std::sync::Arc::new(fairgate::proxy::State::new(config)?);
+        let listener = tokio::net::TcpListener::bind(state.config.listen).await?;
+        let admin = tokio::net::TcpListener::bind(state.config.admin.listen).await?;
+        let _watcher = if state.config.rules.watch {
+            Some(fairgate::watch::watch_rules(state.clone())?)
+        } else {
+            None
+        };
+        #[cfg(unix)]
+        fairgate::watch::reload_on_sighup(state.clone())?;
+        tracing::info!(
+            listen = %state.config.listen,
+            admin = %state.config.admin.listen,
+            rules = state.rules.snapshot().rules().len(),
+            "fairgate serving"
+        );
+        fairgate::proxy::run(state, listener, admin, shutdown_signal()).await
+    })
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+    tracing::info!("shutting down: finishing in-flight exchanges");
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
@@ -101,6 +208,28 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
     let mut out = stdout.lock();
     let dir = |d: &Option<PathBuf>| d.clone().unwrap_or_else(|| config.rules.dir.clone());
     let ok = match &cli.command {
+        Command::Serve { overrides } => {
+            let mut config = config.clone();
+            overrides.apply(&mut config);
+            let problems = config.problems();
+            if !problems.is_empty() {
+                anyhow::bail!("invalid configuration:\n  {}", problems.join("\n  "));
+            }
+            serve(config)?;
+            true
+        }
+        Command::Config {
+            command: ConfigCommand::Check { overrides },
+        } => {
+            let mut config = config.clone();
+            overrides.apply(&mut config);
+            let problems = config.problems();
+            if !problems.is_empty() {
+                anyhow::bail!("invalid configuration:\n  {}", problems.join("\n  "));
+            }
+            write!(out, "{}", serde_yaml_ng::to_string(&config)?)?;
+            true
+        }
         Command::Rules {
             command: RulesCommand::Check { dir: d },
         } => commands::rules_check(&config, &dir(d), &mut out)?,

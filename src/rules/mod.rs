@@ -10,6 +10,7 @@
 
 mod compile;
 pub mod examples;
+pub mod store;
 pub mod load;
 mod matcher;
 pub mod normalize;

@@ -1,0 +1,739 @@
+//! The guard of streamed (SSE) responses.
+//!
+//! # What each mode guarantees
+//!
+//! * **`holdback`** (default): the text of the response is released to the
+//!   client only once it lies further back than the longest match any
+//!   response rule can make (plus a margin, and never inside a word that
+//!   normalization may still join with what follows). A match always ends
+//!   in text not yet released, so **no text that a rule would block reaches
+//!   the client, however the upstream chunks it**. The text is re-framed:
+//!   the client gets well-formed deltas that need not line up with the
+//!   upstream's. On a block the stream ends as the SDKs expect: OpenAI, a
+//!   chunk with `finish_reason: "content_filter"` and `data: [DONE]`;
+//!   Anthropic, `content_block_stop`, a `message_delta` with
+//!   `stop_reason: "refusal"`, and `message_stop`. Redactions apply before
+//!   release. *Cost*: the client sees each piece of text about
+//!   `match_limits + 256` bytes later than the upstream sent it (a few
+//!   hundred bytes, some tens of tokens); time to first token grows by the
+//!   time the model takes to write that much. Each delta rescans a window of
+//!   that size, not the whole response.
+//! * **`buffer`**: nothing is sent until the upstream has finished and the
+//!   whole response is scanned; then the stream is replayed (redacted) or
+//!   replaced by the block ending. Guarantees the same, and also that the
+//!   client never sees a partial answer; *cost*: time to first token becomes
+//!   the whole generation time. The Responses API's streams always use it.
+//! * **`monitor`**: every event passes through untouched as it arrives;
+//!   hits are counted and recorded only. *Cost*: none; guarantees nothing.
+//!
+//! Events other than text (roles, tool calls, usage, pings) pass through in
+//! order. A malformed event ends the stream cleanly after what was already
+//! checked, and is counted.
+
+use std::fmt::Display;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::config::StreamMode;
+use crate::exchange::{Dialect, Endpoint};
+use crate::proxy::ProxyBody;
+use crate::risk::{self, Decision, RiskConfig, Verdict};
+use crate::rules::normalize::Normalized;
+use crate::rules::{Action, Hit, RuleSet, Scope};
+
+/// Text that stays held back beyond the longest match, in bytes.
+const MARGIN: usize = 256;
+
+/// Everything the guard of one stream needs.
+pub struct StreamSetup {
+    pub endpoint: Endpoint,
+    pub mode: StreamMode,
+    pub rules: Arc<RuleSet>,
+    pub risk: RiskConfig,
+    /// Hits of the request (prompt and context), for the total risk.
+    pub request_hits: Vec<Hit>,
+    pub relevance: Vec<f64>,
+    /// When the exchange started, for time to first byte.
+    pub started: Instant,
+}
+
+/// How a stream ended.
+pub struct StreamOutcome {
+    pub verdict: Verdict,
+    pub malformed: bool,
+    pub upstream_failed: bool,
+    pub first_byte: Option<Duration>,
+    /// The response text the upstream sent (before redaction).
+    pub response_text: String,
+}
+
+/// Guards `upstream` (the upstream's body) and returns the body for the
+/// client. `done` is called once the stream has ended.
+pub fn guard_body<S, E>(setup: StreamSetup, upstream: S, done: impl FnOnce(StreamOutcome) + Send + 'static) -> ProxyBody
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + Unpin + 'static,
+    E: Display,
+{
+    let (tx, rx) = mpsc::channel::<Bytes>(32);
+    tokio::spawn(async move {
+        let started = setup.started;
+        let mut guard = Guard::new(setup);
+        let mut parser = SseParser::default();
+        let mut upstream = upstream;
+        let mut first_byte = None;
+        let mut client_gone = false;
+        let send = async |frames: Vec<Bytes>, first_byte: &mut Option<Duration>| -> bool {
+            for frame in frames {
+                if first_byte.is_none() {
+                    *first_byte = Some(started.elapsed());
+                }
+                if tx.send(frame).await.is_err() {
+                    return false;
+                }
+            }
+            true
+        };
+        while !guard.finished {
+            let frames = match upstream.next().await {
+                Some(Ok(chunk)) => {
+                    let mut frames = Vec::new();
+                    for event in parser.push(&chunk) {
+                        frames.extend(guard.on_event(event));
+                        if guard.finished {
+                            break;
+                        }
+                    }
+                    frames
+                }
+                Some(Err(error)) => {
+                    tracing::warn!(%error, "upstream stream failed");
+                    guard.upstream_failed = true;
+                    guard.on_end()
+                }
+                None => guard.on_end(),
+            };
+            if !send(frames, &mut first_byte).await {
+                client_gone = true;
+                break;
+            }
+        }
+        if client_gone {
+            tracing::debug!("client went away during a stream");
+        }
+        done(guard.outcome(first_byte));
+    });
+    let frames = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|bytes| (Ok::<_, std::convert::Infallible>(Frame::data(bytes)), rx))
+    });
+    StreamBody::new(frames).map_err(|never| match never {}).boxed_unsync()
+}
+
+/// One server-sent event.
+#[derive(Debug, Clone)]
+pub struct SseEvent {
+    /// The event as received, with its blank line.
+    pub raw: Bytes,
+    pub event: Option<String>,
+    pub data: Option<String>,
+}
+
+/// Splits a byte stream into events at blank lines.
+#[derive(Default)]
+pub struct SseParser {
+    buf: Vec<u8>,
+}
+
+impl SseParser {
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<SseEvent> {
+        self.buf.extend_from_slice(chunk);
+        let mut events = Vec::new();
+        while let Some(end) = event_end(&self.buf) {
+            let raw: Vec<u8> = self.buf.drain(..end).collect();
+            if let Some(event) = parse_event(raw) {
+                events.push(event);
+            }
+        }
+        events
+    }
+}
+
+/// The end (after the blank line) of the first complete event in `buf`.
+fn event_end(buf: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while i + 1 < buf.len() {
+        if buf[i] == b'\n' && buf[i + 1] == b'\n' {
+            return Some(i + 2);
+        }
+        if buf[i] == b'\n' && buf[i + 1] == b'\r' && buf.get(i + 2) == Some(&b'\n') {
+            return Some(i + 3);
+        }
+        i += 1;
+    }
+    None
+}
+
+fn parse_event(raw: Vec<u8>) -> Option<SseEvent> {
+    let text = String::from_utf8_lossy(&raw);
+    let mut event = None;
+    let mut data: Option<String> = None;
+    for line in text.lines() {
+        let line = line.trim_end_matches('\r');
+        if let Some(value) = line.strip_prefix("event:") {
+            event = Some(value.trim_start().to_owned());
+        } else if let Some(value) = line.strip_prefix("data:") {
+            let value = value.strip_prefix(' ').unwrap_or(value);
+            match &mut data {
+                Some(d) => {
+                    d.push('\n');
+                    d.push_str(value);
+                }
+                None => data = Some(value.to_owned()),
+            }
+        }
+    }
+    if event.is_none() && data.is_none() && text.trim().is_empty() {
+        return None;
+    }
+    Some(SseEvent {
+        raw: Bytes::from(raw),
+        event,
+        data,
+    })
+}
+
+/// An event held back in buffer mode, with the range of `acc` its text
+/// occupies and its content block, when it carries text.
+type Held = (SseEvent, Option<(usize, usize, u64)>);
+
+/// What an event means to the guard.
+enum Kind {
+    /// Response text, with the content block it belongs to (Anthropic).
+    Text { text: String, block: u64 },
+    /// A text block ends (Anthropic `content_block_stop`).
+    BlockEnd,
+    /// A text block starts (Anthropic `content_block_start`).
+    BlockStart,
+    /// The response is complete: a finish reason, `message_delta`.
+    Final,
+    /// The very last event: `[DONE]`, `message_stop`.
+    Done,
+    Other,
+    Malformed,
+}
+
+/// The stream guard as a state machine: events in, frames out. No I/O, so
+/// the tests drive it directly.
+pub struct Guard {
+    setup: StreamSetup,
+    dialect: Dialect,
+    /// All response text so far; separators between content blocks are
+    /// included but never sent.
+    acc: String,
+    released: usize,
+    /// Response hits found so far, with offsets into `acc`.
+    hits: Vec<Hit>,
+    /// The first OpenAI chunk with text, the template for re-framed chunks.
+    template: Option<Value>,
+    /// The Anthropic content block the pending text belongs to.
+    block: u64,
+    block_open: bool,
+    /// Buffer mode: events kept for replay, with the text range of each.
+    held: Vec<Held>,
+    blocked: bool,
+    finished: bool,
+    malformed: bool,
+    upstream_failed: bool,
+}
+
+impl Guard {
+    pub fn new(setup: StreamSetup) -> Guard {
+        let dialect = setup.endpoint.dialect();
+        let mut setup = setup;
+        if setup.endpoint == Endpoint::Responses && setup.mode == StreamMode::Holdback {
+            // Re-framing Responses API events is not supported: buffering is
+            // the safe way to guard them.
+            setup.mode = StreamMode::Buffer;
+        }
+        Guard {
+            setup,
+            dialect,
+            acc: String::new(),
+            released: 0,
+            hits: Vec::new(),
+            template: None,
+            block: 0,
+            block_open: false,
+            held: Vec::new(),
+            blocked: false,
+            finished: false,
+            malformed: false,
+            upstream_failed: false,
+        }
+    }
+
+    /// Takes one upstream event; returns the frames to send.
+    pub fn on_event(&mut self, event: SseEvent) -> Vec<Bytes> {
+        if self.finished {
+            return Vec::new();
+        }
+        let kind = self.classify(&event);
+        match self.setup.mode {
+            StreamMode::Monitor => self.monitor(event, kind),
+            StreamMode::Buffer => self.buffer(event, kind),
+            StreamMode::Holdback => self.holdback(event, kind),
+        }
+    }
+
+    /// The upstream ended (or failed) without a final event.
+    pub fn on_end(&mut self) -> Vec<Bytes> {
+        if self.finished {
+            return Vec::new();
+        }
+        self.finished = true;
+        match self.setup.mode {
+            StreamMode::Monitor => {
+                self.scan_window(0);
+                Vec::new()
+            }
+            StreamMode::Buffer => self.replay_or_block(),
+            StreamMode::Holdback => self.check(true),
+        }
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    fn outcome(&self, first_byte: Option<Duration>) -> StreamOutcome {
+        let mut hits = self.setup.request_hits.clone();
+        hits.extend(self.hits.iter().cloned());
+        let mut verdict = risk::assess(&self.setup.risk, hits, &self.setup.relevance);
+        if self.blocked {
+            verdict.decision = Decision::Block;
+        }
+        StreamOutcome {
+            verdict,
+            malformed: self.malformed,
+            upstream_failed: self.upstream_failed,
+            first_byte,
+            response_text: self.acc.clone(),
+        }
+    }
+
+    fn classify(&mut self, event: &SseEvent) -> Kind {
+        let Some(data) = event.data.as_deref() else {
+            return Kind::Other;
+        };
+        if data.trim() == "[DONE]" {
+            return Kind::Done;
+        }
+        let Ok(json) = serde_json::from_str::<Value>(data) else {
+            return Kind::Malformed;
+        };
+        match self.dialect {
+            Dialect::OpenAi => self.classify_openai(json),
+            Dialect::Anthropic => classify_anthropic(&json),
+        }
+    }
+
+    fn classify_openai(&mut self, json: Value) -> Kind {
+        if self.setup.endpoint == Endpoint::Responses {
+            return match json.get("type").and_then(Value::as_str) {
+                Some("response.output_text.delta") => Kind::Text {
+                    text: json.get("delta").and_then(Value::as_str).unwrap_or_default().to_owned(),
+                    block: 0,
+                },
+                Some("response.completed" | "response.incomplete" | "response.failed") => Kind::Final,
+                _ => Kind::Other,
+            };
+        }
+        let choice = json.pointer("/choices/0");
+        let text = match self.setup.endpoint {
+            Endpoint::Completions => choice.and_then(|c| c.get("text")),
+            _ => choice.and_then(|c| c.pointer("/delta/content")),
+        }
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+        let finished = choice.and_then(|c| c.get("finish_reason")).is_some_and(|f| !f.is_null());
+        if !text.is_empty() {
+            if self.template.is_none() {
+                self.template = Some(json.clone());
+            }
+            // A chunk with both text and a finish reason: the text first;
+            // the finish follows as its own chunk when released.
+            return Kind::Text {
+                text: text.to_owned(),
+                block: 0,
+            };
+        }
+        if finished {
+            if self.template.is_none() {
+                self.template = Some(json);
+            }
+            return Kind::Final;
+        }
+        Kind::Other
+    }
+
+    fn monitor(&mut self, event: SseEvent, kind: Kind) -> Vec<Bytes> {
+        match kind {
+            Kind::Text { text, .. } => self.acc.push_str(&text),
+            Kind::Malformed => self.malformed = true,
+            Kind::Done => {
+                self.finished = true;
+                self.scan_window(0);
+            }
+            _ => {}
+        }
+        vec![event.raw]
+    }
+
+    fn buffer(&mut self, event: SseEvent, kind: Kind) -> Vec<Bytes> {
+        match kind {
+            Kind::Text { text, block } => {
+                let start = self.acc.len();
+                self.acc.push_str(&text);
+                self.held.push((event, Some((start, self.acc.len(), block))));
+                Vec::new()
+            }
+            Kind::BlockStart => {
+                self.separate_block();
+                self.held.push((event, None));
+                Vec::new()
+            }
+            Kind::Malformed => {
+                self.malformed = true;
+                self.finished = true;
+                self.replay_or_block()
+            }
+            Kind::Done => {
+                self.held.push((event, None));
+                self.finished = true;
+                self.replay_or_block()
+            }
+            _ => {
+                self.held.push((event, None));
+                Vec::new()
+            }
+        }
+    }
+
+    fn holdback(&mut self, event: SseEvent, kind: Kind) -> Vec<Bytes> {
+        match kind {
+            Kind::Text { text, block } => {
+                if self.dialect == Dialect::Anthropic {
+                    self.block = block;
+                    self.block_open = true;
+                }
+                self.acc.push_str(&text);
+                self.check(false)
+            }
+            Kind::BlockStart => {
+                self.separate_block();
+                vec![event.raw]
+            }
+            Kind::BlockEnd | Kind::Final | Kind::Done => {
+                let mut frames = self.check(true);
+                if self.blocked {
+                    return frames;
+                }
+                if matches!(kind, Kind::BlockEnd) {
+                    self.block_open = false;
+                }
+                if matches!(kind, Kind::Done) {
+                    self.finished = true;
+                }
+                frames.push(event.raw);
+                frames
+            }
+            Kind::Malformed => {
+                self.malformed = true;
+                let frames = self.check(true);
+                self.finished = true;
+                frames
+            }
+            Kind::Other => vec![event.raw],
+        }
+    }
+
+    /// Anthropic content blocks are scanned as one text with a line break
+    /// between them. The break is never sent: a block is released in full at
+    /// its end, before the next one starts.
+    fn separate_block(&mut self) {
+        if !self.acc.is_empty() {
+            self.acc.push('\n');
+            if self.released == self.acc.len() - 1 {
+                self.released = self.acc.len();
+            }
+        }
+    }
+
+    /// Scans the unreleased text (and enough before it); blocks, or
+    /// releases what is safe (everything, when `final_check`).
+    fn check(&mut self, final_check: bool) -> Vec<Bytes> {
+        let window_start = self.window_start();
+        self.scan_window(window_start);
+        if self.should_block() {
+            return self.block();
+        }
+        let safe = if final_check {
+            self.acc.len()
+        } else {
+            self.safe_end(window_start)
+        };
+        self.release(safe)
+    }
+
+    /// Where the scan window starts: far enough before the released point
+    /// that any match ending in unreleased text lies inside it.
+    fn window_start(&self) -> usize {
+        let hold = self.hold();
+        let back = self.released.saturating_sub(hold);
+        if back == 0 {
+            return 0;
+        }
+        clean_point_at_or_before(&self.acc, back).unwrap_or(0)
+    }
+
+    fn hold(&self) -> usize {
+        let limits = self.setup.rules.match_limits(Scope::Response);
+        limits.normalized.max(limits.raw) + MARGIN
+    }
+
+    fn scan_window(&mut self, window_start: usize) {
+        let found = self.setup.rules.scan(Scope::Response, &self.acc[window_start..]);
+        for mut hit in found {
+            hit.start += window_start;
+            hit.end += window_start;
+            if !self.hits.iter().any(|h| h.rule == hit.rule && h.start == hit.start) {
+                self.hits.push(hit);
+            }
+        }
+    }
+
+    fn should_block(&self) -> bool {
+        if self.hits.iter().any(|h| h.action == Action::Block) {
+            return true;
+        }
+        let mut all = self.setup.request_hits.clone();
+        all.extend(self.hits.iter().cloned());
+        risk::assess(&self.setup.risk, all, &self.setup.relevance).decision == Decision::Block
+    }
+
+    /// The end of the text that can be released now.
+    fn safe_end(&self, window_start: usize) -> usize {
+        let window = &self.acc[window_start..];
+        let normalized = Normalized::new(window);
+        let hold = self.hold();
+        if normalized.text.len() <= hold {
+            return self.released;
+        }
+        let mut cut = normalized.text.len() - hold;
+        while !normalized.text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let at = window_start + normalized.original_span(cut..cut).start;
+        let Some(mut safe) = clean_point_at_or_before(&self.acc, at).filter(|&p| p > self.released) else {
+            return self.released;
+        };
+        // Never split a redaction.
+        for hit in &self.hits {
+            if hit.action == Action::Redact && hit.start < safe && safe < hit.end {
+                safe = hit.start;
+            }
+        }
+        safe.max(self.released)
+    }
+
+    /// Sends `acc[released..safe]`, redacted, as re-framed text.
+    fn release(&mut self, safe: usize) -> Vec<Bytes> {
+        if safe <= self.released {
+            return Vec::new();
+        }
+        let text = self.redacted(self.released, safe);
+        self.released = safe;
+        if text.is_empty() {
+            return Vec::new();
+        }
+        vec![self.text_frame(&text, self.block)]
+    }
+
+    /// `acc[from..to]` with the redact hits inside it replaced.
+    fn redacted(&self, from: usize, to: usize) -> String {
+        let mut out = String::new();
+        let mut at = from;
+        let mut spans: Vec<&Hit> = self
+            .hits
+            .iter()
+            .filter(|h| h.action == Action::Redact && h.start >= from && h.end <= to)
+            .collect();
+        spans.sort_by_key(|h| h.start);
+        for hit in spans {
+            if hit.start < at {
+                continue;
+            }
+            out.push_str(&self.acc[at..hit.start]);
+            out.push_str(&hit.placeholder);
+            at = hit.end;
+        }
+        out.push_str(&self.acc[at..to]);
+        out
+    }
+
+    fn text_frame(&self, text: &str, block: u64) -> Bytes {
+        match self.dialect {
+            Dialect::Anthropic => sse(
+                Some("content_block_delta"),
+                &json!({"type": "content_block_delta", "index": block, "delta": {"type": "text_delta", "text": text}}),
+            ),
+            Dialect::OpenAi => {
+                let mut chunk = self.template.clone().unwrap_or_else(|| json!({"choices": [{"index": 0}]}));
+                if let Some(choice) = chunk.pointer_mut("/choices/0") {
+                    if self.setup.endpoint == Endpoint::Completions {
+                        choice["text"] = json!(text);
+                    } else {
+                        choice["delta"] = json!({"content": text});
+                    }
+                    choice["finish_reason"] = Value::Null;
+                }
+                sse(None, &chunk)
+            }
+        }
+    }
+
+    /// Ends the stream with the dialect's refusal.
+    fn block(&mut self) -> Vec<Bytes> {
+        self.blocked = true;
+        self.finished = true;
+        match self.dialect {
+            Dialect::Anthropic => {
+                let mut frames = Vec::new();
+                if self.block_open {
+                    frames.push(sse(
+                        Some("content_block_stop"),
+                        &json!({"type": "content_block_stop", "index": self.block}),
+                    ));
+                }
+                frames.push(sse(
+                    Some("message_delta"),
+                    &json!({"type": "message_delta", "delta": {"stop_reason": "refusal", "stop_sequence": null}, "usage": {"output_tokens": 0}}),
+                ));
+                frames.push(sse(Some("message_stop"), &json!({"type": "message_stop"})));
+                frames
+            }
+            Dialect::OpenAi => {
+                let mut chunk = self.template.clone().unwrap_or_else(|| json!({"choices": [{"index": 0}]}));
+                if let Some(choice) = chunk.pointer_mut("/choices/0") {
+                    if self.setup.endpoint == Endpoint::Completions {
+                        choice["text"] = json!("");
+                    } else {
+                        choice["delta"] = json!({});
+                    }
+                    choice["finish_reason"] = json!("content_filter");
+                }
+                if let Some(object) = chunk.as_object_mut() {
+                    object.remove("usage");
+                }
+                vec![sse(None, &chunk), Bytes::from_static(b"data: [DONE]\n\n")]
+            }
+        }
+    }
+
+    /// Buffer mode at the end: the whole response is known.
+    fn replay_or_block(&mut self) -> Vec<Bytes> {
+        self.scan_window(0);
+        if self.should_block() {
+            return self.block();
+        }
+        let redacting = self.hits.iter().any(|h| h.action == Action::Redact);
+        let held = std::mem::take(&mut self.held);
+        let mut frames = Vec::new();
+        let mut sent_blocks: Vec<u64> = Vec::new();
+        for (event, text) in &held {
+            match *text {
+                Some((_, _, block)) if redacting => {
+                    // The first text event of a block carries the block's
+                    // whole (redacted) text; the others are dropped.
+                    if !sent_blocks.contains(&block) {
+                        sent_blocks.push(block);
+                        let (from, to) = self.block_range(&held, block);
+                        frames.push(self.text_frame(&self.redacted(from, to), block));
+                    }
+                }
+                _ => frames.push(event.raw.clone()),
+            }
+        }
+        self.released = self.acc.len();
+        frames
+    }
+
+    /// The text range of one content block among the held events.
+    fn block_range(&self, held: &[Held], block: u64) -> (usize, usize) {
+        let ranges = held.iter().filter_map(|(_, t)| t.filter(|t| t.2 == block));
+        let from = ranges.clone().map(|t| t.0).min().unwrap_or(0);
+        let to = ranges.map(|t| t.1).max().unwrap_or(from);
+        (from, to)
+    }
+}
+
+fn classify_anthropic(json: &Value) -> Kind {
+    match json.get("type").and_then(Value::as_str) {
+        Some("content_block_delta") => {
+            let delta = json.get("delta");
+            if delta.and_then(|d| d.get("type")).and_then(Value::as_str) == Some("text_delta") {
+                Kind::Text {
+                    text: delta
+                        .and_then(|d| d.get("text"))
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned(),
+                    block: json.get("index").and_then(Value::as_u64).unwrap_or(0),
+                }
+            } else {
+                Kind::Other
+            }
+        }
+        Some("content_block_start") => {
+            if json.pointer("/content_block/type").and_then(Value::as_str) == Some("text") {
+                Kind::BlockStart
+            } else {
+                Kind::Other
+            }
+        }
+        Some("content_block_stop") => Kind::BlockEnd,
+        Some("message_delta") => Kind::Final,
+        Some("message_stop") => Kind::Done,
+        _ => Kind::Other,
+    }
+}
+
+fn sse(event: Option<&str>, data: &Value) -> Bytes {
+    let mut out = String::new();
+    if let Some(event) = event {
+        out.push_str("event: ");
+        out.push_str(event);
+        out.push('\n');
+    }
+    out.push_str("data: ");
+    out.push_str(&data.to_string());
+    out.push_str("\n\n");
+    Bytes::from(out)
+}
+
+/// The last position at or before `at` where normalization starts clean:
+/// just after a space that follows two letters (so no spaced-out word or
+/// leetspeak token spans it).
+fn clean_point_at_or_before(text: &str, at: usize) -> Option<usize> {
+    let bytes = text.as_bytes();
+    let letter = |b: u8| b.is_ascii_alphabetic();
+    (3..=at.min(bytes.len()))
+        .rev()
+        .find(|&p| bytes[p - 1] == b' ' && letter(bytes[p - 2]) && letter(bytes[p - 3]))
+}

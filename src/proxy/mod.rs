@@ -1,0 +1,533 @@
+//! The reverse proxy: accept loop, routing, the upstream client, and the path
+//! of one exchange through the guard.
+//!
+//! `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses` (OpenAI)
+//! and `/v1/messages` (Anthropic) are guarded: the request is read, scanned
+//! (prompt and context), redacted or refused, forwarded, and the response is
+//! scanned before it is released (streams through [`crate::guard::stream`]).
+//! Every other path and method is passed through, bodies streamed both ways.
+
+pub mod respond;
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, header};
+use http_body::Frame;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Limited, StreamBody};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use serde_json::Value;
+use tokio::net::TcpListener;
+
+use crate::config::{Config, OnBlock, StreamMode};
+use crate::exchange::{Dialect, Endpoint};
+use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
+use crate::guard::{self, block_message, rule_ids};
+use crate::risk::{self, Decision, Verdict};
+use crate::rules::store::RuleStore;
+use crate::rules::{Hit, RuleSet};
+use crate::telemetry::Metrics;
+use respond::Failure;
+
+/// The error type of response bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// Every response body the proxy sends.
+pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Everything the proxy shares between requests.
+pub struct State {
+    pub config: Config,
+    pub rules: RuleStore,
+    pub metrics: Metrics,
+    clients: HashMap<String, reqwest::Client>,
+    /// API keys of the upstreams that have one configured.
+    keys: HashMap<String, HeaderValue>,
+    /// The bearer token the admin listener requires, if any.
+    pub admin_token: Option<String>,
+    next_id: AtomicU64,
+}
+
+impl State {
+    /// Builds the shared state: loads the rules, reads the keys named in the
+    /// configuration from the environment, and builds one pooled client per
+    /// upstream.
+    pub fn new(config: Config) -> anyhow::Result<State> {
+        let rules = RuleStore::load(config.rules.dir.clone(), config.rules.compile_options())?;
+        let metrics = Metrics::new();
+        let snapshot = rules.snapshot();
+        metrics.rules_swapped(snapshot.version(), snapshot.rules().len());
+        let mut clients = HashMap::new();
+        let mut keys = HashMap::new();
+        for (name, upstream) in &config.upstreams {
+            let client = reqwest::Client::builder()
+                .connect_timeout(Duration::from_millis(upstream.connect_timeout_ms))
+                .pool_idle_timeout(Duration::from_secs(90))
+                .build()?;
+            clients.insert(name.clone(), client);
+            if let Some(var) = &upstream.api_key_env {
+                let key = std::env::var(var)
+                    .map_err(|_| anyhow::anyhow!("upstreams.{name}.api_key_env: environment variable {var} is not set"))?;
+                keys.insert(name.clone(), HeaderValue::from_str(&key)?);
+            }
+        }
+        let admin_token = match &config.admin.token_env {
+            Some(var) => Some(
+                std::env::var(var)
+                    .map_err(|_| anyhow::anyhow!("admin.token_env: environment variable {var} is not set"))?,
+            ),
+            None => None,
+        };
+        Ok(State {
+            config,
+            rules,
+            metrics,
+            clients,
+            keys,
+            admin_token,
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    fn request_id(&self) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let t = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_micros());
+        format!("fg-{:x}-{n:x}", t & 0xffff_ffff_ffff)
+    }
+
+    /// Compiles the rule directory off the request path and swaps it in if
+    /// it compiles; the old set keeps serving otherwise.
+    pub async fn reload_rules(self: &Arc<Self>) -> Result<Arc<RuleSet>, String> {
+        let state = self.clone();
+        let result = tokio::task::spawn_blocking(move || state.rules.reload()).await;
+        match result {
+            Ok(Ok(rules)) => {
+                self.metrics.reloads.with_label_values(&["ok"]).inc();
+                self.metrics.reload_failing.set(0);
+                self.metrics.rules_swapped(rules.version(), rules.rules().len());
+                tracing::info!(version = rules.version(), rules = rules.rules().len(), "rules reloaded");
+                Ok(rules)
+            }
+            Ok(Err(errors)) => {
+                self.metrics.reloads.with_label_values(&["error"]).inc();
+                self.metrics.reload_errors.inc();
+                self.metrics.reload_failing.set(1);
+                tracing::error!(errors = %errors, "rule reload failed; the previous rules keep serving");
+                Err(errors.to_string())
+            }
+            Err(join) => Err(format!("reload did not finish: {join}")),
+        }
+    }
+}
+
+/// Serves the proxy on `listener` and the admin endpoints on `admin` until
+/// `shutdown` completes, then lets in-flight exchanges (streams included)
+/// finish for up to `shutdown_grace_ms`.
+pub async fn run(
+    state: Arc<State>,
+    listener: TcpListener,
+    admin: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let graceful = GracefulShutdown::new();
+    let builder = auto::Builder::new(TokioExecutor::new());
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let state = state.clone();
+                let service = service_fn(move |req| handle(state.clone(), req));
+                let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
+                let connection = graceful.watch(connection);
+                tokio::spawn(async move {
+                    if let Err(error) = connection.await {
+                        tracing::debug!(%error, "connection ended with an error");
+                    }
+                });
+            }
+            accepted = admin.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let state = state.clone();
+                let service = service_fn(move |req| crate::admin::handle(state.clone(), req));
+                let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
+                let connection = graceful.watch(connection);
+                tokio::spawn(async move {
+                    let _ = connection.await;
+                });
+            }
+            () = &mut shutdown => break,
+        }
+    }
+    let grace = Duration::from_millis(state.config.shutdown_grace_ms);
+    tokio::select! {
+        () = graceful.shutdown() => tracing::info!("all connections finished"),
+        () = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing remaining connections"),
+    }
+    Ok(())
+}
+
+/// One request on the proxy port.
+async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+    let started = Instant::now();
+    let request_id = state.request_id();
+    let endpoint = (req.method() == Method::POST)
+        .then(|| Endpoint::from_path(req.uri().path()))
+        .flatten();
+    Ok(match endpoint {
+        Some(endpoint) => guarded(&state, req, endpoint, &request_id, started).await,
+        None => passthrough(&state, req, &request_id).await,
+    })
+}
+
+/// Headers that describe one connection, not the message.
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+            | "content-length"
+    )
+}
+
+/// The headers to send upstream: the client's, less hop-by-hop headers and
+/// fairgate's own, with the upstream's key in place of the client's when one
+/// is configured.
+fn upstream_headers(state: &State, upstream: &str, from: &HeaderMap) -> HeaderMap {
+    let mut headers = HeaderMap::with_capacity(from.len());
+    for (name, value) in from {
+        if is_hop_by_hop(name) || name.as_str().starts_with("x-fairgate-") {
+            continue;
+        }
+        headers.append(name.clone(), value.clone());
+    }
+    if let Some(key) = state.keys.get(upstream) {
+        if upstream == "anthropic" || from.contains_key("x-api-key") {
+            headers.insert("x-api-key", key.clone());
+            headers.remove(header::AUTHORIZATION);
+        } else if let Ok(bearer) = HeaderValue::from_str(&format!("Bearer {}", key.to_str().unwrap_or_default())) {
+            headers.insert(header::AUTHORIZATION, bearer);
+        }
+    }
+    headers
+}
+
+fn upstream_url(state: &State, upstream: &str, uri: &http::Uri) -> Option<String> {
+    let base = state.config.upstreams.get(upstream)?.url.trim_end_matches('/');
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    Some(format!("{base}{path}"))
+}
+
+/// Maps a client error to the failure the caller sees, and counts it.
+fn upstream_failure(state: &State, upstream: &str, error: &reqwest::Error) -> Failure {
+    let (failure, kind) = if error.is_timeout() {
+        (Failure::UpstreamTimeout, "timeout")
+    } else if error.is_connect() {
+        (Failure::UpstreamUnreachable, "connect")
+    } else {
+        (Failure::UpstreamBroken, "other")
+    };
+    state.metrics.upstream_errors.with_label_values(&[upstream, kind]).inc();
+    tracing::warn!(upstream, %error, "upstream request failed");
+    failure
+}
+
+fn dialect_of_path(path: &str) -> Dialect {
+    if path.starts_with("/v1/messages") {
+        Dialect::Anthropic
+    } else {
+        Dialect::OpenAi
+    }
+}
+
+/// Forwards a request that is not guarded, bodies streamed both ways.
+async fn passthrough(state: &State, req: Request<Incoming>, request_id: &str) -> Response<ProxyBody> {
+    let dialect = dialect_of_path(req.uri().path());
+    let Some(route) = state.config.route(req.uri().path(), None) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    let upstream = route.upstream.clone();
+    let (Some(client), Some(url)) = (state.clients.get(&upstream), upstream_url(state, &upstream, req.uri())) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    let timeout = state.config.upstreams.get(&upstream).map_or(600_000, |u| u.timeout_ms);
+    let headers = upstream_headers(state, &upstream, req.headers());
+    let method = req.method().clone();
+    let body = reqwest::Body::wrap_stream(req.into_body().into_data_stream());
+    let result = client
+        .request(method, url)
+        .headers(headers)
+        .timeout(Duration::from_millis(timeout))
+        .body(body)
+        .send()
+        .await;
+    match result {
+        Ok(response) => stream_back(response, request_id, None),
+        Err(error) => respond::failure(dialect, upstream_failure(state, &upstream, &error), request_id),
+    }
+}
+
+/// Relays an upstream response as it arrives.
+fn stream_back(response: reqwest::Response, request_id: &str, verdict: Option<&str>) -> Response<ProxyBody> {
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = response
+        .bytes_stream()
+        .map(|chunk| chunk.map(Frame::data).map_err(|e| Box::new(e) as BoxError));
+    let mut out = Response::new(StreamBody::new(body).boxed_unsync());
+    *out.status_mut() = status;
+    copy_response_headers(&headers, out.headers_mut());
+    respond::tag(&mut out, request_id, verdict);
+    out
+}
+
+fn copy_response_headers(from: &HeaderMap, to: &mut HeaderMap) {
+    for (name, value) in from {
+        if !is_hop_by_hop(name) {
+            to.append(name.clone(), value.clone());
+        }
+    }
+}
+
+/// Counts the hits and risk of a verdict.
+fn record_verdict(metrics: &Metrics, verdict: &Verdict) {
+    for hit in &verdict.hits {
+        metrics
+            .rule_hits
+            .with_label_values(&[&*hit.rule, &*hit.category, hit.scope.as_str(), hit.action.as_str()])
+            .inc();
+    }
+    let r = &verdict.risk;
+    for (scope, value) in [("prompt", r.prompt), ("response", r.response), ("context", r.context), ("total", r.total)] {
+        metrics.risk.with_label_values(&[scope]).observe(value);
+    }
+}
+
+/// A guarded exchange.
+async fn guarded(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    endpoint: Endpoint,
+    request_id: &str,
+    started: Instant,
+) -> Response<ProxyBody> {
+    let dialect = endpoint.dialect();
+    let route_label = endpoint.route();
+    let (parts, body) = req.into_parts();
+    let bytes = match Limited::new(body, state.config.guard.max_body_bytes).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) => {
+            let failure = if error.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                Failure::TooLarge
+            } else {
+                Failure::InvalidJson
+            };
+            return respond::failure(dialect, failure, request_id);
+        }
+    };
+    let Ok(mut json) = serde_json::from_slice::<Value>(&bytes) else {
+        return respond::failure(dialect, Failure::InvalidJson, request_id);
+    };
+    let model = json.get("model").and_then(Value::as_str).map(str::to_owned);
+    let streaming = json.get("stream").and_then(Value::as_bool) == Some(true);
+    let Some(route) = state.config.route(parts.uri.path(), model.as_deref()) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    let upstream = route.upstream.clone();
+    let stream_mode = route.stream_mode.unwrap_or(state.config.guard.stream_mode);
+
+    // The rules of this exchange, start to end, whatever reloads happen.
+    let rules = state.rules.snapshot();
+    let scan = guard::scan_request(&rules, &state.config.risk, endpoint, &mut json);
+    if scan.verdict.decision == Decision::Block {
+        record_verdict(&state.metrics, &scan.verdict);
+        state.metrics.blocks.with_label_values(&[route_label, "prompt"]).inc();
+        state.metrics.requests.with_label_values(&[route_label, &upstream, "block"]).inc();
+        let message = block_message(&scan.verdict.hits);
+        tracing::info!(request_id, rules = ?rule_ids(&scan.verdict.hits), "prompt blocked");
+        return respond::blocked(dialect, "prompt", &message, &rule_ids(&scan.verdict.hits), request_id);
+    }
+
+    let (Some(client), Some(url)) = (state.clients.get(&upstream), upstream_url(state, &upstream, &parts.uri)) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    let timeout = state.config.upstreams.get(&upstream).map_or(600_000, |u| u.timeout_ms);
+    let mut headers = upstream_headers(state, &upstream, &parts.headers);
+    // The guard reads response bodies: ask for them uncompressed.
+    headers.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    let sent = Instant::now();
+    let result = client
+        .post(url)
+        .headers(headers)
+        .timeout(Duration::from_millis(timeout))
+        .body(json.to_string())
+        .send()
+        .await;
+    let response = match result {
+        Ok(response) => response,
+        Err(error) => {
+            state.metrics.requests.with_label_values(&[route_label, &upstream, "error"]).inc();
+            return respond::failure(dialect, upstream_failure(state, &upstream, &error), request_id);
+        }
+    };
+    let upstream_time = sent.elapsed();
+    state.metrics.upstream_latency.with_label_values(&[&upstream]).observe(upstream_time.as_secs_f64());
+    let prompt_verdict = scan.verdict.decision.as_str();
+
+    // Upstream errors pass through unchanged.
+    if !response.status().is_success() {
+        state.metrics.requests.with_label_values(&[route_label, &upstream, "upstream_error"]).inc();
+        return stream_back(response, request_id, Some(prompt_verdict));
+    }
+    let is_stream = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    if is_stream || streaming && !is_json(response.headers()) {
+        return guarded_stream(state, response, endpoint, stream_mode, rules, scan, request_id, started, &upstream);
+    }
+
+    let status = response.status();
+    let upstream_headers = response.headers().clone();
+    let body = match read_limited(response, state.config.guard.max_response_bytes).await {
+        Ok(body) => body,
+        Err(error) => {
+            state.metrics.upstream_errors.with_label_values(&[&upstream, "body"]).inc();
+            tracing::warn!(%error, "upstream body could not be read");
+            return respond::failure(dialect, Failure::UpstreamBroken, request_id);
+        }
+    };
+    let Ok(mut response_json) = serde_json::from_slice::<Value>(&body) else {
+        // Not JSON: nothing to scan, relay as it is.
+        let mut out = Response::new(respond::full(body));
+        *out.status_mut() = status;
+        copy_response_headers(&upstream_headers, out.headers_mut());
+        respond::tag(&mut out, request_id, Some(prompt_verdict));
+        return out;
+    };
+    let response_hits = guard::scan_response(&rules, endpoint, &mut response_json);
+    let mut all: Vec<Hit> = scan.verdict.hits.clone();
+    all.extend(response_hits);
+    let verdict = risk::assess(&state.config.risk, all, &scan.relevance);
+    record_verdict(&state.metrics, &verdict);
+    state
+        .metrics
+        .requests
+        .with_label_values(&[route_label, &upstream, verdict.decision.as_str()])
+        .inc();
+    state
+        .metrics
+        .added_latency
+        .with_label_values(&[route_label])
+        .observe(started.elapsed().saturating_sub(upstream_time).as_secs_f64());
+    if verdict.decision == Decision::Block {
+        state.metrics.blocks.with_label_values(&[route_label, "response"]).inc();
+        let response_hits: Vec<Hit> = verdict.hits.iter().filter(|h| h.scope == crate::rules::Scope::Response).cloned().collect();
+        let message = block_message(if response_hits.is_empty() { &verdict.hits } else { &response_hits });
+        tracing::info!(request_id, rules = ?rule_ids(&verdict.hits), "response blocked");
+        if state.config.guard.on_block == OnBlock::Error {
+            return respond::blocked(dialect, "response", &message, &rule_ids(&verdict.hits), request_id);
+        }
+        respond::refuse_in_place(endpoint, &mut response_json, &message);
+    }
+    let mut out = Response::new(respond::full(Bytes::from(response_json.to_string())));
+    *out.status_mut() = status;
+    copy_response_headers(&upstream_headers, out.headers_mut());
+    out.headers_mut().remove(header::CONTENT_ENCODING);
+    respond::tag(&mut out, request_id, Some(verdict.decision.as_str()));
+    out
+}
+
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("json"))
+}
+
+async fn read_limited(response: reqwest::Response, limit: usize) -> Result<Bytes, BoxError> {
+    let mut body = Vec::new();
+    let mut stream = response.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk?;
+        if body.len() + chunk.len() > limit {
+            return Err(format!("response body larger than {limit} bytes").into());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(body))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn guarded_stream(
+    state: &Arc<State>,
+    response: reqwest::Response,
+    endpoint: Endpoint,
+    mode: StreamMode,
+    rules: Arc<RuleSet>,
+    scan: guard::RequestScan,
+    request_id: &str,
+    started: Instant,
+    upstream: &str,
+) -> Response<ProxyBody> {
+    let status = response.status();
+    let headers = response.headers().clone();
+    let setup = StreamSetup {
+        endpoint,
+        mode,
+        rules,
+        risk: state.config.risk.clone(),
+        request_hits: scan.verdict.hits.clone(),
+        relevance: scan.relevance.clone(),
+        started,
+    };
+    let metrics_state = state.clone();
+    let route = endpoint.route();
+    let upstream_name = upstream.to_owned();
+    let id = request_id.to_owned();
+    let done = move |outcome: StreamOutcome| {
+        let metrics = &metrics_state.metrics;
+        record_verdict(metrics, &outcome.verdict);
+        let decision = outcome.verdict.decision;
+        metrics.requests.with_label_values(&[route, &upstream_name, decision.as_str()]).inc();
+        if decision == Decision::Block {
+            metrics.blocks.with_label_values(&[route, "response"]).inc();
+            tracing::info!(request_id = id, rules = ?rule_ids(&outcome.verdict.hits), "stream blocked");
+        }
+        if let Some(first) = outcome.first_byte {
+            metrics.stream_first_byte.with_label_values(&[route]).observe(first.as_secs_f64());
+        }
+        if outcome.malformed {
+            metrics.stream_errors.with_label_values(&[route, "malformed"]).inc();
+        }
+        if outcome.upstream_failed {
+            metrics.stream_errors.with_label_values(&[route, "upstream"]).inc();
+        }
+    };
+    let body = guard_body(setup, response.bytes_stream(), done);
+    let mut out = Response::new(body);
+    *out.status_mut() = status;
+    copy_response_headers(&headers, out.headers_mut());
+    out.headers_mut().remove(header::CONTENT_ENCODING);
+    respond::tag(&mut out, request_id, Some(scan.verdict.decision.as_str()));
+    out
+}

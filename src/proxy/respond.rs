@@ -1,0 +1,201 @@
+//! Every response fairgate makes itself, in the dialect of the API that was
+//! called: errors, blocked prompts, and the refusal shapes of blocked
+//! responses. One place maps each failure to a status and a stable `code`,
+//! without leaking internals.
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+use serde_json::{Value, json};
+
+use super::ProxyBody;
+use crate::exchange::{Dialect, Endpoint};
+
+/// A failure of the proxy, as the client sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The request body is larger than `guard.max_body_bytes`.
+    TooLarge,
+    /// The body of a guarded route is not JSON.
+    InvalidJson,
+    /// No upstream could be reached.
+    UpstreamUnreachable,
+    /// The upstream did not answer in time.
+    UpstreamTimeout,
+    /// The upstream's response could not be read.
+    UpstreamBroken,
+    /// No route matches the path.
+    NoRoute,
+}
+
+impl Failure {
+    fn status(self) -> StatusCode {
+        match self {
+            Failure::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Failure::InvalidJson => StatusCode::BAD_REQUEST,
+            Failure::UpstreamUnreachable | Failure::UpstreamBroken => StatusCode::BAD_GATEWAY,
+            Failure::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Failure::NoRoute => StatusCode::NOT_FOUND,
+        }
+    }
+
+    fn code(self) -> &'static str {
+        match self {
+            Failure::TooLarge => "request_too_large",
+            Failure::InvalidJson => "invalid_json",
+            Failure::UpstreamUnreachable => "upstream_unreachable",
+            Failure::UpstreamTimeout => "upstream_timeout",
+            Failure::UpstreamBroken => "upstream_error",
+            Failure::NoRoute => "not_found",
+        }
+    }
+
+    fn message(self) -> &'static str {
+        match self {
+            Failure::TooLarge => "The request body is larger than this gateway accepts.",
+            Failure::InvalidJson => "The request body is not valid JSON.",
+            Failure::UpstreamUnreachable => "The upstream API could not be reached.",
+            Failure::UpstreamTimeout => "The upstream API did not answer in time.",
+            Failure::UpstreamBroken => "The upstream API's response could not be read.",
+            Failure::NoRoute => "No upstream serves this path.",
+        }
+    }
+
+    /// The error type of the Anthropic envelope.
+    fn anthropic_type(self) -> &'static str {
+        match self {
+            Failure::TooLarge => "request_too_large",
+            Failure::InvalidJson => "invalid_request_error",
+            Failure::NoRoute => "not_found_error",
+            _ => "api_error",
+        }
+    }
+
+    fn openai_type(self) -> &'static str {
+        match self {
+            Failure::TooLarge | Failure::InvalidJson | Failure::NoRoute => "invalid_request_error",
+            _ => "server_error",
+        }
+    }
+}
+
+/// The response for a failure.
+pub fn failure(dialect: Dialect, failure: Failure, request_id: &str) -> Response<ProxyBody> {
+    let body = match dialect {
+        Dialect::OpenAi => json!({"error": {
+            "message": failure.message(),
+            "type": failure.openai_type(),
+            "param": null,
+            "code": failure.code(),
+        }}),
+        Dialect::Anthropic => json!({"type": "error", "error": {
+            "type": failure.anthropic_type(),
+            "message": failure.message(),
+        }}),
+    };
+    json_response(failure.status(), &body, request_id, None)
+}
+
+/// The 400 that answers a blocked prompt (or, with `on_block: error`, a
+/// blocked response). SDKs treat it as a non-retryable bad request.
+pub fn blocked(
+    dialect: Dialect,
+    scope: &str,
+    message: &str,
+    rules: &[String],
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let body = match dialect {
+        Dialect::OpenAi => json!({"error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "content_filter",
+            "fairgate": {"scope": scope, "rules": rules, "request_id": request_id},
+        }}),
+        Dialect::Anthropic => json!({"type": "error", "error": {
+            "type": "invalid_request_error",
+            "message": message,
+        }}),
+    };
+    let mut response = json_response(StatusCode::BAD_REQUEST, &body, request_id, Some("block"));
+    response.headers_mut().insert("x-should-retry", HeaderValue::from_static("false"));
+    response
+}
+
+/// Rewrites a successful response body into a refusal: OpenAI
+/// `finish_reason: "content_filter"` with the message as `refusal`,
+/// Anthropic `stop_reason: "refusal"` with the message as the only content.
+/// Usage and ids are kept.
+pub fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {
+    match endpoint {
+        Endpoint::ChatCompletions => {
+            if let Some(choices) = body.get_mut("choices").and_then(Value::as_array_mut) {
+                for choice in choices {
+                    choice["finish_reason"] = json!("content_filter");
+                    let message_value = json!({"role": "assistant", "content": null, "refusal": message});
+                    choice["message"] = message_value;
+                }
+            }
+        }
+        Endpoint::Completions => {
+            if let Some(choices) = body.get_mut("choices").and_then(Value::as_array_mut) {
+                for choice in choices {
+                    choice["text"] = json!("");
+                    choice["finish_reason"] = json!("content_filter");
+                }
+            }
+        }
+        Endpoint::Responses => {
+            body["status"] = json!("incomplete");
+            body["incomplete_details"] = json!({"reason": "content_filter"});
+            body["output"] = json!([{
+                "type": "message",
+                "id": "msg_fairgate_refusal",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "refusal", "refusal": message}],
+            }]);
+        }
+        Endpoint::Messages => {
+            body["content"] = json!([{"type": "text", "text": message}]);
+            body["stop_reason"] = json!("refusal");
+            body["stop_sequence"] = Value::Null;
+        }
+    }
+}
+
+/// A JSON response with fairgate's headers.
+pub fn json_response(status: StatusCode, body: &Value, request_id: &str, verdict: Option<&str>) -> Response<ProxyBody> {
+    let mut response = Response::new(full(Bytes::from(body.to_string())));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    tag(&mut response, request_id, verdict);
+    response
+}
+
+/// Adds `x-fairgate-request-id` and, when given, `x-fairgate-verdict`.
+pub fn tag(response: &mut Response<ProxyBody>, request_id: &str, verdict: Option<&str>) {
+    if let Ok(id) = HeaderValue::from_str(request_id) {
+        response.headers_mut().insert("x-fairgate-request-id", id);
+    }
+    if let Some(verdict) = verdict.and_then(|v| HeaderValue::from_str(v).ok()) {
+        response.headers_mut().insert("x-fairgate-verdict", verdict);
+    }
+}
+
+pub fn full(bytes: Bytes) -> ProxyBody {
+    Full::new(bytes).map_err(|never| match never {}).boxed_unsync()
+}
+
+/// A plain-text response (admin endpoints).
+pub fn text(status: StatusCode, body: String) -> Response<ProxyBody> {
+    let mut response = Response::new(full(Bytes::from(body)));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    response
+}

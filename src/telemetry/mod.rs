@@ -1,0 +1,170 @@
+//! Prometheus metrics: the only module that creates collectors. Names live
+//! here; labels are low-cardinality values (routes, upstream names from the
+//! configuration, rule ids, scopes, actions, verdicts), never request ids or
+//! model-controlled strings.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+
+/// Every metric fairgate exports.
+pub struct Metrics {
+    registry: Registry,
+    /// `fairgate_requests_total{route, upstream, verdict}`
+    pub requests: IntCounterVec,
+    /// `fairgate_blocks_total{route, scope}`: exchanges blocked, by the scope
+    /// that decided.
+    pub blocks: IntCounterVec,
+    /// `fairgate_rule_hits_total{rule, category, scope, action}`
+    pub rule_hits: IntCounterVec,
+    /// `fairgate_risk_score{scope}`: prompt, response, context and total.
+    pub risk: HistogramVec,
+    /// `fairgate_upstream_latency_seconds{upstream}`: to the response head.
+    pub upstream_latency: HistogramVec,
+    /// `fairgate_proxy_added_latency_seconds{route}`: total minus upstream.
+    pub added_latency: HistogramVec,
+    /// `fairgate_stream_first_byte_seconds{route}`: to the first byte sent
+    /// to the client of a streamed response.
+    pub stream_first_byte: HistogramVec,
+    /// `fairgate_upstream_errors_total{upstream, kind}`
+    pub upstream_errors: IntCounterVec,
+    /// `fairgate_stream_errors_total{route, kind}`
+    pub stream_errors: IntCounterVec,
+    /// `fairgate_rules_info{version}`: 1 for the version serving.
+    pub rules_info: IntGaugeVec,
+    /// `fairgate_rules_loaded`: the number of rules serving.
+    pub rules_loaded: IntGauge,
+    /// `fairgate_rules_reloads_total{result}`: `ok` or `error`.
+    pub reloads: IntCounterVec,
+    /// `fairgate_rules_reload_errors_total`
+    pub reload_errors: IntCounter,
+    /// `fairgate_rules_reload_failing`: 1 while the last reload failed.
+    pub reload_failing: IntGauge,
+}
+
+/// Latency buckets from 50 µs to 60 s.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0,
+];
+
+const RISK_BUCKETS: &[f64] = &[0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).unwrap_or_else(|e| unreachable_metric(name, e));
+            register(&registry, Box::new(c.clone()));
+            c
+        };
+        let histogram = |name: &str, help: &str, labels: &[&str], buckets: &[f64]| {
+            let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), labels)
+                .unwrap_or_else(|e| unreachable_metric(name, e));
+            register(&registry, Box::new(h.clone()));
+            h
+        };
+        let requests = counter(
+            "fairgate_requests_total",
+            "Guarded requests by route, upstream and verdict.",
+            &["route", "upstream", "verdict"],
+        );
+        let blocks = counter("fairgate_blocks_total", "Blocked exchanges by route and deciding scope.", &["route", "scope"]);
+        let rule_hits = counter(
+            "fairgate_rule_hits_total",
+            "Rule hits by rule, category, scope and action.",
+            &["rule", "category", "scope", "action"],
+        );
+        let upstream_errors = counter(
+            "fairgate_upstream_errors_total",
+            "Upstream failures by kind (connect, timeout, body).",
+            &["upstream", "kind"],
+        );
+        let stream_errors =
+            counter("fairgate_stream_errors_total", "Malformed or broken upstream streams.", &["route", "kind"]);
+        let reloads = counter("fairgate_rules_reloads_total", "Rule reloads by result.", &["result"]);
+        let risk = histogram("fairgate_risk_score", "Risk scores by scope.", &["scope"], RISK_BUCKETS);
+        let upstream_latency = histogram(
+            "fairgate_upstream_latency_seconds",
+            "Time from forwarding a request to the upstream's response head.",
+            &["upstream"],
+            LATENCY_BUCKETS,
+        );
+        let added_latency = histogram(
+            "fairgate_proxy_added_latency_seconds",
+            "Time fairgate adds to an exchange: total minus upstream.",
+            &["route"],
+            LATENCY_BUCKETS,
+        );
+        let stream_first_byte = histogram(
+            "fairgate_stream_first_byte_seconds",
+            "Time to the first byte of a streamed response sent to the client.",
+            &["route"],
+            LATENCY_BUCKETS,
+        );
+        let rules_info = IntGaugeVec::new(Opts::new("fairgate_rules_info", "The rule set serving, by version."), &["version"])
+            .unwrap_or_else(|e| unreachable_metric("fairgate_rules_info", e));
+        register(&registry, Box::new(rules_info.clone()));
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).unwrap_or_else(|e| unreachable_metric(name, e));
+            register(&registry, Box::new(g.clone()));
+            g
+        };
+        let rules_loaded = gauge("fairgate_rules_loaded", "Rules serving.");
+        let reload_failing = gauge("fairgate_rules_reload_failing", "1 while the last rule reload failed.");
+        let reload_errors = IntCounter::new("fairgate_rules_reload_errors_total", "Rule reloads that failed.")
+            .unwrap_or_else(|e| unreachable_metric("fairgate_rules_reload_errors_total", e));
+        register(&registry, Box::new(reload_errors.clone()));
+        Metrics {
+            registry,
+            requests,
+            blocks,
+            rule_hits,
+            risk,
+            upstream_latency,
+            added_latency,
+            stream_first_byte,
+            upstream_errors,
+            stream_errors,
+            rules_info,
+            rules_loaded,
+            reloads,
+            reload_errors,
+            reload_failing,
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        // Encoding into a Vec cannot fail for the text format.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+
+    /// Records a newly serving rule set.
+    pub fn rules_swapped(&self, version: &str, rules: usize) {
+        self.rules_info.reset();
+        self.rules_info.with_label_values(&[version]).set(1);
+        self.rules_loaded.set(rules as i64);
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+fn register(registry: &Registry, collector: Box<dyn prometheus::core::Collector>) {
+    // Names are fixed and distinct, so registration cannot collide.
+    let _ = registry.register(collector);
+}
+
+/// Metric definitions are constants: an invalid one is a programming error
+/// that the tests catch on the first run.
+fn unreachable_metric<T>(name: &str, error: prometheus::Error) -> T {
+    panic!("metric {name} is invalid: {error}")
+}
