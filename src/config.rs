@@ -36,8 +36,14 @@ impl Default for Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             admin: AdminConfig::default(),
             upstreams: BTreeMap::from([
-                ("openai".to_owned(), UpstreamConfig::new("https://api.openai.com")),
-                ("anthropic".to_owned(), UpstreamConfig::new("https://api.anthropic.com")),
+                (
+                    "openai".to_owned(),
+                    UpstreamConfig::new("https://api.openai.com"),
+                ),
+                (
+                    "anthropic".to_owned(),
+                    UpstreamConfig::new("https://api.anthropic.com"),
+                ),
             ]),
             routes: vec![
                 RouteConfig {
@@ -257,15 +263,24 @@ impl Config {
         }
         for (name, upstream) in &self.upstreams {
             if !(upstream.url.starts_with("http://") || upstream.url.starts_with("https://")) {
-                problems.push(format!("upstreams.{name}.url: {:?} is not an http(s) URL", upstream.url));
+                problems.push(format!(
+                    "upstreams.{name}.url: {:?} is not an http(s) URL",
+                    upstream.url
+                ));
             }
         }
         for (i, route) in self.routes.iter().enumerate() {
             if !self.upstreams.contains_key(&route.upstream) {
-                problems.push(format!("routes[{i}].upstream: no upstream named {:?}", route.upstream));
+                problems.push(format!(
+                    "routes[{i}].upstream: no upstream named {:?}",
+                    route.upstream
+                ));
             }
             if !route.path_prefix.starts_with('/') {
-                problems.push(format!("routes[{i}].path_prefix: {:?} must start with /", route.path_prefix));
+                problems.push(format!(
+                    "routes[{i}].path_prefix: {:?} must start with /",
+                    route.path_prefix
+                ));
             }
         }
         if !self.admin.listen.ip().is_loopback() && self.admin.token_env.is_none() {

@@ -64,7 +64,11 @@ impl Endpoint {
 /// user messages are the prompt; tool results, function outputs and documents
 /// are context. Assistant turns of the history are the model's own words and
 /// are not scanned again.
-pub fn request_texts(endpoint: Endpoint, body: &mut Value, visit: &mut dyn FnMut(Scope, &mut String)) {
+pub fn request_texts(
+    endpoint: Endpoint,
+    body: &mut Value,
+    visit: &mut dyn FnMut(Scope, &mut String),
+) {
     match endpoint {
         Endpoint::ChatCompletions => {
             for message in array_mut(body, "messages") {
@@ -146,7 +150,8 @@ pub fn response_texts(endpoint: Endpoint, body: &mut Value, visit: &mut dyn FnMu
                     }
                 }
                 for call in array_mut(message, "tool_calls") {
-                    if let Some(Value::String(arguments)) = call.pointer_mut("/function/arguments") {
+                    if let Some(Value::String(arguments)) = call.pointer_mut("/function/arguments")
+                    {
                         visit(arguments);
                     }
                 }
@@ -195,7 +200,9 @@ fn array_mut<'a>(value: &'a mut Value, key: &str) -> impl Iterator<Item = &'a mu
 fn strings(value: &mut Value, scope: Scope, visit: &mut dyn FnMut(Scope, &mut String)) {
     match value {
         Value::String(text) => visit(scope, text),
-        Value::Array(items) => items.iter_mut().for_each(|item| strings(item, scope, visit)),
+        Value::Array(items) => items
+            .iter_mut()
+            .for_each(|item| strings(item, scope, visit)),
         _ => {}
     }
 }
@@ -259,7 +266,9 @@ mod tests {
 
     fn collect_request(endpoint: Endpoint, mut body: Value) -> Vec<(Scope, String)> {
         let mut out = Vec::new();
-        request_texts(endpoint, &mut body, &mut |scope, text| out.push((scope, text.clone())));
+        request_texts(endpoint, &mut body, &mut |scope, text| {
+            out.push((scope, text.clone()))
+        });
         out
     }
 
@@ -310,16 +319,25 @@ mod tests {
         ]});
         assert_eq!(
             collect_request(Endpoint::Responses, body),
-            [(Scope::Prompt, "inst".into()), (Scope::Prompt, "q".into()), (Scope::Context, "out".into())]
+            [
+                (Scope::Prompt, "inst".into()),
+                (Scope::Prompt, "q".into()),
+                (Scope::Context, "out".into())
+            ]
         );
         let body = json!({"prompt": ["a", "b"]});
-        assert_eq!(collect_request(Endpoint::Completions, body), [(Scope::Prompt, "a".into()), (Scope::Prompt, "b".into())]);
+        assert_eq!(
+            collect_request(Endpoint::Completions, body),
+            [(Scope::Prompt, "a".into()), (Scope::Prompt, "b".into())]
+        );
     }
 
     #[test]
     fn texts_are_edited_in_place() {
         let mut body = json!({"messages": [{"role": "user", "content": "secret"}]});
-        request_texts(Endpoint::ChatCompletions, &mut body, &mut |_, text| *text = "[x]".into());
+        request_texts(Endpoint::ChatCompletions, &mut body, &mut |_, text| {
+            *text = "[x]".into()
+        });
         assert_eq!(body["messages"][0]["content"], "[x]");
     }
 
@@ -327,11 +345,15 @@ mod tests {
     fn response_texts_of_each_endpoint() {
         let mut seen = Vec::new();
         let mut body = json!({"choices": [{"message": {"content": "hello", "tool_calls": [{"function": {"arguments": "{\"a\":1}"}}]}}]});
-        response_texts(Endpoint::ChatCompletions, &mut body, &mut |t| seen.push(t.clone()));
+        response_texts(Endpoint::ChatCompletions, &mut body, &mut |t| {
+            seen.push(t.clone())
+        });
         let mut body = json!({"content": [{"type": "text", "text": "claude says"}, {"type": "tool_use", "input": {}}]});
         response_texts(Endpoint::Messages, &mut body, &mut |t| seen.push(t.clone()));
         let mut body = json!({"output": [{"type": "message", "content": [{"type": "output_text", "text": "resp"}]}]});
-        response_texts(Endpoint::Responses, &mut body, &mut |t| seen.push(t.clone()));
+        response_texts(Endpoint::Responses, &mut body, &mut |t| {
+            seen.push(t.clone())
+        });
         assert_eq!(seen, ["hello", "{\"a\":1}", "claude says", "resp"]);
     }
 }

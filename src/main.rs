@@ -90,7 +90,10 @@ impl Overrides {
         if let Some(rules) = &self.rules {
             config.rules.dir = rules.clone();
         }
-        for (name, url) in [("openai", &self.upstream_openai), ("anthropic", &self.upstream_anthropic)] {
+        for (name, url) in [
+            ("openai", &self.upstream_openai),
+            ("anthropic", &self.upstream_anthropic),
+        ] {
             if let Some(url) = url {
                 config.upstreams.entry(name.to_owned()).or_default().url = url.clone();
             }
@@ -142,7 +145,8 @@ impl From<ScopeArg> for Scope {
 fn serve(config: Config) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,hyper=warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,hyper=warn".into()),
         )
         .init();
     let runtime = tokio::runtime::Runtime::new()?;
@@ -170,13 +174,14 @@ fn serve(config: Config) -> anyhow::Result<()> {
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(term) => term,
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}

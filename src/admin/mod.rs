@@ -13,15 +13,25 @@ use serde_json::json;
 use crate::proxy::respond::{self, json_response};
 use crate::proxy::{ProxyBody, State};
 
-pub async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+pub async fn handle(
+    state: Arc<State>,
+    req: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Infallible> {
     if let Some(token) = &state.admin_token {
         let expected = format!("Bearer {token}");
-        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
         if given != Some(expected.as_str()) {
-            let mut response = respond::text(StatusCode::UNAUTHORIZED, "a bearer token is required\n".into());
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
+            let mut response = respond::text(
+                StatusCode::UNAUTHORIZED,
+                "a bearer token is required\n".into(),
+            );
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                http::HeaderValue::from_static("Bearer"),
+            );
             return Ok(response);
         }
     }

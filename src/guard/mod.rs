@@ -21,7 +21,12 @@ pub struct RequestScan {
 
 /// Scans every prompt and context text of a request body and redacts the
 /// `redact` hits in place.
-pub fn scan_request(rules: &RuleSet, risk: &RiskConfig, endpoint: Endpoint, body: &mut Value) -> RequestScan {
+pub fn scan_request(
+    rules: &RuleSet,
+    risk: &RiskConfig,
+    endpoint: Endpoint,
+    body: &mut Value,
+) -> RequestScan {
     let mut hits = Vec::new();
     let mut question = String::new();
     let mut contexts = Vec::new();
@@ -43,7 +48,10 @@ pub fn scan_request(rules: &RuleSet, risk: &RiskConfig, endpoint: Endpoint, body
     let relevance: Vec<f64> = if question.trim().is_empty() {
         Vec::new()
     } else {
-        contexts.iter().map(|c| text::cosine(&question, c)).collect()
+        contexts
+            .iter()
+            .map(|c| text::cosine(&question, c))
+            .collect()
     };
     RequestScan {
         verdict: risk::assess(risk, hits, &relevance),
@@ -71,7 +79,9 @@ pub fn block_message(hits: &[Hit]) -> String {
     hits.iter()
         .find(|h| h.action == Action::Block)
         .map(|h| h.message.to_string())
-        .unwrap_or_else(|| "This exchange was blocked by the content policy: its combined risk is too high.".into())
+        .unwrap_or_else(|| {
+            "This exchange was blocked by the content policy: its combined risk is too high.".into()
+        })
 }
 
 /// The ids of the rules that hit, once each, in order.

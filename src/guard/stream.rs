@@ -76,7 +76,11 @@ pub struct StreamOutcome {
 
 /// Guards `upstream` (the upstream's body) and returns the body for the
 /// client. `done` is called once the stream has ended.
-pub fn guard_body<S, E>(setup: StreamSetup, upstream: S, done: impl FnOnce(StreamOutcome) + Send + 'static) -> ProxyBody
+pub fn guard_body<S, E>(
+    setup: StreamSetup,
+    upstream: S,
+    done: impl FnOnce(StreamOutcome) + Send + 'static,
+) -> ProxyBody
 where
     S: Stream<Item = Result<Bytes, E>> + Send + Unpin + 'static,
     E: Display,
@@ -130,9 +134,13 @@ where
         done(guard.outcome(first_byte));
     });
     let frames = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|bytes| (Ok::<_, std::convert::Infallible>(Frame::data(bytes)), rx))
+        rx.recv()
+            .await
+            .map(|bytes| (Ok::<_, std::convert::Infallible>(Frame::data(bytes)), rx))
     });
-    StreamBody::new(frames).map_err(|never| match never {}).boxed_unsync()
+    StreamBody::new(frames)
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 /// One server-sent event.
@@ -215,7 +223,10 @@ type Held = (SseEvent, Option<(usize, usize, u64)>);
 /// What an event means to the guard.
 enum Kind {
     /// Response text, with the content block it belongs to (Anthropic).
-    Text { text: String, block: u64 },
+    Text {
+        text: String,
+        block: u64,
+    },
     /// A text block ends (Anthropic `content_block_stop`).
     BlockEnd,
     /// A text block starts (Anthropic `content_block_start`).
@@ -347,10 +358,16 @@ impl Guard {
         if self.setup.endpoint == Endpoint::Responses {
             return match json.get("type").and_then(Value::as_str) {
                 Some("response.output_text.delta") => Kind::Text {
-                    text: json.get("delta").and_then(Value::as_str).unwrap_or_default().to_owned(),
+                    text: json
+                        .get("delta")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned(),
                     block: 0,
                 },
-                Some("response.completed" | "response.incomplete" | "response.failed") => Kind::Final,
+                Some("response.completed" | "response.incomplete" | "response.failed") => {
+                    Kind::Final
+                }
                 _ => Kind::Other,
             };
         }
@@ -361,7 +378,9 @@ impl Guard {
         }
         .and_then(Value::as_str)
         .unwrap_or_default();
-        let finished = choice.and_then(|c| c.get("finish_reason")).is_some_and(|f| !f.is_null());
+        let finished = choice
+            .and_then(|c| c.get("finish_reason"))
+            .is_some_and(|f| !f.is_null());
         if !text.is_empty() {
             if self.template.is_none() {
                 self.template = Some(json.clone());
@@ -400,7 +419,8 @@ impl Guard {
             Kind::Text { text, block } => {
                 let start = self.acc.len();
                 self.acc.push_str(&text);
-                self.held.push((event, Some((start, self.acc.len(), block))));
+                self.held
+                    .push((event, Some((start, self.acc.len(), block))));
                 Vec::new()
             }
             Kind::BlockStart => {
@@ -508,11 +528,18 @@ impl Guard {
     }
 
     fn scan_window(&mut self, window_start: usize) {
-        let found = self.setup.rules.scan(Scope::Response, &self.acc[window_start..]);
+        let found = self
+            .setup
+            .rules
+            .scan(Scope::Response, &self.acc[window_start..]);
         for mut hit in found {
             hit.start += window_start;
             hit.end += window_start;
-            if !self.hits.iter().any(|h| h.rule == hit.rule && h.start == hit.start) {
+            if !self
+                .hits
+                .iter()
+                .any(|h| h.rule == hit.rule && h.start == hit.start)
+            {
                 self.hits.push(hit);
             }
         }
@@ -540,7 +567,8 @@ impl Guard {
             cut -= 1;
         }
         let at = window_start + normalized.original_span(cut..cut).start;
-        let Some(mut safe) = clean_point_at_or_before(&self.acc, at).filter(|&p| p > self.released) else {
+        let Some(mut safe) = clean_point_at_or_before(&self.acc, at).filter(|&p| p > self.released)
+        else {
             return self.released;
         };
         // Never split a redaction.
@@ -594,7 +622,10 @@ impl Guard {
                 &json!({"type": "content_block_delta", "index": block, "delta": {"type": "text_delta", "text": text}}),
             ),
             Dialect::OpenAi => {
-                let mut chunk = self.template.clone().unwrap_or_else(|| json!({"choices": [{"index": 0}]}));
+                let mut chunk = self
+                    .template
+                    .clone()
+                    .unwrap_or_else(|| json!({"choices": [{"index": 0}]}));
                 if let Some(choice) = chunk.pointer_mut("/choices/0") {
                     if self.setup.endpoint == Endpoint::Completions {
                         choice["text"] = json!(text);
@@ -629,7 +660,10 @@ impl Guard {
                 frames
             }
             Dialect::OpenAi => {
-                let mut chunk = self.template.clone().unwrap_or_else(|| json!({"choices": [{"index": 0}]}));
+                let mut chunk = self
+                    .template
+                    .clone()
+                    .unwrap_or_else(|| json!({"choices": [{"index": 0}]}));
                 if let Some(choice) = chunk.pointer_mut("/choices/0") {
                     if self.setup.endpoint == Endpoint::Completions {
                         choice["text"] = json!("");
@@ -736,4 +770,70 @@ fn clean_point_at_or_before(text: &str, at: usize) -> Option<usize> {
     (3..=at.min(bytes.len()))
         .rev()
         .find(|&p| bytes[p - 1] == b' ' && letter(bytes[p - 2]) && letter(bytes[p - 3]))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::rules::CompileOptions;
+
+    fn setup(endpoint: Endpoint, mode: StreamMode) -> StreamSetup {
+        StreamSetup {
+            endpoint,
+            mode,
+            rules: Arc::new(
+                RuleSet::load_dir(Path::new("rules"), &CompileOptions::default()).unwrap(),
+            ),
+            risk: RiskConfig::default(),
+            request_hits: Vec::new(),
+            relevance: Vec::new(),
+            started: Instant::now(),
+        }
+    }
+
+    fn openai_delta(text: &str) -> SseEvent {
+        let data = json!({"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]});
+        parse_event(format!("data: {data}\n\n").into_bytes()).unwrap()
+    }
+
+    fn released_text(frames: &[Bytes]) -> String {
+        let mut text = String::new();
+        for frame in frames {
+            let frame = String::from_utf8_lossy(frame);
+            if let Some(data) = frame.trim().strip_prefix("data: ")
+                && let Ok(v) = serde_json::from_str::<Value>(data)
+                && let Some(t) = v
+                    .pointer("/choices/0/delta/content")
+                    .and_then(Value::as_str)
+            {
+                text.push_str(t);
+            }
+        }
+        text
+    }
+
+    #[test]
+    fn holdback_releases_text_far_enough_behind() {
+        let mut guard = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
+        let sentence = "Here is my advice for you today, step by step. ";
+        let mut frames = Vec::new();
+        for _ in 0..40 {
+            frames.extend(guard.on_event(openai_delta(sentence)));
+        }
+        let released = released_text(&frames);
+        let total = sentence.len() * 40;
+        assert!(
+            released.len() >= total - guard.hold() - 64,
+            "{} of {total}",
+            released.len()
+        );
+        assert!(
+            released.len() <= total - guard.hold() + sentence.len(),
+            "{} of {total}",
+            released.len()
+        );
+        assert!(!guard.blocked);
+    }
 }

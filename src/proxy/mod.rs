@@ -76,16 +76,18 @@ impl State {
                 .build()?;
             clients.insert(name.clone(), client);
             if let Some(var) = &upstream.api_key_env {
-                let key = std::env::var(var)
-                    .map_err(|_| anyhow::anyhow!("upstreams.{name}.api_key_env: environment variable {var} is not set"))?;
+                let key = std::env::var(var).map_err(|_| {
+                    anyhow::anyhow!(
+                        "upstreams.{name}.api_key_env: environment variable {var} is not set"
+                    )
+                })?;
                 keys.insert(name.clone(), HeaderValue::from_str(&key)?);
             }
         }
         let admin_token = match &config.admin.token_env {
-            Some(var) => Some(
-                std::env::var(var)
-                    .map_err(|_| anyhow::anyhow!("admin.token_env: environment variable {var} is not set"))?,
-            ),
+            Some(var) => Some(std::env::var(var).map_err(|_| {
+                anyhow::anyhow!("admin.token_env: environment variable {var} is not set")
+            })?),
             None => None,
         };
         Ok(State {
@@ -101,7 +103,9 @@ impl State {
 
     fn request_id(&self) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let t = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_micros());
+        let t = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros());
         format!("fg-{:x}-{n:x}", t & 0xffff_ffff_ffff)
     }
 
@@ -114,8 +118,13 @@ impl State {
             Ok(Ok(rules)) => {
                 self.metrics.reloads.with_label_values(&["ok"]).inc();
                 self.metrics.reload_failing.set(0);
-                self.metrics.rules_swapped(rules.version(), rules.rules().len());
-                tracing::info!(version = rules.version(), rules = rules.rules().len(), "rules reloaded");
+                self.metrics
+                    .rules_swapped(rules.version(), rules.rules().len());
+                tracing::info!(
+                    version = rules.version(),
+                    rules = rules.rules().len(),
+                    "rules reloaded"
+                );
                 Ok(rules)
             }
             Ok(Err(errors)) => {
@@ -178,7 +187,10 @@ pub async fn run(
 }
 
 /// One request on the proxy port.
-async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+async fn handle(
+    state: Arc<State>,
+    req: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Infallible> {
     let started = Instant::now();
     let request_id = state.request_id();
     let endpoint = (req.method() == Method::POST)
@@ -222,7 +234,9 @@ fn upstream_headers(state: &State, upstream: &str, from: &HeaderMap) -> HeaderMa
         if upstream == "anthropic" || from.contains_key("x-api-key") {
             headers.insert("x-api-key", key.clone());
             headers.remove(header::AUTHORIZATION);
-        } else if let Ok(bearer) = HeaderValue::from_str(&format!("Bearer {}", key.to_str().unwrap_or_default())) {
+        } else if let Ok(bearer) =
+            HeaderValue::from_str(&format!("Bearer {}", key.to_str().unwrap_or_default()))
+        {
             headers.insert(header::AUTHORIZATION, bearer);
         }
     }
@@ -230,7 +244,12 @@ fn upstream_headers(state: &State, upstream: &str, from: &HeaderMap) -> HeaderMa
 }
 
 fn upstream_url(state: &State, upstream: &str, uri: &http::Uri) -> Option<String> {
-    let base = state.config.upstreams.get(upstream)?.url.trim_end_matches('/');
+    let base = state
+        .config
+        .upstreams
+        .get(upstream)?
+        .url
+        .trim_end_matches('/');
     let path = uri.path_and_query().map_or("/", |p| p.as_str());
     Some(format!("{base}{path}"))
 }
@@ -244,7 +263,11 @@ fn upstream_failure(state: &State, upstream: &str, error: &reqwest::Error) -> Fa
     } else {
         (Failure::UpstreamBroken, "other")
     };
-    state.metrics.upstream_errors.with_label_values(&[upstream, kind]).inc();
+    state
+        .metrics
+        .upstream_errors
+        .with_label_values(&[upstream, kind])
+        .inc();
     tracing::warn!(upstream, %error, "upstream request failed");
     failure
 }
@@ -258,16 +281,27 @@ fn dialect_of_path(path: &str) -> Dialect {
 }
 
 /// Forwards a request that is not guarded, bodies streamed both ways.
-async fn passthrough(state: &State, req: Request<Incoming>, request_id: &str) -> Response<ProxyBody> {
+async fn passthrough(
+    state: &State,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Response<ProxyBody> {
     let dialect = dialect_of_path(req.uri().path());
     let Some(route) = state.config.route(req.uri().path(), None) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
     let upstream = route.upstream.clone();
-    let (Some(client), Some(url)) = (state.clients.get(&upstream), upstream_url(state, &upstream, req.uri())) else {
+    let (Some(client), Some(url)) = (
+        state.clients.get(&upstream),
+        upstream_url(state, &upstream, req.uri()),
+    ) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
-    let timeout = state.config.upstreams.get(&upstream).map_or(600_000, |u| u.timeout_ms);
+    let timeout = state
+        .config
+        .upstreams
+        .get(&upstream)
+        .map_or(600_000, |u| u.timeout_ms);
     let headers = upstream_headers(state, &upstream, req.headers());
     let method = req.method().clone();
     let body = reqwest::Body::wrap_stream(req.into_body().into_data_stream());
@@ -280,12 +314,20 @@ async fn passthrough(state: &State, req: Request<Incoming>, request_id: &str) ->
         .await;
     match result {
         Ok(response) => stream_back(response, request_id, None),
-        Err(error) => respond::failure(dialect, upstream_failure(state, &upstream, &error), request_id),
+        Err(error) => respond::failure(
+            dialect,
+            upstream_failure(state, &upstream, &error),
+            request_id,
+        ),
     }
 }
 
 /// Relays an upstream response as it arrives.
-fn stream_back(response: reqwest::Response, request_id: &str, verdict: Option<&str>) -> Response<ProxyBody> {
+fn stream_back(
+    response: reqwest::Response,
+    request_id: &str,
+    verdict: Option<&str>,
+) -> Response<ProxyBody> {
     let status = response.status();
     let headers = response.headers().clone();
     let body = response
@@ -311,11 +353,21 @@ fn record_verdict(metrics: &Metrics, verdict: &Verdict) {
     for hit in &verdict.hits {
         metrics
             .rule_hits
-            .with_label_values(&[&*hit.rule, &*hit.category, hit.scope.as_str(), hit.action.as_str()])
+            .with_label_values(&[
+                &*hit.rule,
+                &*hit.category,
+                hit.scope.as_str(),
+                hit.action.as_str(),
+            ])
             .inc();
     }
     let r = &verdict.risk;
-    for (scope, value) in [("prompt", r.prompt), ("response", r.response), ("context", r.context), ("total", r.total)] {
+    for (scope, value) in [
+        ("prompt", r.prompt),
+        ("response", r.response),
+        ("context", r.context),
+        ("total", r.total),
+    ] {
         metrics.risk.with_label_values(&[scope]).observe(value);
     }
 }
@@ -331,10 +383,16 @@ async fn guarded(
     let dialect = endpoint.dialect();
     let route_label = endpoint.route();
     let (parts, body) = req.into_parts();
-    let bytes = match Limited::new(body, state.config.guard.max_body_bytes).collect().await {
+    let bytes = match Limited::new(body, state.config.guard.max_body_bytes)
+        .collect()
+        .await
+    {
         Ok(collected) => collected.to_bytes(),
         Err(error) => {
-            let failure = if error.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+            let failure = if error
+                .downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
                 Failure::TooLarge
             } else {
                 Failure::InvalidJson
@@ -358,21 +416,48 @@ async fn guarded(
     let scan = guard::scan_request(&rules, &state.config.risk, endpoint, &mut json);
     if scan.verdict.decision == Decision::Block {
         record_verdict(&state.metrics, &scan.verdict);
-        state.metrics.blocks.with_label_values(&[route_label, "prompt"]).inc();
-        state.metrics.requests.with_label_values(&[route_label, &upstream, "block"]).inc();
+        state
+            .metrics
+            .blocks
+            .with_label_values(&[route_label, "prompt"])
+            .inc();
+        state
+            .metrics
+            .requests
+            .with_label_values(&[route_label, &upstream, "block"])
+            .inc();
         let message = block_message(&scan.verdict.hits);
         tracing::info!(request_id, rules = ?rule_ids(&scan.verdict.hits), "prompt blocked");
-        return respond::blocked(dialect, "prompt", &message, &rule_ids(&scan.verdict.hits), request_id);
+        return respond::blocked(
+            dialect,
+            "prompt",
+            &message,
+            &rule_ids(&scan.verdict.hits),
+            request_id,
+        );
     }
 
-    let (Some(client), Some(url)) = (state.clients.get(&upstream), upstream_url(state, &upstream, &parts.uri)) else {
+    let (Some(client), Some(url)) = (
+        state.clients.get(&upstream),
+        upstream_url(state, &upstream, &parts.uri),
+    ) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
-    let timeout = state.config.upstreams.get(&upstream).map_or(600_000, |u| u.timeout_ms);
+    let timeout = state
+        .config
+        .upstreams
+        .get(&upstream)
+        .map_or(600_000, |u| u.timeout_ms);
     let mut headers = upstream_headers(state, &upstream, &parts.headers);
     // The guard reads response bodies: ask for them uncompressed.
-    headers.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     let sent = Instant::now();
     let result = client
         .post(url)
@@ -384,17 +469,33 @@ async fn guarded(
     let response = match result {
         Ok(response) => response,
         Err(error) => {
-            state.metrics.requests.with_label_values(&[route_label, &upstream, "error"]).inc();
-            return respond::failure(dialect, upstream_failure(state, &upstream, &error), request_id);
+            state
+                .metrics
+                .requests
+                .with_label_values(&[route_label, &upstream, "error"])
+                .inc();
+            return respond::failure(
+                dialect,
+                upstream_failure(state, &upstream, &error),
+                request_id,
+            );
         }
     };
     let upstream_time = sent.elapsed();
-    state.metrics.upstream_latency.with_label_values(&[&upstream]).observe(upstream_time.as_secs_f64());
+    state
+        .metrics
+        .upstream_latency
+        .with_label_values(&[&upstream])
+        .observe(upstream_time.as_secs_f64());
     let prompt_verdict = scan.verdict.decision.as_str();
 
     // Upstream errors pass through unchanged.
     if !response.status().is_success() {
-        state.metrics.requests.with_label_values(&[route_label, &upstream, "upstream_error"]).inc();
+        state
+            .metrics
+            .requests
+            .with_label_values(&[route_label, &upstream, "upstream_error"])
+            .inc();
         return stream_back(response, request_id, Some(prompt_verdict));
     }
     let is_stream = response
@@ -403,7 +504,17 @@ async fn guarded(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     if is_stream || streaming && !is_json(response.headers()) {
-        return guarded_stream(state, response, endpoint, stream_mode, rules, scan, request_id, started, &upstream);
+        return guarded_stream(
+            state,
+            response,
+            endpoint,
+            stream_mode,
+            rules,
+            scan,
+            request_id,
+            started,
+            &upstream,
+        );
     }
 
     let status = response.status();
@@ -411,7 +522,11 @@ async fn guarded(
     let body = match read_limited(response, state.config.guard.max_response_bytes).await {
         Ok(body) => body,
         Err(error) => {
-            state.metrics.upstream_errors.with_label_values(&[&upstream, "body"]).inc();
+            state
+                .metrics
+                .upstream_errors
+                .with_label_values(&[&upstream, "body"])
+                .inc();
             tracing::warn!(%error, "upstream body could not be read");
             return respond::failure(dialect, Failure::UpstreamBroken, request_id);
         }
@@ -438,14 +553,38 @@ async fn guarded(
         .metrics
         .added_latency
         .with_label_values(&[route_label])
-        .observe(started.elapsed().saturating_sub(upstream_time).as_secs_f64());
+        .observe(
+            started
+                .elapsed()
+                .saturating_sub(upstream_time)
+                .as_secs_f64(),
+        );
     if verdict.decision == Decision::Block {
-        state.metrics.blocks.with_label_values(&[route_label, "response"]).inc();
-        let response_hits: Vec<Hit> = verdict.hits.iter().filter(|h| h.scope == crate::rules::Scope::Response).cloned().collect();
-        let message = block_message(if response_hits.is_empty() { &verdict.hits } else { &response_hits });
+        state
+            .metrics
+            .blocks
+            .with_label_values(&[route_label, "response"])
+            .inc();
+        let response_hits: Vec<Hit> = verdict
+            .hits
+            .iter()
+            .filter(|h| h.scope == crate::rules::Scope::Response)
+            .cloned()
+            .collect();
+        let message = block_message(if response_hits.is_empty() {
+            &verdict.hits
+        } else {
+            &response_hits
+        });
         tracing::info!(request_id, rules = ?rule_ids(&verdict.hits), "response blocked");
         if state.config.guard.on_block == OnBlock::Error {
-            return respond::blocked(dialect, "response", &message, &rule_ids(&verdict.hits), request_id);
+            return respond::blocked(
+                dialect,
+                "response",
+                &message,
+                &rule_ids(&verdict.hits),
+                request_id,
+            );
         }
         respond::refuse_in_place(endpoint, &mut response_json, &message);
     }
@@ -508,19 +647,31 @@ fn guarded_stream(
         let metrics = &metrics_state.metrics;
         record_verdict(metrics, &outcome.verdict);
         let decision = outcome.verdict.decision;
-        metrics.requests.with_label_values(&[route, &upstream_name, decision.as_str()]).inc();
+        metrics
+            .requests
+            .with_label_values(&[route, &upstream_name, decision.as_str()])
+            .inc();
         if decision == Decision::Block {
             metrics.blocks.with_label_values(&[route, "response"]).inc();
             tracing::info!(request_id = id, rules = ?rule_ids(&outcome.verdict.hits), "stream blocked");
         }
         if let Some(first) = outcome.first_byte {
-            metrics.stream_first_byte.with_label_values(&[route]).observe(first.as_secs_f64());
+            metrics
+                .stream_first_byte
+                .with_label_values(&[route])
+                .observe(first.as_secs_f64());
         }
         if outcome.malformed {
-            metrics.stream_errors.with_label_values(&[route, "malformed"]).inc();
+            metrics
+                .stream_errors
+                .with_label_values(&[route, "malformed"])
+                .inc();
         }
         if outcome.upstream_failed {
-            metrics.stream_errors.with_label_values(&[route, "upstream"]).inc();
+            metrics
+                .stream_errors
+                .with_label_values(&[route, "upstream"])
+                .inc();
         }
     };
     let body = guard_body(setup, response.bytes_stream(), done);

@@ -119,7 +119,9 @@ pub fn blocked(
         }}),
     };
     let mut response = json_response(StatusCode::BAD_REQUEST, &body, request_id, Some("block"));
-    response.headers_mut().insert("x-should-retry", HeaderValue::from_static("false"));
+    response
+        .headers_mut()
+        .insert("x-should-retry", HeaderValue::from_static("false"));
     response
 }
 
@@ -133,7 +135,8 @@ pub fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {
             if let Some(choices) = body.get_mut("choices").and_then(Value::as_array_mut) {
                 for choice in choices {
                     choice["finish_reason"] = json!("content_filter");
-                    let message_value = json!({"role": "assistant", "content": null, "refusal": message});
+                    let message_value =
+                        json!({"role": "assistant", "content": null, "refusal": message});
                     choice["message"] = message_value;
                 }
             }
@@ -166,12 +169,18 @@ pub fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {
 }
 
 /// A JSON response with fairgate's headers.
-pub fn json_response(status: StatusCode, body: &Value, request_id: &str, verdict: Option<&str>) -> Response<ProxyBody> {
+pub fn json_response(
+    status: StatusCode,
+    body: &Value,
+    request_id: &str,
+    verdict: Option<&str>,
+) -> Response<ProxyBody> {
     let mut response = Response::new(full(Bytes::from(body.to_string())));
     *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     tag(&mut response, request_id, verdict);
     response
 }
@@ -187,15 +196,18 @@ pub fn tag(response: &mut Response<ProxyBody>, request_id: &str, verdict: Option
 }
 
 pub fn full(bytes: Bytes) -> ProxyBody {
-    Full::new(bytes).map_err(|never| match never {}).boxed_unsync()
+    Full::new(bytes)
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 /// A plain-text response (admin endpoints).
 pub fn text(status: StatusCode, body: String) -> Response<ProxyBody> {
     let mut response = Response::new(full(Bytes::from(body)));
     *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     response
 }

@@ -10,10 +10,10 @@
 
 mod compile;
 pub mod examples;
-pub mod store;
 pub mod load;
 mod matcher;
 pub mod normalize;
+pub mod store;
 pub mod validate;
 
 use std::fmt;

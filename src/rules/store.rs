@@ -61,7 +61,10 @@ impl RuleStore {
     /// for the compile: call it off the request path.
     pub fn reload(&self) -> Result<Arc<RuleSet>, LoadErrors> {
         let result = RuleSet::load_dir(&self.dir, &self.options);
-        let mut status = self.status.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut status = self
+            .status
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         status.reloads += 1;
         match result {
             Ok(rules) => {
@@ -80,10 +83,15 @@ impl RuleStore {
     }
 
     pub fn status(&self) -> ReloadStatus {
-        self.status.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+        self.status
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
     }
 }
 
 fn now() -> u64 {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }

@@ -4,8 +4,8 @@
 //! model-controlled strings.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 /// Every metric fairgate exports.
@@ -45,8 +45,8 @@ pub struct Metrics {
 
 /// Latency buckets from 50 µs to 60 s.
 const LATENCY_BUCKETS: &[f64] = &[
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-    30.0, 60.0,
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
 const RISK_BUCKETS: &[f64] = &[0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
@@ -56,13 +56,17 @@ impl Metrics {
     pub fn new() -> Metrics {
         let registry = Registry::new();
         let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels).unwrap_or_else(|e| unreachable_metric(name, e));
+            let c = IntCounterVec::new(Opts::new(name, help), labels)
+                .unwrap_or_else(|e| unreachable_metric(name, e));
             register(&registry, Box::new(c.clone()));
             c
         };
         let histogram = |name: &str, help: &str, labels: &[&str], buckets: &[f64]| {
-            let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), labels)
-                .unwrap_or_else(|e| unreachable_metric(name, e));
+            let h = HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+                labels,
+            )
+            .unwrap_or_else(|e| unreachable_metric(name, e));
             register(&registry, Box::new(h.clone()));
             h
         };
@@ -71,7 +75,11 @@ impl Metrics {
             "Guarded requests by route, upstream and verdict.",
             &["route", "upstream", "verdict"],
         );
-        let blocks = counter("fairgate_blocks_total", "Blocked exchanges by route and deciding scope.", &["route", "scope"]);
+        let blocks = counter(
+            "fairgate_blocks_total",
+            "Blocked exchanges by route and deciding scope.",
+            &["route", "scope"],
+        );
         let rule_hits = counter(
             "fairgate_rule_hits_total",
             "Rule hits by rule, category, scope and action.",
@@ -82,10 +90,22 @@ impl Metrics {
             "Upstream failures by kind (connect, timeout, body).",
             &["upstream", "kind"],
         );
-        let stream_errors =
-            counter("fairgate_stream_errors_total", "Malformed or broken upstream streams.", &["route", "kind"]);
-        let reloads = counter("fairgate_rules_reloads_total", "Rule reloads by result.", &["result"]);
-        let risk = histogram("fairgate_risk_score", "Risk scores by scope.", &["scope"], RISK_BUCKETS);
+        let stream_errors = counter(
+            "fairgate_stream_errors_total",
+            "Malformed or broken upstream streams.",
+            &["route", "kind"],
+        );
+        let reloads = counter(
+            "fairgate_rules_reloads_total",
+            "Rule reloads by result.",
+            &["result"],
+        );
+        let risk = histogram(
+            "fairgate_risk_score",
+            "Risk scores by scope.",
+            &["scope"],
+            RISK_BUCKETS,
+        );
         let upstream_latency = histogram(
             "fairgate_upstream_latency_seconds",
             "Time from forwarding a request to the upstream's response head.",
@@ -104,8 +124,11 @@ impl Metrics {
             &["route"],
             LATENCY_BUCKETS,
         );
-        let rules_info = IntGaugeVec::new(Opts::new("fairgate_rules_info", "The rule set serving, by version."), &["version"])
-            .unwrap_or_else(|e| unreachable_metric("fairgate_rules_info", e));
+        let rules_info = IntGaugeVec::new(
+            Opts::new("fairgate_rules_info", "The rule set serving, by version."),
+            &["version"],
+        )
+        .unwrap_or_else(|e| unreachable_metric("fairgate_rules_info", e));
         register(&registry, Box::new(rules_info.clone()));
         let gauge = |name: &str, help: &str| {
             let g = IntGauge::new(name, help).unwrap_or_else(|e| unreachable_metric(name, e));
@@ -113,9 +136,15 @@ impl Metrics {
             g
         };
         let rules_loaded = gauge("fairgate_rules_loaded", "Rules serving.");
-        let reload_failing = gauge("fairgate_rules_reload_failing", "1 while the last rule reload failed.");
-        let reload_errors = IntCounter::new("fairgate_rules_reload_errors_total", "Rule reloads that failed.")
-            .unwrap_or_else(|e| unreachable_metric("fairgate_rules_reload_errors_total", e));
+        let reload_failing = gauge(
+            "fairgate_rules_reload_failing",
+            "1 while the last rule reload failed.",
+        );
+        let reload_errors = IntCounter::new(
+            "fairgate_rules_reload_errors_total",
+            "Rule reloads that failed.",
+        )
+        .unwrap_or_else(|e| unreachable_metric("fairgate_rules_reload_errors_total", e));
         register(&registry, Box::new(reload_errors.clone()));
         Metrics {
             registry,

@@ -1,0 +1,381 @@
+//! Test support: a mock LLM upstream that speaks real HTTP and SSE, and a
+//! fairgate proxy started on ephemeral ports in front of it.
+//!
+//! The mock answers in the dialect of the path it is called on. A request
+//! header `x-mock-reply` (JSON) says what to answer:
+//! `{"text": "...", "chunks": ["..", ".."], "status": 500, "delay_ms": 100,
+//! "raw_sse": "..."}`; without it the mock echoes "Hello from the mock.".
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use fairgate::config::{Config, UpstreamConfig};
+use fairgate::proxy::{self, State};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+/// What the mock received.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub method: String,
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Received {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+pub struct Mock {
+    pub addr: SocketAddr,
+    pub received: Arc<Mutex<Vec<Received>>>,
+}
+
+impl Mock {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn requests(&self) -> Vec<Received> {
+        self.received.lock().unwrap().clone()
+    }
+}
+
+pub async fn start_mock() -> Mock {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let received = Arc::new(Mutex::new(Vec::new()));
+    let log = received.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let log = log.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |req| mock_reply(log.clone(), req));
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Mock { addr, received }
+}
+
+type MockBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+async fn mock_reply(
+    log: Arc<Mutex<Vec<Received>>>,
+    req: Request<Incoming>,
+) -> Result<Response<MockBody>, Infallible> {
+    let method = req.method().to_string();
+    let path = req.uri().path().to_owned();
+    let headers: Vec<(String, String)> = req
+        .headers()
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_owned()))
+        .collect();
+    let script: Value = headers
+        .iter()
+        .find(|(n, _)| n == "x-mock-reply")
+        .and_then(|(_, v)| serde_json::from_str(v).ok())
+        .unwrap_or(json!({}));
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let body = String::from_utf8_lossy(&body).into_owned();
+    log.lock().unwrap().push(Received {
+        method: method.clone(),
+        path: path.clone(),
+        headers,
+        body: body.clone(),
+    });
+    if let Some(ms) = script.get("delay_ms").and_then(Value::as_u64) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if let Some(status) = script.get("status").and_then(Value::as_u64) {
+        return Ok(json_reply(
+            status as u16,
+            &json!({"error": {"message": "mock failure", "type": "server_error"}}),
+        ));
+    }
+    if method == "GET" {
+        return Ok(json_reply(
+            200,
+            &json!({"object": "list", "data": [{"id": "mock-model"}]}),
+        ));
+    }
+    let request: Value = serde_json::from_str(&body).unwrap_or(json!({}));
+    let text = script
+        .get("text")
+        .and_then(Value::as_str)
+        .unwrap_or("Hello from the mock.")
+        .to_owned();
+    let chunks: Vec<String> = match script.get("chunks").and_then(Value::as_array) {
+        Some(chunks) => chunks
+            .iter()
+            .map(|c| c.as_str().unwrap_or("").to_owned())
+            .collect(),
+        None => vec![text.clone()],
+    };
+    let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
+    if let Some(raw) = script.get("raw_sse").and_then(Value::as_str) {
+        return Ok(sse_reply(raw.to_owned()));
+    }
+    let anthropic = path.starts_with("/v1/messages");
+    Ok(match (anthropic, stream) {
+        (false, false) => json_reply(
+            200,
+            &json!({
+                "id": "chatcmpl-mock", "object": "chat.completion", "created": 1, "model": "mock-model",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+            }),
+        ),
+        (true, false) => json_reply(
+            200,
+            &json!({
+                "id": "msg_mock", "type": "message", "role": "assistant", "model": "mock-model",
+                "content": [{"type": "text", "text": text}],
+                "stop_reason": "end_turn", "stop_sequence": null,
+                "usage": {"input_tokens": 5, "output_tokens": 7}
+            }),
+        ),
+        (false, true) => sse_reply(openai_stream(&chunks)),
+        (true, true) => sse_reply(anthropic_stream(&chunks)),
+    })
+}
+
+pub fn openai_stream(chunks: &[String]) -> String {
+    let frame = |delta: Value, finish: Value| {
+        format!(
+            "data: {}\n\n",
+            json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": "mock-model",
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+        )
+    };
+    let mut out = frame(json!({"role": "assistant", "content": ""}), Value::Null);
+    for chunk in chunks {
+        out.push_str(&frame(json!({"content": chunk}), Value::Null));
+    }
+    out.push_str(&frame(json!({}), json!("stop")));
+    out.push_str("data: [DONE]\n\n");
+    out
+}
+
+pub fn anthropic_stream(chunks: &[String]) -> String {
+    let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
+    let mut out = event(
+        "message_start",
+        json!({"type": "message_start", "message": {"id": "msg_mock", "type": "message", "role": "assistant",
+               "model": "mock-model", "content": [], "stop_reason": null, "stop_sequence": null,
+               "usage": {"input_tokens": 5, "output_tokens": 1}}}),
+    );
+    out.push_str(&event(
+        "content_block_start",
+        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+    ));
+    out.push_str(&event("ping", json!({"type": "ping"})));
+    for chunk in chunks {
+        out.push_str(&event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": chunk}}),
+        ));
+    }
+    out.push_str(&event(
+        "content_block_stop",
+        json!({"type": "content_block_stop", "index": 0}),
+    ));
+    out.push_str(&event(
+        "message_delta",
+        json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 7}}),
+    ));
+    out.push_str(&event("message_stop", json!({"type": "message_stop"})));
+    out
+}
+
+fn json_reply(status: u16, body: &Value) -> Response<MockBody> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())).boxed())
+        .unwrap()
+}
+
+/// An SSE body sent in small pieces with pauses, as a real upstream does.
+fn sse_reply(body: String) -> Response<MockBody> {
+    let pieces: Vec<Bytes> = body
+        .as_bytes()
+        .chunks(7)
+        .map(Bytes::copy_from_slice)
+        .collect();
+    let stream = futures_util::stream::iter(
+        pieces
+            .into_iter()
+            .map(|b| Ok::<_, Infallible>(hyper::body::Frame::data(b))),
+    );
+    Response::builder()
+        .status(200)
+        .header("content-type", "text/event-stream")
+        .body(http_body_util::StreamBody::new(stream).boxed())
+        .unwrap()
+}
+
+/// A running proxy.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub state: Arc<State>,
+    shutdown: Option<oneshot::Sender<()>>,
+    pub task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Proxy {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.admin)
+    }
+
+    /// Stops accepting and waits for the proxy to drain.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+        }
+    }
+}
+
+/// A configuration with both upstreams on `upstream` and the given rules.
+pub fn config(upstream: &str, rules: &Path) -> Config {
+    let mut config = Config::default();
+    config
+        .upstreams
+        .insert("openai".into(), UpstreamConfig::new(upstream));
+    config
+        .upstreams
+        .insert("anthropic".into(), UpstreamConfig::new(upstream));
+    config.rules.dir = rules.to_owned();
+    config.rules.watch = false;
+    config.shutdown_grace_ms = 5_000;
+    config
+}
+
+pub async fn start_proxy(config: Config) -> Proxy {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let admin_addr = admin.local_addr().unwrap();
+    let state = Arc::new(State::new(config).expect("proxy state"));
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(proxy::run(state.clone(), listener, admin, async move {
+        let _ = rx.await;
+    }));
+    Proxy {
+        addr,
+        admin: admin_addr,
+        state,
+        shutdown: Some(tx),
+        task: Some(task),
+    }
+}
+
+/// Proxy in front of a fresh mock, with the shipped rules.
+pub async fn start() -> (Mock, Proxy) {
+    let mock = start_mock().await;
+    let proxy = start_proxy(config(&mock.url(), Path::new("rules"))).await;
+    (mock, proxy)
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+/// The text a client gets from an OpenAI chat stream, and the finish reasons.
+pub fn openai_stream_text(body: &str) -> (String, Vec<String>, bool) {
+    let mut text = String::new();
+    let mut finishes = Vec::new();
+    let mut done = false;
+    for event in body.split("\n\n") {
+        let Some(data) = event.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).expect("every data line is JSON");
+        if let Some(t) = v
+            .pointer("/choices/0/delta/content")
+            .and_then(Value::as_str)
+        {
+            text.push_str(t);
+        }
+        if let Some(f) = v
+            .pointer("/choices/0/finish_reason")
+            .and_then(Value::as_str)
+        {
+            finishes.push(f.to_owned());
+        }
+    }
+    (text, finishes, done)
+}
+
+/// The text, the stop reason and the event names of an Anthropic stream.
+pub fn anthropic_stream_text(body: &str) -> (String, Option<String>, Vec<String>) {
+    let mut text = String::new();
+    let mut stop = None;
+    let mut names = Vec::new();
+    for event in body.split("\n\n").filter(|e| !e.trim().is_empty()) {
+        let mut lines = event.lines();
+        let name = lines
+            .next()
+            .and_then(|l| l.strip_prefix("event: "))
+            .expect("event line")
+            .to_owned();
+        let data: Value = serde_json::from_str(
+            lines
+                .next()
+                .and_then(|l| l.strip_prefix("data: "))
+                .expect("data line"),
+        )
+        .expect("JSON data");
+        if let Some(t) = data.pointer("/delta/text").and_then(Value::as_str) {
+            text.push_str(t);
+        }
+        if let Some(s) = data.pointer("/delta/stop_reason").and_then(Value::as_str) {
+            stop = Some(s.to_owned());
+        }
+        names.push(name);
+    }
+    (text, stop, names)
+}
