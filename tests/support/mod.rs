@@ -141,8 +141,12 @@ async fn mock_reply(
         None => vec![text.clone()],
     };
     let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
+    let pause = script
+        .get("piece_delay_ms")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
     if let Some(raw) = script.get("raw_sse").and_then(Value::as_str) {
-        return Ok(sse_reply(raw.to_owned()));
+        return Ok(sse_reply(raw.to_owned(), pause));
     }
     let anthropic = path.starts_with("/v1/messages");
     Ok(match (anthropic, stream) {
@@ -163,8 +167,8 @@ async fn mock_reply(
                 "usage": {"input_tokens": 5, "output_tokens": 7}
             }),
         ),
-        (false, true) => sse_reply(openai_stream(&chunks)),
-        (true, true) => sse_reply(anthropic_stream(&chunks)),
+        (false, true) => sse_reply(openai_stream(&chunks), pause),
+        (true, true) => sse_reply(anthropic_stream(&chunks), pause),
     })
 }
 
@@ -224,18 +228,21 @@ fn json_reply(status: u16, body: &Value) -> Response<MockBody> {
         .unwrap()
 }
 
-/// An SSE body sent in small pieces with pauses, as a real upstream does.
-fn sse_reply(body: String) -> Response<MockBody> {
+/// An SSE body sent in small pieces, `pause_ms` apart, as a real upstream
+/// sends it.
+fn sse_reply(body: String, pause_ms: u64) -> Response<MockBody> {
     let pieces: Vec<Bytes> = body
         .as_bytes()
         .chunks(7)
         .map(Bytes::copy_from_slice)
         .collect();
-    let stream = futures_util::stream::iter(
-        pieces
-            .into_iter()
-            .map(|b| Ok::<_, Infallible>(hyper::body::Frame::data(b))),
-    );
+    let stream = futures_util::stream::unfold(pieces.into_iter(), move |mut pieces| async move {
+        let piece = pieces.next()?;
+        if pause_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+        }
+        Some((Ok::<_, Infallible>(hyper::body::Frame::data(piece)), pieces))
+    });
     Response::builder()
         .status(200)
         .header("content-type", "text/event-stream")
@@ -288,11 +295,15 @@ pub fn config(upstream: &str, rules: &Path) -> Config {
 }
 
 pub async fn start_proxy(config: Config) -> Proxy {
+    start_proxy_state(State::new(config).expect("proxy state")).await
+}
+
+pub async fn start_proxy_state(state: State) -> Proxy {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let admin_addr = admin.local_addr().unwrap();
-    let state = Arc::new(State::new(config).expect("proxy state"));
+    let state = Arc::new(state);
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(proxy::run(state.clone(), listener, admin, async move {
         let _ = rx.await;

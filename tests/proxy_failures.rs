@@ -1,0 +1,195 @@
+//! Bad input and failures: every one gets a clear answer in the caller's
+//! dialect, nothing panics or hangs.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::{client, config, start, start_mock, start_proxy};
+
+fn chat(content: &str, stream: bool) -> Value {
+    json!({"model": "m", "stream": stream, "messages": [{"role": "user", "content": content}]})
+}
+
+#[tokio::test]
+async fn oversized_body_gets_413_in_each_dialect() {
+    let mock = start_mock().await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    config.guard.max_body_bytes = 1024;
+    let proxy = start_proxy(config).await;
+    let big = "x".repeat(4096);
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&chat(&big, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "request_too_large");
+    let response = client()
+        .post(proxy.url("/v1/messages"))
+        .json(
+            &json!({"model": "c", "max_tokens": 5, "messages": [{"role": "user", "content": big}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["type"], "error");
+    assert_eq!(body["error"]["type"], "request_too_large");
+    assert!(mock.requests().is_empty());
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn invalid_json_is_rejected_not_forwarded() {
+    let (mock, proxy) = start().await;
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body("{\"messages\": [")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_json");
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    assert!(mock.requests().is_empty());
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn unreachable_upstream_gets_502() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let proxy = start_proxy(config(&url, Path::new("rules"))).await;
+    let response = client()
+        .post(proxy.url("/v1/messages"))
+        .json(&json!({"model": "c", "max_tokens": 5, "messages": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 502);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "api_error");
+    let response = client().get(proxy.url("/v1/models")).send().await.unwrap();
+    assert_eq!(response.status(), 502);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "upstream_unreachable");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn slow_upstream_gets_504() {
+    let mock = start_mock().await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    for upstream in config.upstreams.values_mut() {
+        upstream.timeout_ms = 300;
+    }
+    let proxy = start_proxy(config).await;
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("x-mock-reply", json!({"delay_ms": 3000}).to_string())
+        .json(&chat("hello", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 504);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "upstream_timeout");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn upstream_errors_pass_through_unchanged() {
+    let (_mock, proxy) = start().await;
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("x-mock-reply", json!({"status": 503}).to_string())
+        .json(&chat("hello", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 503);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["message"], "mock failure");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn malformed_sse_ends_the_stream_cleanly_and_is_counted() {
+    let (_mock, proxy) = start().await;
+    let raw = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Fine so far. \"},\"finish_reason\":null}]}\n\ndata: {not json\n\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"never sent\"}}]}\n\n";
+    let response = tokio::time::timeout(
+        Duration::from_secs(10),
+        client()
+            .post(proxy.url("/v1/chat/completions"))
+            .header("x-mock-reply", json!({"raw_sse": raw}).to_string())
+            .json(&chat("hello", true))
+            .send(),
+    )
+    .await
+    .expect("no hang")
+    .unwrap();
+    let body = tokio::time::timeout(Duration::from_secs(10), response.text())
+        .await
+        .expect("no hang")
+        .unwrap();
+    let (text, _, _) = support::openai_stream_text(&body);
+    assert_eq!(text, "Fine so far. ");
+    let metrics = client()
+        .get(proxy.admin_url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(
+            "fairgate_stream_errors_total{kind=\"malformed\",route=\"chat_completions\"} 1"
+        ),
+        "{metrics}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_lets_a_stream_in_flight_finish() {
+    let (_mock, proxy) = start().await;
+    let chunks: Vec<String> = (0..20)
+        .map(|i| format!("Part {i} of a long and careful answer. "))
+        .collect();
+    let url = proxy.url("/v1/chat/completions");
+    let request = tokio::spawn(async move {
+        let response = client()
+            .post(url)
+            .header(
+                "x-mock-reply",
+                json!({"chunks": chunks, "piece_delay_ms": 5}).to_string(),
+            )
+            .json(&chat("explain", true))
+            .send()
+            .await
+            .unwrap();
+        response.text().await.unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    proxy.stop().await;
+    let body = request.await.unwrap();
+    let (text, finishes, done) = support::openai_stream_text(&body);
+    assert!(
+        text.ends_with("Part 19 of a long and careful answer. "),
+        "{text}"
+    );
+    assert_eq!(finishes, ["stop"]);
+    assert!(done);
+}
