@@ -209,20 +209,23 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
         Some(path) => Config::load(path)?,
         None => Config::default(),
     };
+    // The proxy logs to stdout from many threads: it must not run while this
+    // thread holds the lock, so it is started before the lock is taken.
+    if let Command::Serve { overrides } = &cli.command {
+        let mut config = config.clone();
+        overrides.apply(&mut config);
+        let problems = config.problems();
+        if !problems.is_empty() {
+            anyhow::bail!("invalid configuration:\n  {}", problems.join("\n  "));
+        }
+        serve(config)?;
+        return Ok(true);
+    }
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let dir = |d: &Option<PathBuf>| d.clone().unwrap_or_else(|| config.rules.dir.clone());
     let ok = match &cli.command {
-        Command::Serve { overrides } => {
-            let mut config = config.clone();
-            overrides.apply(&mut config);
-            let problems = config.problems();
-            if !problems.is_empty() {
-                anyhow::bail!("invalid configuration:\n  {}", problems.join("\n  "));
-            }
-            serve(config)?;
-            true
-        }
+        Command::Serve { .. } => true,
         Command::Config {
             command: ConfigCommand::Check { overrides },
         } => {

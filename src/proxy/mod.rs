@@ -178,6 +178,9 @@ pub async fn run(
             () = &mut shutdown => break,
         }
     }
+    // New connections are refused from here on, not left waiting.
+    drop(listener);
+    drop(admin);
     let grace = Duration::from_millis(state.config.shutdown_grace_ms);
     tokio::select! {
         () = graceful.shutdown() => tracing::info!("all connections finished"),
