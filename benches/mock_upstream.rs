@@ -1,0 +1,72 @@
+//! A fast mock LLM upstream for `benches/proxy.sh`: answers
+//! `POST /v1/chat/completions` with a fixed completion, or a fixed SSE stream
+//! when the request asks for one, and everything else with a small JSON.
+//!
+//! `cargo bench --bench mock_upstream -- 127.0.0.1:18101`
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+
+const COMPLETION: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","created":1,"model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"Start with a budget, build an emergency fund of three to six months of expenses, then invest regularly in broad index funds."},"finish_reason":"stop"}],"usage":{"prompt_tokens":20,"completion_tokens":25,"total_tokens":45}}"#;
+
+fn stream_body() -> String {
+    let words = "Start with a budget, build an emergency fund of three to six months of expenses, then invest regularly in broad index funds over many years.";
+    let mut out = String::from(
+        "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n",
+    );
+    for word in words.split_inclusive(' ') {
+        out.push_str(&format!(
+            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{}}},\"finish_reason\":null}}]}}\n\n",
+            serde_json::to_string(word).unwrap_or_default()
+        ));
+    }
+    out.push_str("data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n");
+    out
+}
+
+async fn reply(req: Request<Incoming>, stream: Bytes) -> Result<Response<Full<Bytes>>, Infallible> {
+    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let streaming = body.windows(13).any(|w| w == b"\"stream\":true");
+    let (content_type, payload) = if streaming {
+        ("text/event-stream", stream)
+    } else {
+        ("application/json", Bytes::from_static(COMPLETION.as_bytes()))
+    };
+    let mut response = Response::new(Full::new(payload));
+    response
+        .headers_mut()
+        .insert("content-type", hyper::header::HeaderValue::from_static(content_type));
+    Ok(response)
+}
+
+fn main() -> std::io::Result<()> {
+    let addr: SocketAddr = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with("--"))
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 18101)));
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async move {
+        let listener = TcpListener::bind(addr).await?;
+        let stream = Bytes::from(stream_body());
+        eprintln!("mock upstream on {addr}");
+        loop {
+            let (socket, _) = listener.accept().await?;
+            let stream = stream.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |req| reply(req, stream.clone()));
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(socket), service)
+                    .await;
+            });
+        }
+    })
+}

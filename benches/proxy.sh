@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# What fairgate costs, measured in one run against the same fast mock
+# upstream: direct to the mock, through a bare nginx reverse-proxy hop, and
+# through fairgate with the shipped rules.
+#
+#   bash benches/proxy.sh            # about four minutes
+#   DURATION=5 bash benches/proxy.sh # shorter
+#
+# Reports, per target: closed-loop requests/s at fixed concurrency, p50/p99
+# latency at a fixed rate (non-streaming), time to first byte of streams
+# (curl, sequential), CPU time per request of the proxy process (from /proc),
+# and fairgate's peak resident memory with 256 concurrent streams.
+# Needs oha (cargo install oha) and nginx (apt-get install nginx); installs
+# them when missing. Only loopback addresses are used.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION=${DURATION:-10}
+CONCURRENCY=${CONCURRENCY:-64}
+RATE=${RATE:-2000}
+MOCK=127.0.0.1:18101
+FAIRGATE=127.0.0.1:18102
+ADMIN=127.0.0.1:18103
+NGINX=127.0.0.1:18104
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+command -v oha >/dev/null || cargo install oha --locked
+command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx; }
+NGINX_BIN=$(command -v nginx || echo /usr/sbin/nginx)
+
+cargo build --release --quiet --bin fairgate
+cargo bench --no-run --quiet --bench mock_upstream 2>/dev/null
+MOCK_BIN=$(ls -t target/release/deps/mock_upstream-* | grep -v '\.d$' | head -n 1)
+
+"$MOCK_BIN" "$MOCK" 2>/dev/null &
+PIDS+=($!)
+RUST_LOG=warn target/release/fairgate serve --listen "$FAIRGATE" --admin-listen "$ADMIN" --rules rules \
+  --upstream-openai "http://$MOCK" >/dev/null 2>&1 &
+FAIRGATE_PID=$!
+PIDS+=($FAIRGATE_PID)
+
+cat >"$WORK/nginx.conf" <<EOF
+worker_processes 1;
+pid $WORK/nginx.pid;
+error_log $WORK/nginx-error.log;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  upstream mock { server $MOCK; keepalive 256; }
+  server {
+    listen $NGINX;
+    location / {
+      proxy_pass http://mock;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }
+  }
+}
+EOF
+"$NGINX_BIN" -c "$WORK/nginx.conf"
+
+for url in "http://$MOCK/v1/models" "http://$ADMIN/healthz" "http://$NGINX/v1/models"; do
+  for _ in $(seq 100); do curl -sf -o /dev/null "$url" && break; sleep 0.1; done
+done
+
+BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"You are a careful personal-finance assistant."},{"role":"user","content":"I earn 3,000 a month and spend 2,600. How should I start saving and investing?"}]}'
+STREAM_BODY=${BODY%\}}',"stream":true}'
+echo "$BODY" >"$WORK/body.json"
+echo "$STREAM_BODY" >"$WORK/stream.json"
+
+# CPU ticks (user + system) of a process and its threads.
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+nginx_ticks() { local t=0; for p in $(pgrep -f "nginx: worker process"); do t=$((t + $(ticks "$p"))); done; echo $t; }
+HZ=$(getconf CLK_TCK)
+
+oha_json() { oha --no-tui --output-format json "$@" 2>/dev/null; }
+field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
+
+declare -A RPS P50 P99 CPU TTFB
+run_target() {
+  local name=$1 addr=$2 pid_ticks=$3
+  local url="http://$addr/v1/chat/completions"
+  local before after json n
+  before=$($pid_ticks)
+  json=$(oha_json -z "${DURATION}s" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$WORK/body.json" "$url")
+  after=$($pid_ticks)
+  RPS[$name]=$(echo "$json" | field "round(d['summary']['requestsPerSec'])")
+  n=$(echo "$json" | field "sum(d['statusCodeDistribution'].values())")
+  if [ "$pid_ticks" = "none" ]; then CPU[$name]="-"; else
+    CPU[$name]=$(python3 -c "print(round(($after - $before) / $HZ / $n * 1e6, 1))"); fi
+  json=$(oha_json -z "${DURATION}s" -q "$RATE" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$WORK/body.json" "$url")
+  P50[$name]=$(echo "$json" | field "round(d['latencyPercentiles']['p50'] * 1000, 3)")
+  P99[$name]=$(echo "$json" | field "round(d['latencyPercentiles']['p99'] * 1000, 3)")
+  TTFB[$name]=$(for _ in $(seq 200); do
+      curl -s -o /dev/null -w '%{time_starttransfer}\n' -H 'content-type: application/json' --data @"$WORK/stream.json" "$url"
+    done | sort -n | awk '{a[NR]=$1} END {printf "%.3f/%.3f", a[int(NR*0.5)]*1000, a[int(NR*0.99)]*1000}')
+}
+
+none() { echo 0; }
+fairgate_ticks() { ticks "$FAIRGATE_PID"; }
+run_target direct "$MOCK" none
+run_target nginx "$NGINX" nginx_ticks
+run_target fairgate "$FAIRGATE" fairgate_ticks
+
+# Peak memory with 256 concurrent streams.
+oha_json -n 5120 -c 256 -m POST -H 'content-type: application/json' -D "$WORK/stream.json" \
+  "http://$FAIRGATE/v1/chat/completions" >/dev/null
+PEAK=$(awk '/VmHWM/ {printf "%.1f", $2 / 1024}' "/proc/$FAIRGATE_PID/status")
+
+printf '\n%-10s %12s %12s %12s %16s %14s\n' target "req/s (c=$CONCURRENCY)" "p50 ms" "p99 ms" "stream TTFB p50/p99 ms" "CPU us/req"
+for t in direct nginx fairgate; do
+  printf '%-10s %12s %12s %12s %16s %14s\n' "$t" "${RPS[$t]}" "${P50[$t]}" "${P99[$t]}" "${TTFB[$t]}" "${CPU[$t]}"
+done
+python3 - <<EOF
+rps_direct, rps_nginx, rps_fg = ${RPS[direct]}, ${RPS[nginx]}, ${RPS[fairgate]}
+p99_direct, p99_nginx, p99_fg = ${P99[direct]}, ${P99[nginx]}, ${P99[fairgate]}
+cpu_nginx, cpu_fg = ${CPU[nginx]}, ${CPU[fairgate]}
+print()
+print(f"throughput, fairgate / direct: {rps_fg / rps_direct:.2f}   (nginx / direct: {rps_nginx / rps_direct:.2f})")
+print(f"added p99 at ${RATE} req/s: fairgate {p99_fg - p99_direct:+.3f} ms, nginx {p99_nginx - p99_direct:+.3f} ms")
+print(f"CPU per request, fairgate / nginx: {cpu_fg / cpu_nginx:.2f}")
+print(f"fairgate peak RSS with 256 concurrent streams: $PEAK MB")
+EOF
