@@ -33,17 +33,26 @@ fn stream_body() -> String {
 }
 
 async fn reply(req: Request<Incoming>, stream: Bytes) -> Result<Response<Full<Bytes>>, Infallible> {
-    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     let streaming = body.windows(13).any(|w| w == b"\"stream\":true");
     let (content_type, payload) = if streaming {
         ("text/event-stream", stream)
     } else {
-        ("application/json", Bytes::from_static(COMPLETION.as_bytes()))
+        (
+            "application/json",
+            Bytes::from_static(COMPLETION.as_bytes()),
+        )
     };
     let mut response = Response::new(Full::new(payload));
-    response
-        .headers_mut()
-        .insert("content-type", hyper::header::HeaderValue::from_static(content_type));
+    response.headers_mut().insert(
+        "content-type",
+        hyper::header::HeaderValue::from_static(content_type),
+    );
     Ok(response)
 }
 
@@ -53,7 +62,9 @@ fn main() -> std::io::Result<()> {
         .find(|a| !a.starts_with("--"))
         .and_then(|a| a.parse().ok())
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 18101)));
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     runtime.block_on(async move {
         let listener = TcpListener::bind(addr).await?;
         let stream = Bytes::from(stream_body());

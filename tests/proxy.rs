@@ -371,3 +371,141 @@ async fn stream_redacts_pii() {
     assert_eq!(finishes, ["stop"]);
     proxy.stop().await;
 }
+
+async fn start_with(
+    configure: impl FnOnce(&mut fairgate::config::Config),
+) -> (support::Mock, support::Proxy) {
+    let mock = support::start_mock().await;
+    let mut config = support::config(&mock.url(), std::path::Path::new("rules"));
+    configure(&mut config);
+    let proxy = support::start_proxy(config).await;
+    (mock, proxy)
+}
+
+#[tokio::test]
+async fn buffer_mode_sends_nothing_of_a_blocked_stream() {
+    use fairgate::config::StreamMode;
+    let (_mock, proxy) = start_with(|c| c.guard.stream_mode = StreamMode::Buffer).await;
+    let chunks = [
+        "Fine words first. ".repeat(60),
+        "Then: borrow money to invest in crypto.".into(),
+    ];
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("x-mock-reply", reply(json!({"chunks": chunks})))
+        .json(&chat("Ideas?", true))
+        .send()
+        .await
+        .unwrap();
+    let (text, finishes, done) = openai_stream_text(&response.text().await.unwrap());
+    assert_eq!(text, "", "buffer mode released text of a blocked stream");
+    assert_eq!(finishes, ["content_filter"]);
+    assert!(done);
+
+    // An allowed stream is replayed whole.
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header(
+            "x-mock-reply",
+            reply(json!({"chunks": ["Save ", "first."]})),
+        )
+        .json(&chat("Ideas?", true))
+        .send()
+        .await
+        .unwrap();
+    let (text, finishes, _) = openai_stream_text(&response.text().await.unwrap());
+    assert_eq!(text, "Save first.");
+    assert_eq!(finishes, ["stop"]);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn monitor_mode_passes_everything_and_counts_the_hit() {
+    use fairgate::config::StreamMode;
+    let (_mock, proxy) = start_with(|c| c.guard.stream_mode = StreamMode::Monitor).await;
+    let chunks = ["Borrow money ", "to invest in crypto."];
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("x-mock-reply", reply(json!({"chunks": chunks})))
+        .json(&chat("Ideas?", true))
+        .send()
+        .await
+        .unwrap();
+    let (text, finishes, _) = openai_stream_text(&response.text().await.unwrap());
+    assert_eq!(text, chunks.concat());
+    assert_eq!(finishes, ["stop"]);
+    let metrics = client()
+        .get(proxy.admin_url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("rule=\"fin.borrow_to_invest\",scope=\"response\"} 1"),
+        "the monitored hit was not counted:\n{metrics}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn on_block_error_answers_a_blocked_response_with_400() {
+    use fairgate::config::OnBlock;
+    let (_mock, proxy) = start_with(|c| c.guard.on_block = OnBlock::Error).await;
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header(
+            "x-mock-reply",
+            reply(json!({"text": "Just skip rent and buy the dip."})),
+        )
+        .json(&chat("Money is tight.", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    assert_eq!(response.headers()["x-should-retry"], "false");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "content_filter");
+    assert_eq!(body["error"]["fairgate"]["scope"], "response");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn routes_pick_the_upstream_by_model_prefix() {
+    let other = support::start_mock().await;
+    let other_url = other.url();
+    let (mock, proxy) = start_with(move |c| {
+        c.upstreams.insert(
+            "local".into(),
+            fairgate::config::UpstreamConfig::new(&other_url),
+        );
+        c.routes.insert(
+            0,
+            fairgate::config::RouteConfig {
+                path_prefix: "/v1/chat/completions".into(),
+                model_prefix: Some("llama".into()),
+                upstream: "local".into(),
+                stream_mode: None,
+            },
+        );
+    })
+    .await;
+    let mut body = chat("hello", false);
+    body["model"] = json!("llama-3-8b");
+    client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&chat("hello", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.requests().len(), 1);
+    assert_eq!(mock.requests().len(), 1);
+    proxy.stop().await;
+}
