@@ -193,3 +193,32 @@ async fn shutdown_lets_a_stream_in_flight_finish() {
     assert_eq!(finishes, ["stop"]);
     assert!(done);
 }
+
+#[tokio::test]
+async fn a_configured_key_replaces_the_clients() {
+    let mock = start_mock().await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    // PATH is set in every environment: its value stands in for a key.
+    config.upstreams.get_mut("anthropic").unwrap().api_key_env = Some("PATH".into());
+    let proxy = start_proxy(config).await;
+    client()
+        .post(proxy.url("/v1/messages"))
+        .header("x-api-key", "sk-ant-client")
+        .json(&json!({"model": "c", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("authorization", "Bearer sk-client")
+        .json(&chat("hi", false))
+        .send()
+        .await
+        .unwrap();
+    let seen = mock.requests();
+    let path = std::env::var("PATH").unwrap();
+    assert_eq!(seen[0].header("x-api-key"), Some(path.as_str()));
+    // No key configured for openai: the client's goes through.
+    assert_eq!(seen[1].header("authorization"), Some("Bearer sk-client"));
+    proxy.stop().await;
+}

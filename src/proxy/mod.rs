@@ -224,8 +224,13 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 
 /// The headers to send upstream: the client's, less hop-by-hop headers and
 /// fairgate's own, with the upstream's key in place of the client's when one
-/// is configured.
-fn upstream_headers(state: &State, upstream: &str, from: &HeaderMap) -> HeaderMap {
+/// is configured (as `x-api-key` for Anthropic, a bearer token for OpenAI).
+fn upstream_headers(
+    state: &State,
+    upstream: &str,
+    dialect: Dialect,
+    from: &HeaderMap,
+) -> HeaderMap {
     let mut headers = HeaderMap::with_capacity(from.len());
     for (name, value) in from {
         if is_hop_by_hop(name) || name.as_str().starts_with("x-fairgate-") {
@@ -234,13 +239,18 @@ fn upstream_headers(state: &State, upstream: &str, from: &HeaderMap) -> HeaderMa
         headers.append(name.clone(), value.clone());
     }
     if let Some(key) = state.keys.get(upstream) {
-        if upstream == "anthropic" || from.contains_key("x-api-key") {
-            headers.insert("x-api-key", key.clone());
-            headers.remove(header::AUTHORIZATION);
-        } else if let Ok(bearer) =
-            HeaderValue::from_str(&format!("Bearer {}", key.to_str().unwrap_or_default()))
-        {
-            headers.insert(header::AUTHORIZATION, bearer);
+        headers.remove(header::AUTHORIZATION);
+        headers.remove("x-api-key");
+        match dialect {
+            Dialect::Anthropic => {
+                headers.insert("x-api-key", key.clone());
+            }
+            Dialect::OpenAi => {
+                let bearer = format!("Bearer {}", key.to_str().unwrap_or_default());
+                if let Ok(bearer) = HeaderValue::from_str(&bearer) {
+                    headers.insert(header::AUTHORIZATION, bearer);
+                }
+            }
         }
     }
     headers
@@ -305,7 +315,7 @@ async fn passthrough(
         .upstreams
         .get(&upstream)
         .map_or(600_000, |u| u.timeout_ms);
-    let headers = upstream_headers(state, &upstream, req.headers());
+    let headers = upstream_headers(state, &upstream, dialect, req.headers());
     let method = req.method().clone();
     let body = reqwest::Body::wrap_stream(req.into_body().into_data_stream());
     let result = client
@@ -451,7 +461,7 @@ async fn guarded(
         .upstreams
         .get(&upstream)
         .map_or(600_000, |u| u.timeout_ms);
-    let mut headers = upstream_headers(state, &upstream, &parts.headers);
+    let mut headers = upstream_headers(state, &upstream, dialect, &parts.headers);
     // The guard reads response bodies: ask for them uncompressed.
     headers.insert(
         header::ACCEPT_ENCODING,
