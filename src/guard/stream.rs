@@ -621,22 +621,30 @@ impl Guard {
                 Some("content_block_delta"),
                 &json!({"type": "content_block_delta", "index": block, "delta": {"type": "text_delta", "text": text}}),
             ),
-            Dialect::OpenAi => {
-                let mut chunk = self
-                    .template
-                    .clone()
-                    .unwrap_or_else(|| json!({"choices": [{"index": 0}]}));
-                if let Some(choice) = chunk.pointer_mut("/choices/0") {
-                    if self.setup.endpoint == Endpoint::Completions {
-                        choice["text"] = json!(text);
-                    } else {
-                        choice["delta"] = json!({"content": text});
-                    }
-                    choice["finish_reason"] = Value::Null;
-                }
-                sse(None, &chunk)
-            }
+            Dialect::OpenAi => sse(None, &self.openai_chunk(text, Value::Null)),
         }
+    }
+
+    /// A chunk like the upstream's, carrying `text` and `finish_reason`.
+    fn openai_chunk(&self, text: &str, finish_reason: Value) -> Value {
+        let mut chunk = self
+            .template
+            .clone()
+            .unwrap_or_else(|| json!({"choices": [{"index": 0}]}));
+        if let Some(choice) = chunk.pointer_mut("/choices/0") {
+            if self.setup.endpoint == Endpoint::Completions {
+                choice["text"] = json!(text);
+            } else if text.is_empty() {
+                choice["delta"] = json!({});
+            } else {
+                choice["delta"] = json!({"content": text});
+            }
+            choice["finish_reason"] = finish_reason;
+        }
+        if let Some(object) = chunk.as_object_mut() {
+            object.remove("usage");
+        }
+        chunk
     }
 
     /// Ends the stream with the dialect's refusal.
@@ -659,24 +667,10 @@ impl Guard {
                 frames.push(sse(Some("message_stop"), &json!({"type": "message_stop"})));
                 frames
             }
-            Dialect::OpenAi => {
-                let mut chunk = self
-                    .template
-                    .clone()
-                    .unwrap_or_else(|| json!({"choices": [{"index": 0}]}));
-                if let Some(choice) = chunk.pointer_mut("/choices/0") {
-                    if self.setup.endpoint == Endpoint::Completions {
-                        choice["text"] = json!("");
-                    } else {
-                        choice["delta"] = json!({});
-                    }
-                    choice["finish_reason"] = json!("content_filter");
-                }
-                if let Some(object) = chunk.as_object_mut() {
-                    object.remove("usage");
-                }
-                vec![sse(None, &chunk), Bytes::from_static(b"data: [DONE]\n\n")]
-            }
+            Dialect::OpenAi => vec![
+                sse(None, &self.openai_chunk("", json!("content_filter"))),
+                Bytes::from_static(b"data: [DONE]\n\n"),
+            ],
         }
     }
 

@@ -256,15 +256,25 @@ fn upstream_headers(
     headers
 }
 
-fn upstream_url(state: &State, upstream: &str, uri: &http::Uri) -> Option<String> {
-    let base = state
-        .config
-        .upstreams
-        .get(upstream)?
-        .url
-        .trim_end_matches('/');
+/// A request to `upstream` for the client's method and path, with `headers`
+/// and the upstream's timeout; `None` when the upstream is not configured.
+fn upstream_request(
+    state: &State,
+    upstream: &str,
+    method: Method,
+    uri: &http::Uri,
+    headers: HeaderMap,
+) -> Option<reqwest::RequestBuilder> {
+    let config = state.config.upstreams.get(upstream)?;
+    let client = state.clients.get(upstream)?;
     let path = uri.path_and_query().map_or("/", |p| p.as_str());
-    Some(format!("{base}{path}"))
+    let url = format!("{}{path}", config.url.trim_end_matches('/'));
+    Some(
+        client
+            .request(method, url)
+            .headers(headers)
+            .timeout(Duration::from_millis(config.timeout_ms)),
+    )
 }
 
 /// Maps a client error to the failure the caller sees, and counts it.
@@ -304,27 +314,14 @@ async fn passthrough(
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
     let upstream = route.upstream.clone();
-    let (Some(client), Some(url)) = (
-        state.clients.get(&upstream),
-        upstream_url(state, &upstream, req.uri()),
-    ) else {
+    let headers = upstream_headers(state, &upstream, dialect, req.headers());
+    let Some(request) =
+        upstream_request(state, &upstream, req.method().clone(), req.uri(), headers)
+    else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
-    let timeout = state
-        .config
-        .upstreams
-        .get(&upstream)
-        .map_or(600_000, |u| u.timeout_ms);
-    let headers = upstream_headers(state, &upstream, dialect, req.headers());
-    let method = req.method().clone();
     let body = reqwest::Body::wrap_stream(req.into_body().into_data_stream());
-    let result = client
-        .request(method, url)
-        .headers(headers)
-        .timeout(Duration::from_millis(timeout))
-        .body(body)
-        .send()
-        .await;
+    let result = request.body(body).send().await;
     match result {
         Ok(response) => stream_back(response, request_id, None),
         Err(error) => respond::failure(
@@ -450,17 +447,6 @@ async fn guarded(
         );
     }
 
-    let (Some(client), Some(url)) = (
-        state.clients.get(&upstream),
-        upstream_url(state, &upstream, &parts.uri),
-    ) else {
-        return respond::failure(dialect, Failure::NoRoute, request_id);
-    };
-    let timeout = state
-        .config
-        .upstreams
-        .get(&upstream)
-        .map_or(600_000, |u| u.timeout_ms);
     let mut headers = upstream_headers(state, &upstream, dialect, &parts.headers);
     // The guard reads response bodies: ask for them uncompressed.
     headers.insert(
@@ -471,14 +457,12 @@ async fn guarded(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    let Some(request) = upstream_request(state, &upstream, Method::POST, &parts.uri, headers)
+    else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
     let sent = Instant::now();
-    let result = client
-        .post(url)
-        .headers(headers)
-        .timeout(Duration::from_millis(timeout))
-        .body(json.to_string())
-        .send()
-        .await;
+    let result = request.body(json.to_string()).send().await;
     let response = match result {
         Ok(response) => response,
         Err(error) => {
