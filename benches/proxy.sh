@@ -5,6 +5,7 @@
 #
 #   bash benches/proxy.sh            # about four minutes
 #   DURATION=5 bash benches/proxy.sh # shorter
+#   THREADS=1 bash benches/proxy.sh  # fairgate on one serving thread (default: one per core)
 #
 # Reports, per target: closed-loop requests/s at fixed concurrency, p50/p99
 # latency at a fixed rate (non-streaming), time to first byte of streams
@@ -42,7 +43,7 @@ MOCK_BIN=$(ls -t target/release/deps/mock_upstream-* | grep -v '\.d$' | head -n 
 "$MOCK_BIN" "$MOCK" 2>/dev/null &
 PIDS+=($!)
 RUST_LOG=warn target/release/fairgate serve --listen "$FAIRGATE" --admin-listen "$ADMIN" --rules rules \
-  --upstream-openai "http://$MOCK" >/dev/null 2>&1 &
+  --upstream-openai "http://$MOCK" --threads "${THREADS:-0}" >/dev/null 2>&1 &
 FAIRGATE_PID=$!
 PIDS+=($FAIRGATE_PID)
 

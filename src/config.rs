@@ -28,6 +28,8 @@ pub struct Config {
     pub risk: RiskConfig,
     /// How long in-flight exchanges may take to finish on shutdown.
     pub shutdown_grace_ms: u64,
+    /// Serving threads; 0 means one per processor core.
+    pub threads: usize,
 }
 
 impl Default for Config {
@@ -63,6 +65,7 @@ impl Default for Config {
             rules: RulesConfig::default(),
             risk: RiskConfig::default(),
             shutdown_grace_ms: 30_000,
+            threads: 0,
         }
     }
 }

@@ -77,6 +77,9 @@ struct Overrides {
     /// Base URL of the Anthropic upstream.
     #[arg(long, env = "FAIRGATE_UPSTREAM_ANTHROPIC")]
     upstream_anthropic: Option<String>,
+    /// Serving threads (0: one per core).
+    #[arg(long, env = "FAIRGATE_THREADS")]
+    threads: Option<usize>,
 }
 
 impl Overrides {
@@ -89,6 +92,9 @@ impl Overrides {
         }
         if let Some(rules) = &self.rules {
             config.rules.dir = rules.clone();
+        }
+        if let Some(threads) = self.threads {
+            config.threads = threads;
         }
         for (name, url) in [
             ("openai", &self.upstream_openai),
@@ -149,11 +155,25 @@ fn serve(config: Config) -> anyhow::Result<()> {
                 .unwrap_or_else(|_| "info,hyper=warn".into()),
         )
         .init();
-    let runtime = tokio::runtime::Runtime::new()?;
-    runtime.block_on(async move {
-        let state = std::sync::Arc::new(fairgate::proxy::State::new(config)?);
-        let listener = tokio::net::TcpListener::bind(state.config.listen).await?;
-        let admin = tokio::net::TcpListener::bind(state.config.admin.listen).await?;
+    let state = std::sync::Arc::new(fairgate::proxy::State::new(config)?);
+    let listener = std::net::TcpListener::bind(state.config.listen)?;
+    let admin = std::net::TcpListener::bind(state.config.admin.listen)?;
+    let threads = match state.config.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let serving = {
+        let state = state.clone();
+        std::thread::spawn(move || {
+            fairgate::proxy::serve_on_threads(state, listener, admin, threads, stopped)
+        })
+    };
+    // Signals, the rule watcher and reloads run on their own small runtime.
+    let control = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    control.block_on(async {
         let _watcher = if state.config.rules.watch {
             Some(fairgate::watch::watch_rules(state.clone())?)
         } else {
@@ -164,11 +184,17 @@ fn serve(config: Config) -> anyhow::Result<()> {
         tracing::info!(
             listen = %state.config.listen,
             admin = %state.config.admin.listen,
+            threads,
             rules = state.rules.snapshot().rules().len(),
             "fairgate serving"
         );
-        fairgate::proxy::run(state, listener, admin, shutdown_signal()).await
-    })
+        shutdown_signal().await;
+        let _ = stop.send(true);
+        anyhow::Ok(())
+    })?;
+    serving
+        .join()
+        .map_err(|_| anyhow::anyhow!("the serving thread panicked"))?
 }
 
 async fn shutdown_signal() {

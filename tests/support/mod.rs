@@ -305,9 +305,14 @@ pub async fn start_proxy_state(state: State) -> Proxy {
     let admin_addr = admin.local_addr().unwrap();
     let state = Arc::new(state);
     let (tx, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(proxy::run(state.clone(), listener, admin, async move {
-        let _ = rx.await;
-    }));
+    let task = tokio::spawn(proxy::run(
+        state.clone(),
+        listener,
+        Some(admin),
+        async move {
+            let _ = rx.await;
+        },
+    ));
     Proxy {
         addr,
         admin: admin_addr,
