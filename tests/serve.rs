@@ -1,0 +1,138 @@
+//! `fairgate serve` as a process: flags, SIGHUP reload, SIGTERM shutdown.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::json;
+
+const PACK: &str = "pack: custom
+description: test pack
+rules:
+  - id: custom.word
+    category: test
+    scopes: [prompt]
+    keywords: [WORD]
+    weight: 0.9
+    action: block
+    message: That word is not allowed.
+    examples:
+      block: [say WORD now]
+      allow: [say nothing]
+";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn status(url: &str, content: &str) -> Option<u16> {
+    support::client()
+        .post(url)
+        .json(&json!({"model": "m", "messages": [{"role": "user", "content": content}]}))
+        .send()
+        .await
+        .ok()
+        .map(|r| r.status().as_u16())
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn serve_reloads_on_sighup_and_stops_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("custom.yaml"),
+        PACK.replace("WORD", "pineapple"),
+    )
+    .unwrap();
+    let mock = support::start_mock().await;
+    let (port, admin) = (free_port(), free_port());
+    // No file watcher: only the SIGHUP can reload.
+    let config_dir = tempfile::tempdir().unwrap();
+    let config = config_dir.path().join("fairgate.yaml");
+    std::fs::write(&config, "rules:\n  watch: false\n").unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fairgate"))
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--admin-listen",
+            &format!("127.0.0.1:{admin}"),
+        ])
+        .args([
+            "--rules",
+            dir.path().to_str().unwrap(),
+            "--upstream-openai",
+            &mock.url(),
+            "--threads",
+            "2",
+        ])
+        .env("FAIRGATE_CONFIG", &config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+    let mut up = false;
+    for _ in 0..300 {
+        if status(&url, "hello").await == Some(200) {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(up, "fairgate serve did not come up");
+    assert_eq!(status(&url, "I like pineapple").await, Some(400));
+
+    std::fs::write(
+        dir.path().join("custom.yaml"),
+        PACK.replace("WORD", "mango"),
+    )
+    .unwrap();
+    Command::new("kill")
+        .args(["-HUP", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let mut blocked = false;
+    for _ in 0..100 {
+        if status(&url, "I like mango").await == Some(400) {
+            blocked = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(blocked, "the edited rules were not loaded on SIGHUP");
+    let rules: serde_json::Value = support::client()
+        .get(format!("http://127.0.0.1:{admin}/admin/rules"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(rules["reload"]["reloads"].as_u64().unwrap() >= 1, "{rules}");
+
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let mut exited = None;
+    for _ in 0..100 {
+        if let Some(code) = child.try_wait().unwrap() {
+            exited = Some(code);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let code = exited.unwrap_or_else(|| {
+        let _ = child.kill();
+        panic!("fairgate did not stop on SIGTERM")
+    });
+    assert!(code.success(), "{code:?}");
+}
