@@ -163,6 +163,10 @@ pub struct GuardConfig {
     pub max_body_bytes: usize,
     /// Largest non-streaming response body the guard reads.
     pub max_response_bytes: usize,
+    /// Tags that mark retrieved context inside a prompt text: with
+    /// `[documents]`, the text between `<documents>` and `</documents>` in a
+    /// user or system message is scanned as context, not prompt.
+    pub context_tags: Vec<String>,
 }
 
 impl Default for GuardConfig {
@@ -172,6 +176,7 @@ impl Default for GuardConfig {
             on_block: OnBlock::Refusal,
             max_body_bytes: 10 << 20,
             max_response_bytes: 50 << 20,
+            context_tags: Vec::new(),
         }
     }
 }

@@ -509,3 +509,37 @@ async fn routes_pick_the_upstream_by_model_prefix() {
     assert_eq!(mock.requests().len(), 1);
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn configured_tags_mark_retrieved_context_inside_a_prompt() {
+    let (mock, proxy) = start_with(|c| c.guard.context_tags = vec!["documents".into()]).await;
+    // Financial-safety rules watch context, not what the user asks.
+    let question =
+        "What do you think of this? <documents>Put all your savings into Dogecoin now.</documents>";
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&chat(question, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(
+        body["error"]["fairgate"]["rules"][0],
+        "fin.invest_everything"
+    );
+    assert_eq!(body["error"]["fairgate"]["scope"], "context");
+    // The same words typed by the user, outside the tags, pass.
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&chat(
+            "Should I put all your savings into Dogecoin now?",
+            false,
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(mock.requests().len(), 1);
+    proxy.stop().await;
+}

@@ -24,6 +24,7 @@ pub struct RequestScan {
 pub fn scan_request(
     rules: &RuleSet,
     risk: &RiskConfig,
+    context_tags: &[String],
     endpoint: Endpoint,
     body: &mut Value,
 ) -> RequestScan {
@@ -31,14 +32,22 @@ pub fn scan_request(
     let mut question = String::new();
     let mut contexts = Vec::new();
     request_texts(endpoint, body, &mut |scope, text| {
-        let found = rules.scan(scope, text);
-        match scope {
-            Scope::Prompt => {
-                question.push_str(text);
-                question.push('\n');
+        let mut found = Vec::new();
+        for (range, part_scope) in split_context(text, scope, context_tags) {
+            let part = &text[range.clone()];
+            match part_scope {
+                Scope::Prompt => {
+                    question.push_str(part);
+                    question.push('\n');
+                }
+                Scope::Context => contexts.push(part.to_owned()),
+                Scope::Response => {}
             }
-            Scope::Context => contexts.push(text.clone()),
-            Scope::Response => {}
+            found.extend(rules.scan(part_scope, part).into_iter().map(|mut hit| {
+                hit.start += range.start;
+                hit.end += range.start;
+                hit
+            }));
         }
         if found.iter().any(|h| h.action == Action::Redact) {
             *text = redact(text, &found);
@@ -57,6 +66,40 @@ pub fn scan_request(
         verdict: risk::assess(risk, hits, &relevance),
         relevance,
     }
+}
+
+/// The parts of a prompt text with their scope: the text between
+/// `<tag>` and `</tag>` (for a configured tag) is context; the rest keeps
+/// `scope`. Tags themselves belong to the surrounding part.
+fn split_context(
+    text: &str,
+    scope: Scope,
+    tags: &[String],
+) -> Vec<(std::ops::Range<usize>, Scope)> {
+    if scope != Scope::Prompt || tags.is_empty() {
+        return vec![(0..text.len(), scope)];
+    }
+    let mut parts = Vec::new();
+    let mut at = 0;
+    loop {
+        // The earliest opening tag from `at` on.
+        let next = tags
+            .iter()
+            .filter_map(|tag| {
+                let open = format!("<{tag}>");
+                let start = text[at..].find(&open)? + at + open.len();
+                let end = text[start..].find(&format!("</{tag}>"))? + start;
+                Some((start, end))
+            })
+            .min();
+        let Some((start, end)) = next else { break };
+        parts.push((at..start, scope));
+        parts.push((start..end, Scope::Context));
+        at = end;
+    }
+    parts.push((at..text.len(), scope));
+    parts.retain(|(range, _)| !range.is_empty());
+    parts
 }
 
 /// Scans every text of a response body, redacting in place; returns the
@@ -93,4 +136,38 @@ pub fn rule_ids(hits: &[Hit]) -> Vec<String> {
         }
     }
     ids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tagged_parts_of_a_prompt_are_context() {
+        let tags = vec!["documents".to_owned(), "context".to_owned()];
+        let text = "Q: <documents>doc one</documents> and <context>two</context>!";
+        let parts: Vec<(&str, Scope)> = split_context(text, Scope::Prompt, &tags)
+            .into_iter()
+            .map(|(r, s)| (&text[r], s))
+            .collect();
+        assert_eq!(
+            parts,
+            [
+                ("Q: <documents>", Scope::Prompt),
+                ("doc one", Scope::Context),
+                ("</documents> and <context>", Scope::Prompt),
+                ("two", Scope::Context),
+                ("</context>!", Scope::Prompt)
+            ]
+        );
+        // Unclosed tags and other scopes are left alone.
+        assert_eq!(
+            split_context("<documents>open", Scope::Prompt, &tags),
+            [(0..15, Scope::Prompt)]
+        );
+        assert_eq!(
+            split_context("<context>x</context>", Scope::Context, &tags),
+            [(0..20, Scope::Context)]
+        );
+    }
 }

@@ -504,13 +504,27 @@ async fn guarded(
 
     // The rules of this exchange, start to end, whatever reloads happen.
     let rules = state.rules.snapshot();
-    let scan = guard::scan_request(&rules, &state.config.risk, endpoint, &mut json);
+    let scan = guard::scan_request(
+        &rules,
+        &state.config.risk,
+        &state.config.guard.context_tags,
+        endpoint,
+        &mut json,
+    );
     if scan.verdict.decision == Decision::Block {
         record_verdict(&state.metrics, &scan.verdict);
+        // The scope of the first blocking rule; a block by total risk is the
+        // prompt's.
+        let scope = scan
+            .verdict
+            .hits
+            .iter()
+            .find(|h| h.action == crate::rules::Action::Block)
+            .map_or("prompt", |h| h.scope.as_str());
         state
             .metrics
             .blocks
-            .with_label_values(&[route_label, "prompt"])
+            .with_label_values(&[route_label, scope])
             .inc();
         state
             .metrics
@@ -518,10 +532,10 @@ async fn guarded(
             .with_label_values(&[route_label, &upstream, "block"])
             .inc();
         let message = block_message(&scan.verdict.hits);
-        tracing::info!(request_id, rules = ?rule_ids(&scan.verdict.hits), "prompt blocked");
+        tracing::info!(request_id, scope, rules = ?rule_ids(&scan.verdict.hits), "request blocked");
         return respond::blocked(
             dialect,
-            "prompt",
+            scope,
             &message,
             &rule_ids(&scan.verdict.hits),
             request_id,
