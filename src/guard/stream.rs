@@ -318,10 +318,6 @@ impl Guard {
         }
     }
 
-    pub fn is_finished(&self) -> bool {
-        self.finished
-    }
-
     fn outcome(&self, first_byte: Option<Duration>) -> StreamOutcome {
         let mut hits = self.setup.request_hits.clone();
         hits.extend(self.hits.iter().cloned());
