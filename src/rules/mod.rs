@@ -1,7 +1,7 @@
 //! Rule files -> compiled matchers -> hits.
 //!
 //! A [`RuleSet`] is built from a directory of packs (`rules/*.yaml`) in two
-//! steps: [`load`] parses each file into raw structs, [`compile`] checks every
+//! steps: [`load`] parses each file into raw structs, `compile` checks every
 //! rule and builds, per scope, one Aho-Corasick automaton over all keywords and
 //! one `RegexSet` per text view over all regexes. [`RuleSet::scan`] runs a text
 //! through them in one pass and returns the [`Hit`]s; [`crate::risk`] turns hits
