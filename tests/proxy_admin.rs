@@ -10,24 +10,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use support::{client, config, start_mock, start_proxy};
 
-const PACK: &str = "pack: custom
-description: test pack
-rules:
-  - id: custom.word
-    category: test
-    scopes: [prompt]
-    keywords: [WORD]
-    weight: 0.9
-    action: block
-    message: That word is not allowed.
-    examples:
-      block: [say WORD now]
-      allow: [say nothing]
-";
-
-fn pack(word: &str) -> String {
-    PACK.replace("WORD", word)
-}
+use support::keyword_pack as pack;
 
 async fn prompt_status(url: &str, content: &str) -> u16 {
     client()

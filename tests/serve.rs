@@ -9,21 +9,6 @@ use std::time::Duration;
 
 use serde_json::json;
 
-const PACK: &str = "pack: custom
-description: test pack
-rules:
-  - id: custom.word
-    category: test
-    scopes: [prompt]
-    keywords: [WORD]
-    weight: 0.9
-    action: block
-    message: That word is not allowed.
-    examples:
-      block: [say WORD now]
-      allow: [say nothing]
-";
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -48,7 +33,7 @@ async fn serve_reloads_on_sighup_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
         dir.path().join("custom.yaml"),
-        PACK.replace("WORD", "pineapple"),
+        support::keyword_pack("pineapple"),
     )
     .unwrap();
     let mock = support::start_mock().await;
@@ -92,7 +77,7 @@ async fn serve_reloads_on_sighup_and_stops_on_sigterm() {
 
     std::fs::write(
         dir.path().join("custom.yaml"),
-        PACK.replace("WORD", "mango"),
+        support::keyword_pack("mango"),
     )
     .unwrap();
     Command::new("kill")

@@ -250,6 +250,26 @@ fn sse_reply(body: String, pause_ms: u64) -> Response<MockBody> {
         .unwrap()
 }
 
+/// A rule pack with one blocking keyword, for reload tests.
+pub fn keyword_pack(word: &str) -> String {
+    format!(
+        "pack: custom
+description: test pack
+rules:
+  - id: custom.word
+    category: test
+    scopes: [prompt]
+    keywords: [{word}]
+    weight: 0.9
+    action: block
+    message: That word is not allowed.
+    examples:
+      block: [say {word} now]
+      allow: [say nothing]
+"
+    )
+}
+
 /// A running proxy.
 pub struct Proxy {
     pub addr: SocketAddr,
@@ -266,6 +286,18 @@ impl Proxy {
 
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://{}{path}", self.admin)
+    }
+
+    /// POSTs `body` to `path`; the mock answers as `script` says (see the
+    /// module documentation).
+    pub async fn post(&self, path: &str, script: Value, body: &Value) -> reqwest::Response {
+        client()
+            .post(self.url(path))
+            .header("x-mock-reply", script.to_string())
+            .json(body)
+            .send()
+            .await
+            .expect("the proxy answers")
     }
 
     /// Stops accepting and waits for the proxy to drain.
