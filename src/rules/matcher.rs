@@ -456,7 +456,7 @@ fn scan_literals(
         }
     };
     let middle = hay.len() / 2;
-    if hay.len() < 1024 || longest >= middle {
+    if hay.len() < 128 || longest >= middle {
         let mut sid = start;
         for (i, &b) in hay.iter().enumerate() {
             sid = dfa.next_state(LiteralAnchored::No, sid, b);
@@ -622,7 +622,7 @@ mod tests {
             .build(literals)
             .unwrap();
         let mut seed = 7u64;
-        for len in [0, 5, 1023, 1024, 1025, 2000, 4099] {
+        for len in [0, 5, 127, 128, 129, 200, 1023, 1024, 2000, 4099] {
             let text: Vec<u8> = (0..len)
                 .map(|_| {
                     seed = seed
