@@ -70,8 +70,6 @@ pub struct StreamOutcome {
     pub malformed: bool,
     pub upstream_failed: bool,
     pub first_byte: Option<Duration>,
-    /// The response text the upstream sent (before redaction).
-    pub response_text: String,
 }
 
 /// Guards `upstream` (the upstream's body) and returns the body for the
@@ -330,7 +328,6 @@ impl Guard {
             malformed: self.malformed,
             upstream_failed: self.upstream_failed,
             first_byte,
-            response_text: self.acc.clone(),
         }
     }
 

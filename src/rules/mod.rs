@@ -192,10 +192,6 @@ impl RuleSet {
         &self.rules
     }
 
-    pub fn rule(&self, id: &str) -> Option<&Rule> {
-        self.rules.iter().find(|r| &*r.id == id)
-    }
-
     pub fn packs(&self) -> &[PackInfo] {
         &self.packs
     }
