@@ -492,14 +492,15 @@ impl Guard {
     /// releases what is safe (everything, when `final_check`).
     fn check(&mut self, final_check: bool) -> Vec<Bytes> {
         let window_start = self.window_start();
-        self.scan_window(window_start);
+        let view = self.scan_window(window_start);
         if self.should_block() {
             return self.block();
         }
         let safe = if final_check {
             self.acc.len()
         } else {
-            self.safe_end(window_start)
+            let view = view.unwrap_or_else(|| Normalized::new(&self.acc[window_start..]));
+            self.safe_end(window_start, &view)
         };
         self.release(safe)
     }
@@ -520,11 +521,13 @@ impl Guard {
         limits.normalized.max(limits.raw) + MARGIN
     }
 
-    fn scan_window(&mut self, window_start: usize) {
-        let found = self
+    /// Scans `acc[window_start..]`, keeping new hits; returns the window's
+    /// normalized view when the scan made one.
+    fn scan_window(&mut self, window_start: usize) -> Option<Normalized> {
+        let (found, view) = self
             .setup
             .rules
-            .scan(Scope::Response, &self.acc[window_start..]);
+            .scan_with_view(Scope::Response, &self.acc[window_start..]);
         for mut hit in found {
             hit.start += window_start;
             hit.end += window_start;
@@ -536,6 +539,7 @@ impl Guard {
                 self.hits.push(hit);
             }
         }
+        view
     }
 
     fn should_block(&self) -> bool {
@@ -548,9 +552,7 @@ impl Guard {
     }
 
     /// The end of the text that can be released now.
-    fn safe_end(&self, window_start: usize) -> usize {
-        let window = &self.acc[window_start..];
-        let normalized = Normalized::new(window);
+    fn safe_end(&self, window_start: usize, normalized: &Normalized) -> usize {
         let hold = self.hold();
         if normalized.text.len() <= hold {
             return self.released;

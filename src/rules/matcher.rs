@@ -369,7 +369,9 @@ impl ScopeMatcher {
         })
     }
 
-    pub fn scan(&self, rules: &[Rule], scope: Scope, text: &str) -> Vec<Hit> {
+    /// The hits of `text`, and its normalized view when the scope has
+    /// patterns that use it.
+    pub fn scan(&self, rules: &[Rule], scope: Scope, text: &str) -> (Vec<Hit>, Option<Normalized>) {
         let mut found = Vec::new();
         let mapped = (!self.normalized.is_empty()).then(|| Normalized::new(text));
         if let Some(normalized) = &mapped {
@@ -380,7 +382,7 @@ impl ScopeMatcher {
             self.raw.find(text, View::Raw, &mut found);
         }
         if found.is_empty() {
-            return Vec::new();
+            return (Vec::new(), mapped);
         }
         let mut hits: Vec<(usize, Range<usize>)> = Vec::with_capacity(found.len());
         for candidate in found {
@@ -405,7 +407,8 @@ impl ScopeMatcher {
             hits.push((candidate.rule, span));
         }
         merge_overlaps(&mut hits);
-        hits.into_iter()
+        let hits = hits
+            .into_iter()
             .map(|(r, span)| {
                 let rule = &rules[r];
                 Hit {
@@ -421,7 +424,8 @@ impl ScopeMatcher {
                     end: span.end,
                 }
             })
-            .collect()
+            .collect();
+        (hits, mapped)
     }
 }
 

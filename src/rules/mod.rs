@@ -185,6 +185,20 @@ impl RuleSet {
 
     /// Finds every hit of the rules of `scope` in `text`, ordered by position.
     pub fn scan(&self, scope: Scope, text: &str) -> Vec<Hit> {
+        self.matchers[scope.index()]
+            .scan(&self.rules, scope, text)
+            .0
+    }
+
+    /// As [`RuleSet::scan`], and also the normalized view of `text` it
+    /// matched against (`None` when no pattern of the scope uses it), for
+    /// callers that need the view too: the stream guard measures its hold
+    /// back in normalized bytes.
+    pub fn scan_with_view(
+        &self,
+        scope: Scope,
+        text: &str,
+    ) -> (Vec<Hit>, Option<normalize::Normalized>) {
         self.matchers[scope.index()].scan(&self.rules, scope, text)
     }
 
