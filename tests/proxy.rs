@@ -424,16 +424,11 @@ async fn monitor_mode_passes_everything_and_counts_the_hit() {
     let (text, finishes, _) = openai_stream_text(&response.text().await.unwrap());
     assert_eq!(text, chunks.concat());
     assert_eq!(finishes, ["stop"]);
-    let metrics = client()
-        .get(proxy.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(
-        metrics.contains("rule=\"fin.borrow_to_invest\",scope=\"response\"} 1"),
+    let metrics = proxy.metrics().await;
+    let series = "fairgate_rule_hits_total{action=\"block\",category=\"financial_safety\",rule=\"fin.borrow_to_invest\",scope=\"response\"}";
+    assert_eq!(
+        support::metric(&metrics, series),
+        Some(1.0),
         "the monitored hit was not counted:\n{metrics}"
     );
     proxy.stop().await;

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::{client, config, start_mock, start_proxy};
+use support::{client, config, metric, start_mock, start_proxy};
 
 use support::keyword_pack as pack;
 
@@ -21,14 +21,6 @@ async fn prompt_status(url: &str, content: &str) -> u16 {
         .unwrap()
         .status()
         .as_u16()
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(name) && !l.starts_with('#'))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
 }
 
 #[tokio::test]
@@ -96,19 +88,15 @@ async fn reload_swaps_good_rules_and_keeps_old_ones_when_broken() {
             .contains("weight 7")
     );
 
-    let metrics = client()
-        .get(proxy.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert_eq!(metric(&metrics, "fairgate_rules_reload_errors_total"), 1.0);
-    assert_eq!(metric(&metrics, "fairgate_rules_reload_failing"), 1.0);
+    let metrics = proxy.metrics().await;
+    assert_eq!(
+        metric(&metrics, "fairgate_rules_reload_errors_total"),
+        Some(1.0)
+    );
+    assert_eq!(metric(&metrics, "fairgate_rules_reload_failing"), Some(1.0));
     assert_eq!(
         metric(&metrics, "fairgate_rules_reloads_total{result=\"ok\"}"),
-        1.0
+        Some(1.0)
     );
     proxy.stop().await;
 }
@@ -148,41 +136,34 @@ async fn metrics_count_requests_blocks_and_rule_hits() {
         400
     );
     assert_eq!(prompt_status(&chat, "Hello").await, 200);
-    let metrics = client()
-        .get(proxy.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = proxy.metrics().await;
     assert_eq!(
         metric(
             &metrics,
             "fairgate_requests_total{route=\"chat_completions\",upstream=\"openai\",verdict=\"block\"}"
         ),
-        1.0
+        Some(1.0)
     );
     assert_eq!(
         metric(
             &metrics,
             "fairgate_requests_total{route=\"chat_completions\",upstream=\"openai\",verdict=\"allow\"}"
         ),
-        1.0
+        Some(1.0)
     );
     assert_eq!(
         metric(
             &metrics,
             "fairgate_rule_hits_total{action=\"block\",category=\"prompt_injection\",rule=\"pi.ignore_instructions\",scope=\"prompt\"}"
         ),
-        1.0
+        Some(1.0)
     );
     assert_eq!(
         metric(
             &metrics,
             "fairgate_blocks_total{route=\"chat_completions\",scope=\"prompt\"}"
         ),
-        1.0
+        Some(1.0)
     );
     assert!(metrics.contains("fairgate_proxy_added_latency_seconds_bucket"));
     assert!(metrics.contains("fairgate_upstream_latency_seconds_bucket"));

@@ -145,18 +145,13 @@ async fn malformed_sse_ends_the_stream_cleanly_and_is_counted() {
         .unwrap();
     let (text, _, _) = support::openai_stream_text(&body);
     assert_eq!(text, "Fine so far. ");
-    let metrics = client()
-        .get(proxy.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(
-        metrics.contains(
-            "fairgate_stream_errors_total{kind=\"malformed\",route=\"chat_completions\"} 1"
+    let metrics = proxy.metrics().await;
+    assert_eq!(
+        support::metric(
+            &metrics,
+            "fairgate_stream_errors_total{kind=\"malformed\",route=\"chat_completions\"}"
         ),
+        Some(1.0),
         "{metrics}"
     );
     proxy.stop().await;

@@ -250,6 +250,15 @@ fn sse_reply(body: String, pause_ms: u64) -> Response<MockBody> {
         .unwrap()
 }
 
+/// The value of one series of a Prometheus page, named exactly as it is
+/// printed (name and labels); `None` when the page does not have it.
+pub fn metric(page: &str, series: &str) -> Option<f64> {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.rsplit_once(' ').filter(|(name, _)| *name == series))
+        .and_then(|(_, value)| value.parse().ok())
+}
+
 /// A rule pack with one blocking keyword, for reload tests.
 pub fn keyword_pack(word: &str) -> String {
     format!(
@@ -286,6 +295,18 @@ impl Proxy {
 
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://{}{path}", self.admin)
+    }
+
+    /// The Prometheus page of the admin listener.
+    pub async fn metrics(&self) -> String {
+        client()
+            .get(self.admin_url("/metrics"))
+            .send()
+            .await
+            .expect("the admin listener answers")
+            .text()
+            .await
+            .expect("a text page")
     }
 
     /// POSTs `body` to `path`; the mock answers as `script` says (see the
