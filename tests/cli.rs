@@ -241,3 +241,60 @@ fn config_file_changes_the_risk_weights() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown field `block_treshold`"));
 }
+
+#[test]
+fn config_check_prints_the_effective_configuration_or_every_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fairgate.yaml");
+    std::fs::write(
+        &config,
+        "listen: 127.0.0.1:7000\nguard:\n  stream_mode: buffer\n",
+    )
+    .unwrap();
+    let out = fairgate(
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "config",
+            "check",
+            "--upstream-anthropic",
+            "http://127.0.0.1:9",
+        ],
+        b"",
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed: serde_json::Value = serde_yaml_ng::from_str(&stdout(&out)).unwrap();
+    assert_eq!(printed["listen"], "127.0.0.1:7000");
+    assert_eq!(printed["guard"]["stream_mode"], "buffer");
+    // Defaults are filled in, flags override the file.
+    assert_eq!(printed["admin"]["listen"], "127.0.0.1:9090");
+    assert_eq!(
+        printed["upstreams"]["openai"]["url"],
+        "https://api.openai.com"
+    );
+    assert_eq!(
+        printed["upstreams"]["anthropic"]["url"],
+        "http://127.0.0.1:9"
+    );
+
+    let broken =
+        "admin:\n  listen: 0.0.0.0:9090\nroutes:\n  - {path_prefix: v1, upstream: nowhere}\n";
+    std::fs::write(&config, broken).unwrap();
+    let out = fairgate(
+        &["--config", config.to_str().unwrap(), "config", "check"],
+        b"",
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for problem in [
+        "routes[0].upstream: no upstream named \"nowhere\"",
+        "routes[0].path_prefix: \"v1\" must start with /",
+        "admin.token_env: the admin listener 0.0.0.0:9090 is not on loopback",
+    ] {
+        assert!(err.contains(problem), "{problem} missing from:\n{err}");
+    }
+}
