@@ -59,6 +59,28 @@ async fn allowed_chat_completion_is_relayed_with_verdict_header() {
 }
 
 #[tokio::test]
+async fn allowed_bodies_pass_byte_for_byte_both_ways() {
+    let (mock, proxy) = start().await;
+    // Key order, spacing and escapes that a parse-and-serialize round trip
+    // would change.
+    let sent = "{ \"zeta\": 1,\n  \"model\": \"gpt-4o-mini\", \"messages\": [{\"role\": \"user\", \"content\": \"Caf\\u00e9 budget?\"}], \"alpha\": 2.50 }";
+    let reply = "{\n  \"object\": \"chat.completion\",\n  \"id\": \"chatcmpl-raw\",\n  \"choices\": [{\"index\": 0, \"message\": {\"role\": \"assistant\", \"content\": \"Start with 10\\u0025 a month.\"}, \"finish_reason\": \"stop\"}],\n  \"usage\": {\"total_tokens\": 1.0e1}\n}";
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-mock-reply", json!({ "raw_json": reply }).to_string())
+        .body(sent)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
+    assert_eq!(response.text().await.unwrap(), reply);
+    assert_eq!(mock.requests()[0].body, sent);
+    proxy.stop().await;
+}
+
+#[tokio::test]
 async fn blocked_prompt_never_reaches_the_upstream_openai() {
     let (mock, proxy) = start().await;
     let response = proxy

@@ -17,6 +17,8 @@ pub struct RequestScan {
     /// The relevance of each context text to the prompt, for the response
     /// stage's verdict.
     pub relevance: Vec<f64>,
+    /// Whether a `redact` hit rewrote the body.
+    pub redacted: bool,
 }
 
 /// Scans every prompt and context text of a request body and redacts the
@@ -62,9 +64,11 @@ pub fn scan_request(
             .map(|c| text::cosine(&question, c))
             .collect()
     };
+    let redacted = hits.iter().any(|h| h.action == Action::Redact);
     RequestScan {
         verdict: risk::assess(risk, hits, &relevance),
         relevance,
+        redacted,
     }
 }
 

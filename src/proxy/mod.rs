@@ -8,6 +8,7 @@
 //! Every other path and method is passed through, bodies streamed both ways.
 
 pub mod respond;
+pub mod upstream;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -21,7 +22,7 @@ use futures_util::StreamExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, header};
 use http_body::Frame;
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Limited, StreamBody};
+use http_body_util::{BodyExt, Either, Full, Limited, StreamBody};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -39,6 +40,7 @@ use crate::rules::store::RuleStore;
 use crate::rules::{Hit, RuleSet};
 use crate::telemetry::Metrics;
 use respond::Failure;
+use upstream::{UpstreamBody, UpstreamClient, build_client};
 
 /// The error type of response bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -52,7 +54,7 @@ pub struct State {
     pub metrics: Metrics,
     /// One pooled client per upstream, cloned into each serving thread on
     /// first use (see [`State::client`]).
-    clients: HashMap<String, reqwest::Client>,
+    clients: HashMap<String, UpstreamClient>,
     /// API keys of the upstreams that have one configured.
     keys: HashMap<String, HeaderValue>,
     /// The bearer token the admin listener requires, if any.
@@ -73,7 +75,7 @@ impl State {
         let mut keys = HashMap::new();
         for (name, upstream) in &config.upstreams {
             // Built once here so that a bad setting fails at start.
-            clients.insert(name.clone(), build_client(upstream)?);
+            clients.insert(name.clone(), build_client(upstream));
             if let Some(var) = &upstream.api_key_env {
                 let key = std::env::var(var).map_err(|_| {
                     anyhow::anyhow!(
@@ -103,9 +105,9 @@ impl State {
     /// This thread's client for `upstream`. Each serving thread builds its
     /// own pool, so a pooled connection is driven by the thread that uses
     /// it, with no wake-ups across threads.
-    fn client(&self, upstream: &str) -> Option<reqwest::Client> {
+    fn client(&self, upstream: &str) -> Option<UpstreamClient> {
         thread_local! {
-            static CLIENTS: std::cell::RefCell<HashMap<String, reqwest::Client>> = Default::default();
+            static CLIENTS: std::cell::RefCell<HashMap<String, UpstreamClient>> = Default::default();
         }
         self.clients.get(upstream)?;
         CLIENTS.with(|clients| {
@@ -114,7 +116,7 @@ impl State {
                 return Some(client.clone());
             }
             let config = self.config.upstreams.get(upstream)?;
-            let client = build_client(config).ok()?;
+            let client = build_client(config);
             clients.insert(upstream.to_owned(), client.clone());
             Some(client)
         })
@@ -156,13 +158,6 @@ impl State {
             Err(join) => Err(format!("reload did not finish: {join}")),
         }
     }
-}
-
-fn build_client(upstream: &crate::config::UpstreamConfig) -> reqwest::Result<reqwest::Client> {
-    reqwest::Client::builder()
-        .connect_timeout(Duration::from_millis(upstream.connect_timeout_ms))
-        .pool_idle_timeout(Duration::from_secs(90))
-        .build()
 }
 
 /// Serves the proxy on `listener` with one single-threaded runtime per
@@ -337,43 +332,43 @@ fn upstream_headers(
     headers
 }
 
-/// A request to `upstream` for the client's method and path, with `headers`
-/// and the upstream's timeout; `None` when the upstream is not configured.
-fn upstream_request(
+/// Sends a request to `upstream` for the client's method and path, with
+/// `headers`, `body` and the upstream's timeout. Returns the response head
+/// and the deadline the rest of the exchange must meet; a failure is counted
+/// and mapped to what the caller sees.
+async fn forward(
     state: &State,
     upstream: &str,
     method: Method,
     uri: &http::Uri,
     headers: HeaderMap,
-) -> Option<reqwest::RequestBuilder> {
-    let config = state.config.upstreams.get(upstream)?;
-    let client = state.client(upstream)?;
-    let path = uri.path_and_query().map_or("/", |p| p.as_str());
-    let url = format!("{}{path}", config.url.trim_end_matches('/'));
-    Some(
-        client
-            .request(method, url)
-            .headers(headers)
-            .timeout(Duration::from_millis(config.timeout_ms)),
-    )
-}
-
-/// Maps a client error to the failure the caller sees, and counts it.
-fn upstream_failure(state: &State, upstream: &str, error: &reqwest::Error) -> Failure {
-    let (failure, kind) = if error.is_timeout() {
-        (Failure::UpstreamTimeout, "timeout")
-    } else if error.is_connect() {
-        (Failure::UpstreamUnreachable, "connect")
-    } else {
-        (Failure::UpstreamBroken, "other")
+    body: UpstreamBody,
+) -> Result<(Response<Incoming>, tokio::time::Instant), Failure> {
+    let (Some(config), Some(client)) =
+        (state.config.upstreams.get(upstream), state.client(upstream))
+    else {
+        return Err(Failure::NoRoute);
     };
-    state
-        .metrics
-        .upstream_errors
-        .with_label_values(&[upstream, kind])
-        .inc();
-    tracing::warn!(upstream, %error, "upstream request failed");
-    failure
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    let Some(target) = upstream::uri(&config.url, path) else {
+        return Err(Failure::NoRoute);
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(config.timeout_ms);
+    match upstream::send(&client, method, target, headers, body, deadline).await {
+        Ok(response) => Ok((response, deadline)),
+        Err((failure, kind, error)) => {
+            state
+                .metrics
+                .upstream_errors
+                .with_label_values(&[upstream, kind])
+                .inc();
+            match error {
+                Some(error) => tracing::warn!(upstream, %error, "upstream request failed"),
+                None => tracing::warn!(upstream, "upstream request timed out"),
+            }
+            Err(failure)
+        }
+    }
 }
 
 fn dialect_of_path(path: &str) -> Dialect {
@@ -396,37 +391,34 @@ async fn passthrough(
     };
     let upstream = route.upstream.clone();
     let headers = upstream_headers(state, &upstream, dialect, req.headers());
-    let Some(request) =
-        upstream_request(state, &upstream, req.method().clone(), req.uri(), headers)
-    else {
-        return respond::failure(dialect, Failure::NoRoute, request_id);
-    };
-    let body = reqwest::Body::wrap_stream(req.into_body().into_data_stream());
-    let result = request.body(body).send().await;
-    match result {
-        Ok(response) => stream_back(response, request_id, None),
-        Err(error) => respond::failure(
-            dialect,
-            upstream_failure(state, &upstream, &error),
-            request_id,
-        ),
+    let (parts, body) = req.into_parts();
+    match forward(
+        state,
+        &upstream,
+        parts.method,
+        &parts.uri,
+        headers,
+        Either::Right(body),
+    )
+    .await
+    {
+        Ok((response, deadline)) => stream_back(response, deadline, request_id, None),
+        Err(failure) => respond::failure(dialect, failure, request_id),
     }
 }
 
-/// Relays an upstream response as it arrives.
+/// Relays an upstream response as it arrives, until `deadline`.
 fn stream_back(
-    response: reqwest::Response,
+    response: Response<Incoming>,
+    deadline: tokio::time::Instant,
     request_id: &str,
     verdict: Option<&str>,
 ) -> Response<ProxyBody> {
-    let status = response.status();
-    let headers = response.headers().clone();
-    let body = response
-        .bytes_stream()
-        .map(|chunk| chunk.map(Frame::data).map_err(|e| Box::new(e) as BoxError));
+    let (parts, body) = response.into_parts();
+    let body = upstream::body_stream(body, deadline).map(|chunk| chunk.map(Frame::data));
     let mut out = Response::new(StreamBody::new(body).boxed_unsync());
-    *out.status_mut() = status;
-    copy_response_headers(&headers, out.headers_mut());
+    *out.status_mut() = parts.status;
+    copy_response_headers(&parts.headers, out.headers_mut());
     respond::tag(&mut out, request_id, verdict);
     out
 }
@@ -552,25 +544,31 @@ async fn guarded(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    let Some(request) = upstream_request(state, &upstream, Method::POST, &parts.uri, headers)
-    else {
-        return respond::failure(dialect, Failure::NoRoute, request_id);
-    };
     let sent = Instant::now();
-    let result = request.body(json.to_string()).send().await;
-    let response = match result {
-        Ok(response) => response,
-        Err(error) => {
+    // Byte for byte what the client sent, unless a redaction rewrote it.
+    let body = if scan.redacted {
+        Bytes::from(json.to_string())
+    } else {
+        bytes
+    };
+    let forwarded = forward(
+        state,
+        &upstream,
+        Method::POST,
+        &parts.uri,
+        headers,
+        Either::Left(Full::new(body)),
+    )
+    .await;
+    let (response, deadline) = match forwarded {
+        Ok(sent) => sent,
+        Err(failure) => {
             state
                 .metrics
                 .requests
                 .with_label_values(&[route_label, &upstream, "error"])
                 .inc();
-            return respond::failure(
-                dialect,
-                upstream_failure(state, &upstream, &error),
-                request_id,
-            );
+            return respond::failure(dialect, failure, request_id);
         }
     };
     let upstream_time = sent.elapsed();
@@ -588,7 +586,7 @@ async fn guarded(
             .requests
             .with_label_values(&[route_label, &upstream, "upstream_error"])
             .inc();
-        return stream_back(response, request_id, Some(prompt_verdict));
+        return stream_back(response, deadline, request_id, Some(prompt_verdict));
     }
     let is_stream = response
         .headers()
@@ -599,6 +597,7 @@ async fn guarded(
         return guarded_stream(
             state,
             response,
+            deadline,
             endpoint,
             stream_mode,
             rules,
@@ -609,20 +608,22 @@ async fn guarded(
         );
     }
 
-    let status = response.status();
-    let upstream_headers = response.headers().clone();
-    let body = match read_limited(response, state.config.guard.max_response_bytes).await {
-        Ok(body) => body,
-        Err(error) => {
-            state
-                .metrics
-                .upstream_errors
-                .with_label_values(&[&upstream, "body"])
-                .inc();
-            tracing::warn!(%error, "upstream body could not be read");
-            return respond::failure(dialect, Failure::UpstreamBroken, request_id);
-        }
-    };
+    let (head, body) = response.into_parts();
+    let status = head.status;
+    let upstream_headers = head.headers;
+    let body =
+        match upstream::read_body(body, state.config.guard.max_response_bytes, deadline).await {
+            Ok(body) => body,
+            Err(error) => {
+                state
+                    .metrics
+                    .upstream_errors
+                    .with_label_values(&[&upstream, "body"])
+                    .inc();
+                tracing::warn!(%error, "upstream body could not be read");
+                return respond::failure(dialect, Failure::UpstreamBroken, request_id);
+            }
+        };
     let Ok(mut response_json) = serde_json::from_slice::<Value>(&body) else {
         // Not JSON: nothing to scan, relay as it is.
         let mut out = Response::new(respond::full(body));
@@ -680,7 +681,17 @@ async fn guarded(
         }
         respond::refuse_in_place(endpoint, &mut response_json, &message);
     }
-    let mut out = Response::new(respond::full(Bytes::from(response_json.to_string())));
+    // Byte for byte what the upstream sent, unless the guard changed it.
+    let changed = verdict.decision == Decision::Block
+        || verdict.hits.iter().any(|h| {
+            h.scope == crate::rules::Scope::Response && h.action == crate::rules::Action::Redact
+        });
+    let body = if changed {
+        Bytes::from(response_json.to_string())
+    } else {
+        body
+    };
+    let mut out = Response::new(respond::full(body));
     *out.status_mut() = status;
     copy_response_headers(&upstream_headers, out.headers_mut());
     out.headers_mut().remove(header::CONTENT_ENCODING);
@@ -695,23 +706,11 @@ fn is_json(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.contains("json"))
 }
 
-async fn read_limited(response: reqwest::Response, limit: usize) -> Result<Bytes, BoxError> {
-    let mut body = Vec::new();
-    let mut stream = response.bytes_stream();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk?;
-        if body.len() + chunk.len() > limit {
-            return Err(format!("response body larger than {limit} bytes").into());
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(Bytes::from(body))
-}
-
 #[allow(clippy::too_many_arguments)]
 fn guarded_stream(
     state: &Arc<State>,
-    response: reqwest::Response,
+    response: Response<Incoming>,
+    deadline: tokio::time::Instant,
     endpoint: Endpoint,
     mode: StreamMode,
     rules: Arc<RuleSet>,
@@ -720,8 +719,9 @@ fn guarded_stream(
     started: Instant,
     upstream: &str,
 ) -> Response<ProxyBody> {
-    let status = response.status();
-    let headers = response.headers().clone();
+    let (head, body) = response.into_parts();
+    let status = head.status;
+    let headers = head.headers;
     let setup = StreamSetup {
         endpoint,
         mode,
@@ -766,7 +766,7 @@ fn guarded_stream(
                 .inc();
         }
     };
-    let body = guard_body(setup, response.bytes_stream(), done);
+    let body = guard_body(setup, upstream::body_stream(body, deadline), done);
     let mut out = Response::new(body);
     *out.status_mut() = status;
     copy_response_headers(&headers, out.headers_mut());

@@ -4,7 +4,7 @@
 //! The mock answers in the dialect of the path it is called on. A request
 //! header `x-mock-reply` (JSON) says what to answer:
 //! `{"text": "...", "chunks": ["..", ".."], "status": 500, "delay_ms": 100,
-//! "raw_sse": "..."}`; without it the mock echoes "Hello from the mock.".
+//! "raw_sse": "...", "raw_json": "..."}`; without it the mock echoes "Hello from the mock.".
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -145,6 +145,12 @@ async fn mock_reply(
         .get("piece_delay_ms")
         .and_then(Value::as_u64)
         .unwrap_or(0);
+    if let Some(raw) = script.get("raw_json").and_then(Value::as_str) {
+        return Ok(Response::builder()
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(raw.to_owned())).boxed())
+            .unwrap());
+    }
     if let Some(raw) = script.get("raw_sse").and_then(Value::as_str) {
         return Ok(sse_reply(raw.to_owned(), pause));
     }
