@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::record::TextMode;
 use crate::risk::RiskConfig;
 use crate::rules::CompileOptions;
 
@@ -26,6 +27,10 @@ pub struct Config {
     pub guard: GuardConfig,
     pub rules: RulesConfig,
     pub risk: RiskConfig,
+    pub records: RecordsConfig,
+    pub queue: QueueConfig,
+    pub quality: QualityConfig,
+    pub sinks: SinksConfig,
     /// How long in-flight exchanges may take to finish on shutdown.
     pub shutdown_grace_ms: u64,
     /// Serving threads; 0 means one per processor core.
@@ -64,6 +69,10 @@ impl Default for Config {
             guard: GuardConfig::default(),
             rules: RulesConfig::default(),
             risk: RiskConfig::default(),
+            records: RecordsConfig::default(),
+            queue: QueueConfig::default(),
+            quality: QualityConfig::default(),
+            sinks: SinksConfig::default(),
             shutdown_grace_ms: 30_000,
             threads: 0,
         }
@@ -181,6 +190,161 @@ impl Default for GuardConfig {
     }
 }
 
+/// What exchange records keep.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RecordsConfig {
+    /// `full` (texts after redaction) or `hashes` (only their SHA-256).
+    pub texts: TextMode,
+}
+
+/// The side queue between the proxy and the workers.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueConfig {
+    pub kind: QueueKind,
+    /// Records the in-process channel holds before `on_full` applies.
+    pub capacity: usize,
+    pub on_full: OnFull,
+    /// Where records spill when the queue is full or NATS is unreachable.
+    pub spill_dir: PathBuf,
+    /// In-process workers (memory queue) or concurrent consumers
+    /// (`fairgate worker`). With 0, the proxy runs no workers: records
+    /// wait in the queue and then spill.
+    pub workers: usize,
+    /// How often spilled records are tried again.
+    pub replay_interval_ms: u64,
+    pub nats: NatsConfig,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            kind: QueueKind::Memory,
+            capacity: 10_000,
+            on_full: OnFull::Spill,
+            spill_dir: PathBuf::from("data/spill"),
+            workers: 2,
+            replay_interval_ms: 500,
+            nats: NatsConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueKind {
+    /// A bounded channel inside the proxy, with in-process workers.
+    Memory,
+    /// A NATS JetStream stream, consumed by `fairgate worker` processes.
+    Nats,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFull {
+    /// Append to the spill file; replayed when the queue drains.
+    Spill,
+    /// Drop the record and count it.
+    Drop,
+}
+
+/// NATS JetStream settings of the queue.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NatsConfig {
+    pub url: String,
+    /// The stream, created if missing.
+    pub stream: String,
+    pub subject: String,
+    /// The durable pull consumer the workers share.
+    pub consumer: String,
+    /// How long the stream keeps records, in seconds (0: no limit).
+    pub max_age_secs: u64,
+    /// How long a worker has to acknowledge a record before it is
+    /// delivered again.
+    pub ack_wait_ms: u64,
+}
+
+impl Default for NatsConfig {
+    fn default() -> Self {
+        NatsConfig {
+            url: "nats://127.0.0.1:4222".into(),
+            stream: "FAIRGATE".into(),
+            subject: "fairgate.records".into(),
+            consumer: "fairgate-workers".into(),
+            max_age_secs: 7 * 24 * 3600,
+            ack_wait_ms: 30_000,
+        }
+    }
+}
+
+/// The quality metrics' settings.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QualityConfig {
+    /// The emotion table written by `fairgate lexicon import`.
+    pub lexicon: PathBuf,
+    pub politeness_markers: Vec<String>,
+}
+
+impl Default for QualityConfig {
+    fn default() -> Self {
+        QualityConfig {
+            lexicon: PathBuf::from("data/emotions.json"),
+            politeness_markers: crate::quality::POLITENESS_MARKERS
+                .iter()
+                .map(|m| (*m).to_owned())
+                .collect(),
+        }
+    }
+}
+
+/// Where results go; any combination.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SinksConfig {
+    pub jsonl: Option<JsonlSinkConfig>,
+    pub postgres: Option<PostgresSinkConfig>,
+    pub nats: Option<NatsSinkConfig>,
+}
+
+impl Default for SinksConfig {
+    fn default() -> Self {
+        SinksConfig {
+            jsonl: Some(JsonlSinkConfig {
+                dir: PathBuf::from("data/results"),
+            }),
+            postgres: None,
+            nats: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct JsonlSinkConfig {
+    /// One file per day, `results-YYYY-MM-DD.jsonl`.
+    pub dir: PathBuf,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresSinkConfig {
+    /// A libpq-style connection string, such as
+    /// `host=127.0.0.1 user=postgres dbname=fairgate`.
+    pub url: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsSinkConfig {
+    /// The NATS server (the queue's when not given).
+    #[serde(default)]
+    pub url: Option<String>,
+    pub subject: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RulesConfig {
@@ -295,6 +459,17 @@ impl Config {
             problems.push(format!(
                 "admin.token_env: the admin listener {} is not on loopback, so it needs a bearer token",
                 self.admin.listen
+            ));
+        }
+        if self.queue.capacity == 0 {
+            problems.push("queue.capacity: must be at least 1".into());
+        }
+        if let Some(pg) = &self.sinks.postgres
+            && pg.url.parse::<tokio_postgres::Config>().is_err()
+        {
+            problems.push(format!(
+                "sinks.postgres.url: {:?} is not a PostgreSQL connection string",
+                pg.url
             ));
         }
         if self.guard.max_body_bytes == 0 {

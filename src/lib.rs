@@ -32,11 +32,17 @@
 pub mod admin;
 pub mod commands;
 pub mod config;
+pub mod eval;
 pub mod exchange;
 pub mod guard;
 pub mod proxy;
+pub mod quality;
+pub mod queue;
+pub mod record;
 pub mod risk;
 pub mod rules;
+pub mod sink;
 pub mod telemetry;
 pub mod text;
 pub mod watch;
+pub mod worker;

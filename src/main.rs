@@ -40,6 +40,31 @@ enum Command {
         #[command(subcommand)]
         command: RulesCommand,
     },
+    /// Run side-queue workers only: consume the NATS JetStream stream and
+    /// store results, until SIGTERM or Ctrl-C.
+    Worker,
+    /// Import the NRC emotion lexicon (it is not shipped with fairgate).
+    Lexicon {
+        #[command(subcommand)]
+        command: LexiconCommand,
+    },
+    /// Run the rules and quality metrics over a JSON-lines dataset.
+    Eval {
+        /// Rows of {input, output, context?, expected?, ground_truth?, user_action?}.
+        dataset: PathBuf,
+        /// Rule directory [default: the configuration's, else ./rules].
+        #[arg(long)]
+        rules: Option<PathBuf>,
+        /// Baseline rule directory: list the rows whose verdict differs.
+        #[arg(long)]
+        compare: Option<PathBuf>,
+        /// The emotion table [default: the configuration's quality.lexicon].
+        #[arg(long)]
+        lexicon: Option<PathBuf>,
+        /// Write one JSON line of results per row here.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Scan a text: print its hits, risk scores and verdict.
     Scan {
         /// Where the text comes from in an exchange.
@@ -117,6 +142,19 @@ enum ConfigCommand {
 }
 
 #[derive(Subcommand)]
+enum LexiconCommand {
+    /// Read the lexicon from the nrclex wheel (`pip download nrclex==4.1.0
+    /// --no-deps`), its nrc_en.json, or NRC's word<TAB>emotion<TAB>0|1 file,
+    /// and write fairgate's emotion table.
+    Import {
+        path: PathBuf,
+        /// Where to write it [default: the configuration's quality.lexicon].
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
 enum RulesCommand {
     /// Load and compile the packs; list them, or every error.
     Check {
@@ -149,13 +187,12 @@ impl From<ScopeArg> for Scope {
 
 /// Runs the proxy until SIGTERM or Ctrl-C, then drains.
 fn serve(config: Config) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,hyper=warn".into()),
-        )
-        .init();
+    init_logging();
     let state = std::sync::Arc::new(fairgate::proxy::State::new(config)?);
+    if let Err(reason) = fairgate::quality::lexicon::Lexicon::load(&state.config.quality.lexicon) {
+        tracing::warn!(%reason, "no emotion lexicon: emotional entropy and Spearman will have no score (see `fairgate lexicon import`)");
+    }
+    let pipeline = state.start_pipeline()?;
     let listener = std::net::TcpListener::bind(state.config.listen)?;
     let admin = std::net::TcpListener::bind(state.config.admin.listen)?;
     let threads = match state.config.threads {
@@ -192,9 +229,46 @@ fn serve(config: Config) -> anyhow::Result<()> {
         let _ = stop.send(true);
         anyhow::Ok(())
     })?;
-    serving
+    let served = serving
         .join()
-        .map_err(|_| anyhow::anyhow!("the serving thread panicked"))?
+        .map_err(|_| anyhow::anyhow!("the serving thread panicked"))?;
+    // Every exchange has ended: flush the side queue.
+    pipeline.stop();
+    tracing::info!("side queue flushed");
+    served
+}
+
+fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,hyper=warn".into()),
+        )
+        .init();
+}
+
+/// `fairgate worker`: NATS JetStream consumers until SIGTERM or Ctrl-C.
+fn worker(config: Config) -> anyhow::Result<()> {
+    init_logging();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.queue.workers.clamp(1, 8))
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let telemetry = std::sync::Arc::new(fairgate::telemetry::Metrics::new());
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let mut consumers = tokio::spawn({
+            let config = config.clone();
+            async move { fairgate::queue::nats::run_worker(&config, telemetry, stopped).await }
+        });
+        tokio::select! {
+            () = shutdown_signal() => {
+                let _ = stop.send(true);
+                consumers.await?
+            }
+            result = &mut consumers => result?,
+        }
+    })
 }
 
 async fn shutdown_signal() {
@@ -237,6 +311,10 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
     };
     // The proxy logs to stdout from many threads: it must not run while this
     // thread holds the lock, so it is started before the lock is taken.
+    if let Command::Worker = &cli.command {
+        worker(config)?;
+        return Ok(true);
+    }
     if let Command::Serve { overrides } = &cli.command {
         let mut config = config.clone();
         overrides.apply(&mut config);
@@ -251,7 +329,36 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
     let mut out = stdout.lock();
     let dir = |d: &Option<PathBuf>| d.clone().unwrap_or_else(|| config.rules.dir.clone());
     let ok = match &cli.command {
-        Command::Serve { .. } => true,
+        Command::Serve { .. } | Command::Worker => true,
+        Command::Lexicon {
+            command: LexiconCommand::Import { path, out: to },
+        } => {
+            let to = to.clone().unwrap_or_else(|| config.quality.lexicon.clone());
+            let lexicon = fairgate::quality::lexicon::Lexicon::import(path)
+                .map_err(|e| anyhow::anyhow!(e))?;
+            if let Some(parent) = to.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent)?;
+            }
+            std::fs::write(&to, lexicon.to_json())?;
+            writeln!(out, "wrote {} words to {}", lexicon.len(), to.display())?;
+            true
+        }
+        Command::Eval {
+            dataset,
+            rules,
+            compare,
+            lexicon,
+            out: to,
+        } => {
+            let request = fairgate::eval::EvalRequest {
+                dataset,
+                rules_dir: &dir(rules),
+                compare: compare.as_deref(),
+                lexicon: lexicon.as_deref(),
+                out: to.as_deref(),
+            };
+            fairgate::eval::run(&config, &request, &mut out)?
+        }
         Command::Config {
             command: ConfigCommand::Check { overrides },
         } => {

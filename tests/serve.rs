@@ -59,6 +59,8 @@ async fn serve_reloads_on_sighup_and_stops_on_sigterm() {
             "2",
         ])
         .env("FAIRGATE_CONFIG", &config)
+        // Results go to ./data on the embedded defaults.
+        .current_dir(config_dir.path())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -120,4 +122,25 @@ async fn serve_reloads_on_sighup_and_stops_on_sigterm() {
         panic!("fairgate did not stop on SIGTERM")
     });
     assert!(code.success(), "{code:?}");
+
+    // The exchanges' records were flushed and stored before the exit.
+    let results = config_dir.path().join("data/results");
+    let mut rows = Vec::new();
+    for entry in std::fs::read_dir(&results).unwrap().flatten() {
+        let text = std::fs::read_to_string(entry.path()).unwrap();
+        rows.extend(
+            text.lines()
+                .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()),
+        );
+    }
+    let blocked_prompt = |word: &str| {
+        rows.iter().any(|r| {
+            r["exchange"]["verdict"] == "block"
+                && r["exchange"]["texts"]["prompt"].to_string().contains(word)
+        })
+    };
+    assert!(
+        blocked_prompt("pineapple") && blocked_prompt("mango"),
+        "{rows:#?}"
+    );
 }

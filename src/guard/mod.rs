@@ -19,6 +19,16 @@ pub struct RequestScan {
     pub relevance: Vec<f64>,
     /// Whether a `redact` hit rewrote the body.
     pub redacted: bool,
+    /// The prompt and context texts as forwarded (redacted), for the
+    /// exchange record.
+    pub texts: RequestTexts,
+}
+
+/// The texts of a request by scope, after redaction.
+#[derive(Debug, Clone, Default)]
+pub struct RequestTexts {
+    pub prompt: Vec<String>,
+    pub context: Vec<String>,
 }
 
 /// Scans every prompt and context text of a request body and redacts the
@@ -33,8 +43,11 @@ pub fn scan_request(
     let mut hits = Vec::new();
     let mut question = String::new();
     let mut contexts = Vec::new();
+    let mut texts = RequestTexts::default();
+    let mut redacted = false;
     request_texts(endpoint, body, &mut |scope, text| {
-        let mut found = Vec::new();
+        let mut rewritten = String::new();
+        let mut changed = false;
         for (range, part_scope) in split_context(text, scope, context_tags) {
             let part = &text[range.clone()];
             match part_scope {
@@ -45,16 +58,29 @@ pub fn scan_request(
                 Scope::Context => contexts.push(part.to_owned()),
                 Scope::Response => {}
             }
-            found.extend(rules.scan(part_scope, part).into_iter().map(|mut hit| {
+            let found = rules.scan(part_scope, part);
+            // The part as it goes upstream and into the record.
+            let kept = if found.iter().any(|h| h.action == Action::Redact) {
+                changed = true;
+                redact(part, &found)
+            } else {
+                part.to_owned()
+            };
+            rewritten.push_str(&kept);
+            match part_scope {
+                Scope::Context => texts.context.push(kept),
+                _ => texts.prompt.push(kept),
+            }
+            hits.extend(found.into_iter().map(|mut hit| {
                 hit.start += range.start;
                 hit.end += range.start;
                 hit
             }));
         }
-        if found.iter().any(|h| h.action == Action::Redact) {
-            *text = redact(text, &found);
+        if changed {
+            *text = rewritten;
+            redacted = true;
         }
-        hits.extend(found);
     });
     let relevance: Vec<f64> = if question.trim().is_empty() {
         Vec::new()
@@ -64,11 +90,11 @@ pub fn scan_request(
             .map(|c| text::cosine(&question, c))
             .collect()
     };
-    let redacted = hits.iter().any(|h| h.action == Action::Redact);
     RequestScan {
         verdict: risk::assess(risk, hits, &relevance),
         relevance,
         redacted,
+        texts,
     }
 }
 
@@ -107,17 +133,23 @@ fn split_context(
 }
 
 /// Scans every text of a response body, redacting in place; returns the
-/// hits.
-pub fn scan_response(rules: &RuleSet, endpoint: Endpoint, body: &mut Value) -> Vec<Hit> {
+/// hits and the texts (redacted).
+pub fn scan_response(
+    rules: &RuleSet,
+    endpoint: Endpoint,
+    body: &mut Value,
+) -> (Vec<Hit>, Vec<String>) {
     let mut hits = Vec::new();
+    let mut texts = Vec::new();
     response_texts(endpoint, body, &mut |text| {
         let found = rules.scan(Scope::Response, text);
         if found.iter().any(|h| h.action == Action::Redact) {
             *text = redact(text, &found);
         }
+        texts.push(text.clone());
         hits.extend(found);
     });
-    hits
+    (hits, texts)
 }
 
 /// The message shown for a block: the first blocking rule's, else the

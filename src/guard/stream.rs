@@ -67,6 +67,12 @@ pub struct StreamSetup {
 /// How a stream ended.
 pub struct StreamOutcome {
     pub verdict: Verdict,
+    /// The whole response text the upstream sent, redacted.
+    pub text: String,
+    /// The upstream's `usage`, when the stream reported one.
+    pub usage: Option<Value>,
+    /// Time spent in the guard itself (parsing, scanning, re-framing).
+    pub guard_time: Duration,
     pub malformed: bool,
     pub upstream_failed: bool,
     pub first_byte: Option<Duration>,
@@ -91,6 +97,7 @@ where
         let mut upstream = upstream;
         let mut first_byte = None;
         let mut client_gone = false;
+        let mut guard_time = Duration::ZERO;
         let send = async |frames: Vec<Bytes>, first_byte: &mut Option<Duration>| -> bool {
             for frame in frames {
                 if first_byte.is_none() {
@@ -105,6 +112,7 @@ where
         while !guard.finished {
             let frames = match upstream.next().await {
                 Some(Ok(chunk)) => {
+                    let began = Instant::now();
                     let mut frames = Vec::new();
                     for event in parser.push(&chunk) {
                         frames.extend(guard.on_event(event));
@@ -112,6 +120,7 @@ where
                             break;
                         }
                     }
+                    guard_time += began.elapsed();
                     frames
                 }
                 Some(Err(error)) => {
@@ -129,7 +138,7 @@ where
         if client_gone {
             tracing::debug!("client went away during a stream");
         }
-        done(guard.outcome(first_byte));
+        done(guard.outcome(first_byte, guard_time));
     });
     let frames = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()
@@ -259,6 +268,7 @@ pub struct Guard {
     finished: bool,
     malformed: bool,
     upstream_failed: bool,
+    usage: Option<Value>,
 }
 
 impl Guard {
@@ -284,6 +294,7 @@ impl Guard {
             finished: false,
             malformed: false,
             upstream_failed: false,
+            usage: None,
         }
     }
 
@@ -316,7 +327,7 @@ impl Guard {
         }
     }
 
-    fn outcome(&self, first_byte: Option<Duration>) -> StreamOutcome {
+    fn outcome(&self, first_byte: Option<Duration>, guard_time: Duration) -> StreamOutcome {
         let mut hits = self.setup.request_hits.clone();
         hits.extend(self.hits.iter().cloned());
         let mut verdict = risk::assess(&self.setup.risk, hits, &self.setup.relevance);
@@ -325,6 +336,9 @@ impl Guard {
         }
         StreamOutcome {
             verdict,
+            text: self.redacted(0, self.acc.len()),
+            usage: self.usage.clone(),
+            guard_time,
             malformed: self.malformed,
             upstream_failed: self.upstream_failed,
             first_byte,
@@ -341,9 +355,32 @@ impl Guard {
         let Ok(json) = serde_json::from_str::<Value>(data) else {
             return Kind::Malformed;
         };
+        self.note_usage(&json);
         match self.dialect {
             Dialect::OpenAi => self.classify_openai(json),
             Dialect::Anthropic => classify_anthropic(&json),
+        }
+    }
+
+    /// Keeps the usage an event reports: OpenAI's final `usage` chunk,
+    /// Anthropic's `message_start` and `message_delta` (merged), the
+    /// Responses API's `response.completed`.
+    fn note_usage(&mut self, json: &Value) {
+        let Some(Value::Object(found)) = json
+            .get("usage")
+            .filter(|u| u.is_object())
+            .or_else(|| json.pointer("/message/usage"))
+            .or_else(|| json.pointer("/response/usage"))
+        else {
+            return;
+        };
+        match &mut self.usage {
+            Some(Value::Object(usage)) => {
+                for (key, value) in found {
+                    usage.insert(key.clone(), value.clone());
+                }
+            }
+            _ => self.usage = Some(Value::Object(found.clone())),
         }
     }
 

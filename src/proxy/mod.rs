@@ -19,7 +19,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body::Frame;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Either, Full, Limited, StreamBody};
@@ -35,6 +35,12 @@ use crate::config::{Config, OnBlock, StreamMode};
 use crate::exchange::{Dialect, Endpoint};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
+use crate::queue::Queue;
+use crate::queue::pipeline::Pipeline;
+use crate::record::{
+    ClientMeta, ExchangeRecord, FeedbackRecord, FeedbackRequest, QueueItem, Texts, now_ms,
+    record_hits,
+};
 use crate::risk::{self, Decision, Verdict};
 use crate::rules::store::RuleStore;
 use crate::rules::{Hit, RuleSet};
@@ -51,7 +57,9 @@ pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
 pub struct State {
     pub config: Config,
     pub rules: RuleStore,
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
+    /// The side queue every exchange record goes to.
+    pub queue: Arc<Queue>,
     /// One pooled client per upstream, cloned into each serving thread on
     /// first use (see [`State::client`]).
     clients: HashMap<String, UpstreamClient>,
@@ -68,7 +76,12 @@ impl State {
     /// upstream.
     pub fn new(config: Config) -> anyhow::Result<State> {
         let rules = RuleStore::load(config.rules.dir.clone(), config.rules.compile_options())?;
-        let metrics = Metrics::new();
+        let metrics = Arc::new(Metrics::new());
+        let queue = Arc::new(Queue::new(
+            &config.queue,
+            metrics.queue_records.clone(),
+            metrics.queue_depth.clone(),
+        ));
         let snapshot = rules.snapshot();
         metrics.rules_swapped(snapshot.version(), snapshot.rules().len());
         let mut clients = HashMap::new();
@@ -95,6 +108,7 @@ impl State {
             config,
             rules,
             metrics,
+            queue,
             clients,
             keys,
             admin_token,
@@ -120,6 +134,17 @@ impl State {
             clients.insert(upstream.to_owned(), client.clone());
             Some(client)
         })
+    }
+
+    /// Starts consuming the side queue (in-process workers or the NATS
+    /// publisher) on a thread of its own; stop it after the proxy stopped
+    /// serving so that it flushes what the queue holds.
+    pub fn start_pipeline(&self) -> anyhow::Result<Pipeline> {
+        Pipeline::start(
+            self.queue.clone(),
+            self.config.clone(),
+            self.metrics.clone(),
+        )
     }
 
     fn request_id(&self) -> String {
@@ -275,6 +300,9 @@ async fn handle(
     let endpoint = (req.method() == Method::POST)
         .then(|| Endpoint::from_path(req.uri().path()))
         .flatten();
+    if req.method() == Method::POST && req.uri().path().trim_end_matches('/') == "/v1/feedback" {
+        return Ok(feedback(&state, req, &request_id).await);
+    }
     Ok(match endpoint {
         Some(endpoint) => guarded(&state, req, endpoint, &request_id, started).await,
         None => passthrough(&state, req, &request_id).await,
@@ -376,6 +404,99 @@ fn dialect_of_path(path: &str) -> Dialect {
         Dialect::Anthropic
     } else {
         Dialect::OpenAi
+    }
+}
+
+/// `POST /v1/feedback`: what the user did after an exchange, queued for the
+/// outcome metrics. Answers 202 once queued, 400 on a bad body.
+async fn feedback(state: &State, req: Request<Incoming>, request_id: &str) -> Response<ProxyBody> {
+    let body = match Limited::new(req.into_body(), 64 << 10).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => return respond::failure(Dialect::OpenAi, Failure::TooLarge, request_id),
+    };
+    let parsed: FeedbackRequest = match serde_json::from_slice(&body) {
+        Ok(parsed) => parsed,
+        Err(error) => {
+            return respond::invalid_request(
+                &format!(
+                    "Invalid feedback: {error}. Expected {{\"request_id\", \"user_action\": \"saved\"|\"spent\", \"stake_type\"?, \"goal_completed\"?}}."
+                ),
+                request_id,
+            );
+        }
+    };
+    if parsed.request_id.trim().is_empty() {
+        return respond::invalid_request("Invalid feedback: request_id is empty.", request_id);
+    }
+    let record = FeedbackRecord {
+        schema_version: crate::record::SCHEMA_VERSION,
+        request_id: parsed.request_id.clone(),
+        user_action: parsed.user_action,
+        stake_type: parsed.stake_type,
+        goal_completed: parsed.goal_completed,
+        received_ms: now_ms(),
+    };
+    state.queue.push(QueueItem::Feedback(record));
+    respond::accepted(&parsed.request_id, request_id)
+}
+
+/// The parts of an exchange record known before the upstream answers.
+struct RecordDraft {
+    request_id: String,
+    started: Instant,
+    started_ms: i64,
+    endpoint: Endpoint,
+    upstream: String,
+    model: Option<String>,
+    stream: bool,
+    client: ClientMeta,
+    prompt: Vec<String>,
+    context: Vec<String>,
+}
+
+/// How an exchange ended, for its record.
+struct Ending<'a> {
+    verdict: &'a Verdict,
+    response: Vec<String>,
+    status: u16,
+    /// The upstream's share of the time, when it was called.
+    upstream: Option<Duration>,
+    /// fairgate's own share.
+    proxy: Duration,
+    usage: Option<Value>,
+}
+
+impl RecordDraft {
+    /// Completes the record and hands it to the side queue.
+    fn finish(self, state: &State, end: Ending) {
+        let mode = state.config.records.texts;
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let record = ExchangeRecord {
+            schema_version: crate::record::SCHEMA_VERSION,
+            request_id: self.request_id,
+            started_ms: self.started_ms,
+            finished_ms: now_ms(),
+            route: self.endpoint.route().to_owned(),
+            dialect: match self.endpoint.dialect() {
+                Dialect::OpenAi => "openai",
+                Dialect::Anthropic => "anthropic",
+            }
+            .to_owned(),
+            upstream: self.upstream,
+            model: self.model,
+            stream: self.stream,
+            status: end.status,
+            texts: Texts::new(mode, self.prompt, self.context, end.response),
+            verdict: end.verdict.decision,
+            risk: end.verdict.risk,
+            hits: record_hits(end.verdict, mode),
+            upstream_ms: end.upstream.map(ms),
+            proxy_ms: ms(end.proxy),
+            total_ms: ms(self.started.elapsed()),
+            usage: end.usage,
+            client: self.client,
+        };
+        state.queue.push(QueueItem::Exchange(Box::new(record)));
     }
 }
 
@@ -496,13 +617,41 @@ async fn guarded(
 
     // The rules of this exchange, start to end, whatever reloads happen.
     let rules = state.rules.snapshot();
-    let scan = guard::scan_request(
+    let mut scan = guard::scan_request(
         &rules,
         &state.config.risk,
         &state.config.guard.context_tags,
         endpoint,
         &mut json,
     );
+    let texts = std::mem::take(&mut scan.texts);
+    let draft = RecordDraft {
+        request_id: request_id.to_owned(),
+        started,
+        started_ms: now_ms() - started.elapsed().as_millis() as i64,
+        endpoint,
+        upstream: upstream.clone(),
+        client: ClientMeta::read(&parts.headers, &json),
+        model,
+        stream: streaming,
+        prompt: texts.prompt,
+        context: texts.context,
+    };
+    // The record of an exchange that ends before a response is scanned.
+    let end_early = |draft: RecordDraft, status: StatusCode, upstream: Option<Duration>| {
+        let total = started.elapsed();
+        draft.finish(
+            state,
+            Ending {
+                verdict: &scan.verdict,
+                response: Vec::new(),
+                status: status.as_u16(),
+                upstream,
+                proxy: total.saturating_sub(upstream.unwrap_or_default()),
+                usage: None,
+            },
+        );
+    };
     if scan.verdict.decision == Decision::Block {
         record_verdict(&state.metrics, &scan.verdict);
         // The scope of the first blocking rule; a block by total risk is the
@@ -525,13 +674,15 @@ async fn guarded(
             .inc();
         let message = block_message(&scan.verdict.hits);
         tracing::info!(request_id, scope, rules = ?rule_ids(&scan.verdict.hits), "request blocked");
-        return respond::blocked(
+        let out = respond::blocked(
             dialect,
             scope,
             &message,
             &rule_ids(&scan.verdict.hits),
             request_id,
         );
+        end_early(draft, out.status(), None);
+        return out;
     }
 
     let mut headers = upstream_headers(state, &upstream, dialect, &parts.headers);
@@ -568,7 +719,9 @@ async fn guarded(
                 .requests
                 .with_label_values(&[route_label, &upstream, "error"])
                 .inc();
-            return respond::failure(dialect, failure, request_id);
+            let out = respond::failure(dialect, failure, request_id);
+            end_early(draft, out.status(), None);
+            return out;
         }
     };
     let upstream_time = sent.elapsed();
@@ -586,6 +739,7 @@ async fn guarded(
             .requests
             .with_label_values(&[route_label, &upstream, "upstream_error"])
             .inc();
+        end_early(draft, response.status(), Some(upstream_time));
         return stream_back(response, deadline, request_id, Some(prompt_verdict));
     }
     let is_stream = response
@@ -598,13 +752,11 @@ async fn guarded(
             state,
             response,
             deadline,
-            endpoint,
             stream_mode,
             rules,
             scan,
-            request_id,
-            started,
-            &upstream,
+            draft,
+            sent.duration_since(started),
         );
     }
 
@@ -621,7 +773,9 @@ async fn guarded(
                     .with_label_values(&[&upstream, "body"])
                     .inc();
                 tracing::warn!(%error, "upstream body could not be read");
-                return respond::failure(dialect, Failure::UpstreamBroken, request_id);
+                let out = respond::failure(dialect, Failure::UpstreamBroken, request_id);
+                end_early(draft, out.status(), Some(upstream_time));
+                return out;
             }
         };
     let Ok(mut response_json) = serde_json::from_slice::<Value>(&body) else {
@@ -630,9 +784,12 @@ async fn guarded(
         *out.status_mut() = status;
         copy_response_headers(&upstream_headers, out.headers_mut());
         respond::tag(&mut out, request_id, Some(prompt_verdict));
+        end_early(draft, status, Some(upstream_time));
         return out;
     };
-    let response_hits = guard::scan_response(&rules, endpoint, &mut response_json);
+    let (response_hits, response_texts) =
+        guard::scan_response(&rules, endpoint, &mut response_json);
+    let usage = response_json.get("usage").cloned();
     let mut all: Vec<Hit> = scan.verdict.hits.clone();
     all.extend(response_hits);
     let verdict = risk::assess(&state.config.risk, all, &scan.relevance);
@@ -642,16 +799,25 @@ async fn guarded(
         .requests
         .with_label_values(&[route_label, &upstream, verdict.decision.as_str()])
         .inc();
+    let proxy_time = started.elapsed().saturating_sub(upstream_time);
     state
         .metrics
         .added_latency
         .with_label_values(&[route_label])
-        .observe(
-            started
-                .elapsed()
-                .saturating_sub(upstream_time)
-                .as_secs_f64(),
+        .observe(proxy_time.as_secs_f64());
+    let ending = |draft: RecordDraft, status: StatusCode| {
+        draft.finish(
+            state,
+            Ending {
+                verdict: &verdict,
+                response: response_texts,
+                status: status.as_u16(),
+                upstream: Some(upstream_time),
+                proxy: proxy_time,
+                usage,
+            },
         );
+    };
     if verdict.decision == Decision::Block {
         state
             .metrics
@@ -671,13 +837,15 @@ async fn guarded(
         });
         tracing::info!(request_id, rules = ?rule_ids(&verdict.hits), "response blocked");
         if state.config.guard.on_block == OnBlock::Error {
-            return respond::blocked(
+            let out = respond::blocked(
                 dialect,
                 "response",
                 &message,
                 &rule_ids(&verdict.hits),
                 request_id,
             );
+            ending(draft, out.status());
+            return out;
         }
         respond::refuse_in_place(endpoint, &mut response_json, &message);
     }
@@ -696,6 +864,7 @@ async fn guarded(
     copy_response_headers(&upstream_headers, out.headers_mut());
     out.headers_mut().remove(header::CONTENT_ENCODING);
     respond::tag(&mut out, request_id, Some(verdict.decision.as_str()));
+    ending(draft, status);
     out
 }
 
@@ -711,17 +880,19 @@ fn guarded_stream(
     state: &Arc<State>,
     response: Response<Incoming>,
     deadline: tokio::time::Instant,
-    endpoint: Endpoint,
     mode: StreamMode,
     rules: Arc<RuleSet>,
     scan: guard::RequestScan,
-    request_id: &str,
-    started: Instant,
-    upstream: &str,
+    draft: RecordDraft,
+    before_upstream: Duration,
 ) -> Response<ProxyBody> {
     let (head, body) = response.into_parts();
     let status = head.status;
     let headers = head.headers;
+    let endpoint = draft.endpoint;
+    let started = draft.started;
+    let request_id = draft.request_id.clone();
+    let upstream = draft.upstream.clone();
     let setup = StreamSetup {
         endpoint,
         mode,
@@ -733,10 +904,17 @@ fn guarded_stream(
     };
     let metrics_state = state.clone();
     let route = endpoint.route();
-    let upstream_name = upstream.to_owned();
-    let id = request_id.to_owned();
+    let upstream_name = upstream.clone();
+    let id = request_id.clone();
     let done = move |outcome: StreamOutcome| {
         let metrics = &metrics_state.metrics;
+        // fairgate's share: before the upstream call, and the guard's own
+        // work on the events; the rest is the upstream's.
+        let proxy = before_upstream + outcome.guard_time;
+        metrics
+            .added_latency
+            .with_label_values(&[route])
+            .observe(proxy.as_secs_f64());
         record_verdict(metrics, &outcome.verdict);
         let decision = outcome.verdict.decision;
         metrics
@@ -765,12 +943,24 @@ fn guarded_stream(
                 .with_label_values(&[route, "upstream"])
                 .inc();
         }
+        let total = draft.started.elapsed();
+        draft.finish(
+            &metrics_state,
+            Ending {
+                verdict: &outcome.verdict,
+                response: vec![outcome.text],
+                status: status.as_u16(),
+                upstream: Some(total.saturating_sub(proxy)),
+                proxy,
+                usage: outcome.usage,
+            },
+        );
     };
     let body = guard_body(setup, upstream::body_stream(body, deadline), done);
     let mut out = Response::new(body);
     *out.status_mut() = status;
     copy_response_headers(&headers, out.headers_mut());
     out.headers_mut().remove(header::CONTENT_ENCODING);
-    respond::tag(&mut out, request_id, Some(scan.verdict.decision.as_str()));
+    respond::tag(&mut out, &request_id, Some(scan.verdict.decision.as_str()));
     out
 }

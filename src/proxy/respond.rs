@@ -96,6 +96,28 @@ pub fn failure(dialect: Dialect, failure: Failure, request_id: &str) -> Response
     json_response(failure.status(), &body, request_id, None)
 }
 
+/// A 400 for a malformed fairgate request (such as feedback), in the OpenAI
+/// error shape.
+pub fn invalid_request(message: &str, request_id: &str) -> Response<ProxyBody> {
+    let body = json!({"error": {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": null,
+        "code": "invalid_feedback",
+    }});
+    json_response(StatusCode::BAD_REQUEST, &body, request_id, None)
+}
+
+/// 202: feedback about `about` was queued.
+pub fn accepted(about: &str, request_id: &str) -> Response<ProxyBody> {
+    json_response(
+        StatusCode::ACCEPTED,
+        &json!({"status": "queued", "request_id": about}),
+        request_id,
+        None,
+    )
+}
+
 /// The 400 that answers a blocked prompt (or, with `on_block: error`, a
 /// blocked response). SDKs treat it as a non-retryable bad request.
 pub fn blocked(

@@ -118,7 +118,7 @@ impl RiskConfig {
 }
 
 /// Risk scores, each in `[0, 1]`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct Risk {
     pub prompt: f64,
     pub response: f64,
@@ -137,7 +137,7 @@ impl Risk {
 }
 
 /// What happens to an exchange. Ordered by severity.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Decision {
     Allow,

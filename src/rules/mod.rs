@@ -26,7 +26,9 @@ pub use compile::{CompileOptions, MAX_REGEX_SIZE};
 pub use matcher::MatchLimits;
 
 /// Where in an exchange a text comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Scope {
     Prompt,
@@ -61,7 +63,9 @@ impl fmt::Display for Scope {
 }
 
 /// What a hit of a rule does. Ordered by severity.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Action {
     /// Reported and stored only.

@@ -4,8 +4,8 @@
 //! model-controlled strings.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Every metric fairgate exports.
@@ -41,12 +41,30 @@ pub struct Metrics {
     pub reload_errors: IntCounter,
     /// `fairgate_rules_reload_failing`: 1 while the last reload failed.
     pub reload_failing: IntGauge,
+    /// `fairgate_queue_depth`: records waiting in the in-process queue.
+    pub queue_depth: IntGauge,
+    /// `fairgate_queue_records_total{event}`: `enqueued`, `spilled`,
+    /// `replayed`, `dropped`, `published`, `processed`, `duplicate`,
+    /// `failed`.
+    pub queue_records: IntCounterVec,
+    /// `fairgate_queue_lag_seconds`: from the end of an exchange to its
+    /// stored results.
+    pub queue_lag: Histogram,
+    /// `fairgate_quality_score{metric}`: every computed metric score.
+    pub quality: HistogramVec,
 }
 
 /// Latency buckets from 50 µs to 60 s.
 const LATENCY_BUCKETS: &[f64] = &[
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Quality scores: most are in [0, 1]; entropy goes to 3 bits, lengths and
+/// latencies higher.
+const QUALITY_BUCKETS: &[f64] = &[
+    0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 2.5, 3.0, 10.0, 100.0, 1000.0,
+    10000.0,
 ];
 
 const RISK_BUCKETS: &[f64] = &[0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
@@ -124,6 +142,26 @@ impl Metrics {
             &["route"],
             LATENCY_BUCKETS,
         );
+        let queue_records = counter(
+            "fairgate_queue_records_total",
+            "Side-queue records by event: enqueued, spilled, replayed, dropped, published, processed, duplicate, failed.",
+            &["event"],
+        );
+        let queue_lag = Histogram::with_opts(
+            HistogramOpts::new(
+                "fairgate_queue_lag_seconds",
+                "Time from the end of an exchange to its stored results.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+        )
+        .unwrap_or_else(|e| unreachable_metric("fairgate_queue_lag_seconds", e));
+        register(&registry, Box::new(queue_lag.clone()));
+        let quality = histogram(
+            "fairgate_quality_score",
+            "Quality metric scores by metric.",
+            &["metric"],
+            QUALITY_BUCKETS,
+        );
         let rules_info = IntGaugeVec::new(
             Opts::new("fairgate_rules_info", "The rule set serving, by version."),
             &["version"],
@@ -136,6 +174,10 @@ impl Metrics {
             g
         };
         let rules_loaded = gauge("fairgate_rules_loaded", "Rules serving.");
+        let queue_depth = gauge(
+            "fairgate_queue_depth",
+            "Records waiting in the in-process queue.",
+        );
         let reload_failing = gauge(
             "fairgate_rules_reload_failing",
             "1 while the last rule reload failed.",
@@ -162,7 +204,16 @@ impl Metrics {
             reloads,
             reload_errors,
             reload_failing,
+            queue_depth,
+            queue_records,
+            queue_lag,
+            quality,
         }
+    }
+
+    /// Counts one side-queue event.
+    pub fn queue_event(&self, event: &str) {
+        self.queue_records.with_label_values(&[event]).inc();
     }
 
     /// The Prometheus text exposition of every metric.

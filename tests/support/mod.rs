@@ -292,6 +292,7 @@ pub struct Proxy {
     pub state: Arc<State>,
     shutdown: Option<oneshot::Sender<()>>,
     pub task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    pub pipeline: Option<fairgate::queue::pipeline::Pipeline>,
 }
 
 impl Proxy {
@@ -327,6 +328,52 @@ impl Proxy {
             .expect("the proxy answers")
     }
 
+    /// Starts the side queue's consumer of a proxy started without one.
+    pub fn start_pipeline(&mut self) {
+        self.pipeline = Some(self.state.start_pipeline().expect("the side queue starts"));
+    }
+
+    /// Stops the side queue's consumer: it drains and spills what is left.
+    pub async fn stop_pipeline(&mut self) {
+        if let Some(pipeline) = self.pipeline.take() {
+            tokio::task::spawn_blocking(move || pipeline.stop())
+                .await
+                .unwrap();
+        }
+    }
+
+    /// The results the JSON-lines sink has written so far, one value per
+    /// line.
+    pub fn results(&self) -> Vec<Value> {
+        let Some(jsonl) = &self.state.config.sinks.jsonl else {
+            return Vec::new();
+        };
+        let Ok(entries) = std::fs::read_dir(&jsonl.dir) else {
+            return Vec::new();
+        };
+        let mut rows = Vec::new();
+        for entry in entries.flatten() {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            rows.extend(
+                text.lines()
+                    .map(|l| serde_json::from_str::<Value>(l).expect("a JSON line")),
+            );
+        }
+        rows
+    }
+
+    /// Waits until the JSON-lines sink holds `n` results (or 20 s pass).
+    pub async fn wait_for_results(&self, n: usize) -> Vec<Value> {
+        for _ in 0..200 {
+            let rows = self.results();
+            if rows.len() >= n {
+                return rows;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        self.results()
+    }
+
     /// Stops accepting and waits for the proxy to drain.
     pub async fn stop(mut self) {
         if let Some(tx) = self.shutdown.take() {
@@ -335,6 +382,7 @@ impl Proxy {
         if let Some(task) = self.task.take() {
             let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
         }
+        self.stop_pipeline().await;
     }
 }
 
@@ -350,6 +398,18 @@ pub fn config(upstream: &str, rules: &Path) -> Config {
     config.rules.dir = rules.to_owned();
     config.rules.watch = false;
     config.shutdown_grace_ms = 5_000;
+    // Results and spills in a directory of this test's own.
+    let data = tempfile::Builder::new()
+        .prefix("fairgate-test-")
+        .tempdir()
+        .unwrap()
+        .keep();
+    config.queue.spill_dir = data.join("spill");
+    config.sinks.jsonl = Some(fairgate::config::JsonlSinkConfig {
+        dir: data.join("results"),
+    });
+    config.quality.lexicon =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/emotions.json");
     config
 }
 
@@ -358,6 +418,15 @@ pub async fn start_proxy(config: Config) -> Proxy {
 }
 
 pub async fn start_proxy_state(state: State) -> Proxy {
+    let pipeline = state.start_pipeline().expect("the side queue starts");
+    let mut proxy = start_proxy_state_without_pipeline(state).await;
+    proxy.pipeline = Some(pipeline);
+    proxy
+}
+
+/// A proxy whose side queue has no consumer yet: records wait in the queue
+/// and then spill (see [`Proxy::start_pipeline`]).
+pub async fn start_proxy_state_without_pipeline(state: State) -> Proxy {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -378,6 +447,7 @@ pub async fn start_proxy_state(state: State) -> Proxy {
         state,
         shutdown: Some(tx),
         task: Some(task),
+        pipeline: None,
     }
 }
 

@@ -1,0 +1,253 @@
+//! The side queue: exchange and feedback records leave the request path
+//! here, without waiting.
+//!
+//! [`Queue::push`] is all the request path does: a `try_send` into a bounded
+//! channel. When the channel is full (or closed for shutdown) the record is
+//! appended to a spill file (`on_full: spill`, the default) or dropped and
+//! counted (`on_full: drop`). The [`pipeline`] on its own thread consumes the
+//! channel: in-process workers (`queue.kind: memory`) or a publisher to NATS
+//! JetStream (`queue.kind: nats`, see [`nats`]), and replays spilled records
+//! once there is room again.
+//!
+//! The spill file is append-only JSON lines (`<spill_dir>/spill.jsonl`).
+//! Replay first renames it aside (`replay-*.jsonl`), so new spills never mix
+//! with a replay in progress; a replay file is deleted only once all of its
+//! records are back in the channel, and what a shutdown interrupts is
+//! appended to the spill file again. A record may so be replayed twice after
+//! a crash, never lost; processing is idempotent by request id.
+
+pub mod nats;
+pub mod pipeline;
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use prometheus::{IntCounterVec, IntGauge};
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+
+use crate::config::{OnFull, QueueConfig};
+use crate::record::QueueItem;
+
+/// The producer side of the side queue, shared by every serving thread.
+pub struct Queue {
+    tx: mpsc::Sender<QueueItem>,
+    rx: Mutex<Option<mpsc::Receiver<QueueItem>>>,
+    pub spill: Spill,
+    on_full: OnFull,
+    /// Set on shutdown: from then on records go straight to the spill file.
+    closed: AtomicBool,
+    records: IntCounterVec,
+    depth: IntGauge,
+}
+
+impl Queue {
+    pub fn new(config: &QueueConfig, records: IntCounterVec, depth: IntGauge) -> Queue {
+        let (tx, rx) = mpsc::channel(config.capacity.max(1));
+        Queue {
+            tx,
+            rx: Mutex::new(Some(rx)),
+            spill: Spill::new(&config.spill_dir),
+            on_full: config.on_full,
+            closed: AtomicBool::new(false),
+            records,
+            depth,
+        }
+    }
+
+    /// Hands a record to the queue; never waits.
+    pub fn push(&self, item: QueueItem) {
+        if self.closed.load(Ordering::Acquire) {
+            self.overflow(item);
+            return;
+        }
+        match self.tx.try_send(item) {
+            Ok(()) => {
+                self.count("enqueued");
+                self.depth.set(self.len() as i64);
+            }
+            Err(TrySendError::Full(item) | TrySendError::Closed(item)) => self.overflow(item),
+        }
+    }
+
+    fn overflow(&self, item: QueueItem) {
+        match self.on_full {
+            OnFull::Drop => self.count("dropped"),
+            OnFull::Spill => match self.spill.append(&item) {
+                Ok(()) => self.count("spilled"),
+                Err(error) => {
+                    tracing::error!(%error, request_id = item.request_id(), "a record could not be spilled and is lost");
+                    self.count("dropped");
+                }
+            },
+        }
+    }
+
+    /// Records waiting in the channel.
+    pub fn len(&self) -> usize {
+        self.tx.max_capacity() - self.tx.capacity()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Free places in the channel.
+    pub fn room(&self) -> usize {
+        self.tx.capacity()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.tx.max_capacity()
+    }
+
+    /// The consumer side; there is one, taken by the pipeline.
+    pub fn take_receiver(&self) -> Option<mpsc::Receiver<QueueItem>> {
+        self.rx.lock().ok()?.take()
+    }
+
+    /// A sender for replaying spilled records (it may wait for room).
+    pub fn sender(&self) -> mpsc::Sender<QueueItem> {
+        self.tx.clone()
+    }
+
+    /// From now on records go to the spill file.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    pub fn count(&self, event: &str) {
+        self.records.with_label_values(&[event]).inc();
+    }
+
+    pub fn update_depth(&self) {
+        self.depth.set(self.len() as i64);
+    }
+}
+
+/// The append-only spill file and the files of replays in progress.
+pub struct Spill {
+    dir: PathBuf,
+    file: Mutex<Option<File>>,
+    /// Set when a record is spilled; cleared when the spill is taken.
+    pending: AtomicBool,
+    next: AtomicU64,
+}
+
+const SPILL_FILE: &str = "spill.jsonl";
+const REPLAY_PREFIX: &str = "replay-";
+
+impl Spill {
+    pub fn new(dir: &Path) -> Spill {
+        // Spills left by an earlier run are pending too.
+        let pending = std::fs::read_dir(dir).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| is_spill_name(&e.file_name().to_string_lossy()))
+        });
+        Spill {
+            dir: dir.to_owned(),
+            file: Mutex::new(None),
+            pending: AtomicBool::new(pending),
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// Appends one record as a JSON line, flushed to the file.
+    pub fn append(&self, item: &QueueItem) -> std::io::Result<()> {
+        let mut line = serde_json::to_vec(item)?;
+        line.push(b'\n');
+        let mut file = self
+            .file
+            .lock()
+            .map_err(|_| std::io::Error::other("spill lock poisoned"))?;
+        if file.is_none() {
+            std::fs::create_dir_all(&self.dir)?;
+            *file = Some(
+                OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(self.dir.join(SPILL_FILE))?,
+            );
+        }
+        if let Some(file) = file.as_mut() {
+            file.write_all(&line)?;
+        }
+        self.pending.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether there may be spilled records to replay.
+    pub fn pending(&self) -> bool {
+        self.pending.load(Ordering::Acquire)
+    }
+
+    /// Moves the spill file aside and returns every file to replay, oldest
+    /// first.
+    pub fn take(&self) -> std::io::Result<Vec<PathBuf>> {
+        {
+            let mut file = self
+                .file
+                .lock()
+                .map_err(|_| std::io::Error::other("spill lock poisoned"))?;
+            *file = None;
+            self.pending.store(false, Ordering::Release);
+            let spill = self.dir.join(SPILL_FILE);
+            if std::fs::metadata(&spill).is_ok_and(|m| m.len() > 0) {
+                let name = format!(
+                    "{REPLAY_PREFIX}{:013}-{:06}.jsonl",
+                    crate::record::now_ms(),
+                    self.next.fetch_add(1, Ordering::Relaxed)
+                );
+                std::fs::rename(&spill, self.dir.join(name))?;
+            }
+        }
+        let mut files: Vec<PathBuf> = match std::fs::read_dir(&self.dir) {
+            Ok(entries) => entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with(REPLAY_PREFIX))
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        files.sort();
+        Ok(files)
+    }
+
+    /// Marks that records were put back.
+    pub fn mark_pending(&self) {
+        self.pending.store(true, Ordering::Release);
+    }
+}
+
+fn is_spill_name(name: &str) -> bool {
+    name == SPILL_FILE || name.starts_with(REPLAY_PREFIX)
+}
+
+/// The records of a spill or replay file; a line that does not parse is
+/// logged and skipped (counted by the caller through the returned number).
+pub fn read_spilled(path: &Path) -> std::io::Result<(Vec<QueueItem>, usize)> {
+    let reader = BufReader::new(File::open(path)?);
+    let mut items = Vec::new();
+    let mut bad = 0;
+    for line in reader.lines() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str(&line) {
+            Ok(item) => items.push(item),
+            Err(error) => {
+                tracing::error!(%error, file = %path.display(), "a spilled record does not parse; skipped");
+                bad += 1;
+            }
+        }
+    }
+    Ok((items, bad))
+}

@@ -1,0 +1,277 @@
+//! The consumer side of the queue inside the proxy, on its own thread and
+//! runtime so that it never competes with the serving threads' runtimes:
+//! in-process workers (`queue.kind: memory`) or the JetStream publisher
+//! (`queue.kind: nats`), and the replay of spilled records.
+//!
+//! On [`Pipeline::stop`] the queue is closed (new records spill), the
+//! consumers finish what is in the channel until the grace period ends, and
+//! whatever is left is written to the spill file: nothing the proxy held is
+//! lost.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Mutex, mpsc, watch};
+
+use super::nats::Publisher;
+use super::{Queue, read_spilled};
+use crate::config::{Config, QueueKind};
+use crate::record::QueueItem;
+use crate::telemetry::Metrics;
+use crate::worker::Processor;
+
+/// What consumes the channel.
+enum Consumer {
+    Workers(Arc<Processor>),
+    Nats(Arc<Publisher>),
+}
+
+impl Consumer {
+    /// Whether records can go out now (spilled ones are replayed only then).
+    fn ready(&self) -> bool {
+        match self {
+            Consumer::Workers(_) => true,
+            Consumer::Nats(publisher) => publisher.connected(),
+        }
+    }
+
+    /// Handles one record; on failure it goes to the spill file.
+    async fn handle(&self, queue: &Queue, item: QueueItem) {
+        let result = match self {
+            Consumer::Workers(processor) => processor.process(item.clone()).await.map(|_| ()),
+            Consumer::Nats(publisher) => publisher.publish(&item).await.map(|()| {
+                queue.count("published");
+            }),
+        };
+        if let Err(error) = result {
+            tracing::warn!(%error, request_id = item.request_id(), "record not delivered; spilled for a later try");
+            queue.count("failed");
+            match queue.spill.append(&item) {
+                Ok(()) => queue.count("spilled"),
+                Err(error) => {
+                    tracing::error!(%error, "a record could not be spilled and is lost");
+                    queue.count("dropped");
+                }
+            }
+        }
+    }
+}
+
+/// The running pipeline.
+pub struct Pipeline {
+    stop: watch::Sender<bool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Pipeline {
+    /// Starts consuming `queue` on a thread of its own.
+    pub fn start(
+        queue: Arc<Queue>,
+        config: Config,
+        telemetry: Arc<Metrics>,
+    ) -> anyhow::Result<Pipeline> {
+        let (stop, stopped) = watch::channel(false);
+        let Some(rx) = queue.take_receiver() else {
+            anyhow::bail!("the queue already has a consumer");
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.queue.workers.clamp(1, 4))
+            .thread_name("fairgate-queue")
+            .enable_all()
+            .build()?;
+        let thread = std::thread::Builder::new()
+            .name("fairgate-queue".into())
+            .spawn(move || {
+                runtime.block_on(run(queue, rx, config, telemetry, stopped));
+            })?;
+        Ok(Pipeline {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Closes the queue, drains it for up to `grace`, spills the rest and
+    /// waits for the thread.
+    pub fn stop(mut self) {
+        let _ = self.stop.send(true);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+async fn open_consumer(config: &Config, telemetry: Arc<Metrics>) -> anyhow::Result<Consumer> {
+    Ok(match config.queue.kind {
+        QueueKind::Memory => Consumer::Workers(Arc::new(Processor::open(config, telemetry).await?)),
+        QueueKind::Nats => Consumer::Nats(Arc::new(Publisher::connect(&config.queue.nats).await?)),
+    })
+}
+
+async fn run(
+    queue: Arc<Queue>,
+    rx: mpsc::Receiver<QueueItem>,
+    config: Config,
+    telemetry: Arc<Metrics>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    // The sinks or NATS may be down at start: try again until they answer.
+    let consumer = loop {
+        match open_consumer(&config, telemetry.clone()).await {
+            Ok(consumer) => break Arc::new(consumer),
+            Err(error) => {
+                tracing::error!(%error, "the side queue's consumer cannot start; records wait in the queue");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = stopped.wait_for(|s| *s) => {
+                        queue.close();
+                        spill_all(&queue, rx).await;
+                        return;
+                    }
+                }
+            }
+        }
+    };
+    let rx = Arc::new(Mutex::new(rx));
+    let mut tasks = Vec::new();
+    let workers = match config.queue.kind {
+        QueueKind::Memory => config.queue.workers,
+        QueueKind::Nats => config.queue.workers.max(1),
+    };
+    for _ in 0..workers {
+        let (queue, rx, consumer, mut stopped) =
+            (queue.clone(), rx.clone(), consumer.clone(), stopped.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let item = {
+                    let mut rx = rx.lock().await;
+                    tokio::select! {
+                        biased;
+                        _ = stopped.wait_for(|s| *s) => None,
+                        item = rx.recv() => item,
+                    }
+                };
+                let Some(item) = item else { break };
+                queue.update_depth();
+                consumer.handle(&queue, item).await;
+            }
+        }));
+    }
+    let replay = {
+        let (queue, consumer, stopped) = (queue.clone(), consumer.clone(), stopped.clone());
+        let interval = Duration::from_millis(config.queue.replay_interval_ms.max(10));
+        tokio::spawn(async move { replay(queue, consumer, interval, stopped).await })
+    };
+
+    let _ = stopped.wait_for(|s| *s).await;
+    queue.close();
+    for task in tasks {
+        let _ = task.await;
+    }
+    let _ = replay.await;
+    // Drain what the channel holds within the grace period; spill the rest.
+    let deadline = Instant::now() + Duration::from_millis(config.shutdown_grace_ms);
+    let Ok(rx) = Arc::try_unwrap(rx).map(Mutex::into_inner) else {
+        return;
+    };
+    let mut rx = rx;
+    if workers > 0 {
+        while Instant::now() < deadline {
+            let Ok(item) = rx.try_recv() else { break };
+            consumer.handle(&queue, item).await;
+        }
+    }
+    spill_all(&queue, rx).await;
+    queue.update_depth();
+}
+
+/// Writes every record still in the channel to the spill file.
+async fn spill_all(queue: &Queue, mut rx: mpsc::Receiver<QueueItem>) {
+    rx.close();
+    while let Ok(item) = rx.try_recv() {
+        match queue.spill.append(&item) {
+            Ok(()) => queue.count("spilled"),
+            Err(error) => {
+                tracing::error!(%error, "a record could not be spilled and is lost");
+                queue.count("dropped");
+            }
+        }
+    }
+}
+
+/// Puts spilled records back into the channel whenever it has room (at
+/// least half free) and the consumer can deliver them.
+async fn replay(
+    queue: Arc<Queue>,
+    consumer: Arc<Consumer>,
+    interval: Duration,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let tx = queue.sender();
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            _ = stopped.wait_for(|s| *s) => return,
+        }
+        if !queue.spill.pending() || !consumer.ready() || queue.room() * 2 < queue.capacity() {
+            continue;
+        }
+        let files = match queue.spill.take() {
+            Ok(files) => files,
+            Err(error) => {
+                tracing::error!(%error, "spilled records cannot be read");
+                continue;
+            }
+        };
+        for file in files {
+            let (items, bad) = match read_spilled(&file) {
+                Ok(read) => read,
+                Err(error) => {
+                    tracing::error!(%error, file = %file.display(), "spill file cannot be read");
+                    queue.spill.mark_pending();
+                    continue;
+                }
+            };
+            for _ in 0..bad {
+                queue.count("failed");
+            }
+            let mut items = items.into_iter();
+            let mut interrupted = false;
+            while let Some(item) = items.next() {
+                let permit = tokio::select! {
+                    permit = tx.reserve() => permit.ok(),
+                    _ = stopped.wait_for(|s| *s) => None,
+                };
+                match permit {
+                    Some(permit) => {
+                        permit.send(item);
+                        queue.count("replayed");
+                    }
+                    None => {
+                        // Shutting down: what is not back in the channel
+                        // goes back to the spill file.
+                        for item in std::iter::once(item).chain(items.by_ref()) {
+                            if let Err(error) = queue.spill.append(&item) {
+                                tracing::error!(%error, "a record could not be spilled again and is lost");
+                                queue.count("dropped");
+                            }
+                        }
+                        interrupted = true;
+                        break;
+                    }
+                }
+            }
+            if let Err(error) = std::fs::remove_file(&file) {
+                tracing::error!(%error, file = %file.display(), "replayed spill file cannot be removed; its records may be replayed again");
+            }
+            if interrupted {
+                return;
+            }
+        }
+    }
+}

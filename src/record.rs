@@ -1,0 +1,305 @@
+//! The exchange record: what the proxy hands to the side queue after every
+//! guarded exchange, and the feedback record of `POST /v1/feedback`.
+//!
+//! A record never holds `Authorization` or `x-api-key`: it is built from the
+//! exchange's texts, verdict and timings, and from the client metadata of
+//! fairgate's own `x-fairgate-*` headers or the body's `metadata.fairgate_*`
+//! keys, never from the request headers as a whole.
+
+use http::HeaderMap;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::risk::{Decision, Risk, Verdict};
+use crate::rules::{Action, Hit, Scope};
+
+/// The version of the record's JSON shape; bumped on incompatible changes.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// One item of the side queue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum QueueItem {
+    Exchange(Box<ExchangeRecord>),
+    Feedback(FeedbackRecord),
+}
+
+impl QueueItem {
+    /// The request id the item is about: the key that makes processing
+    /// idempotent.
+    pub fn request_id(&self) -> &str {
+        match self {
+            QueueItem::Exchange(record) => &record.request_id,
+            QueueItem::Feedback(feedback) => &feedback.request_id,
+        }
+    }
+
+    /// When the item was made, in milliseconds since the Unix epoch.
+    pub fn created_ms(&self) -> i64 {
+        match self {
+            QueueItem::Exchange(record) => record.finished_ms,
+            QueueItem::Feedback(feedback) => feedback.received_ms,
+        }
+    }
+}
+
+/// Everything about one guarded exchange that is not needed for its block
+/// decision.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExchangeRecord {
+    pub schema_version: u32,
+    pub request_id: String,
+    /// When the request arrived and when the exchange ended, milliseconds
+    /// since the Unix epoch.
+    pub started_ms: i64,
+    pub finished_ms: i64,
+    /// `chat_completions`, `completions`, `responses` or `messages`.
+    pub route: String,
+    /// `openai` or `anthropic`.
+    pub dialect: String,
+    pub upstream: String,
+    pub model: Option<String>,
+    pub stream: bool,
+    /// The HTTP status the client got.
+    pub status: u16,
+    pub texts: Texts,
+    pub verdict: Decision,
+    pub risk: Risk,
+    pub hits: Vec<RecordHit>,
+    /// Upstream time (request sent to response head, or to the end of a
+    /// stream) and the time fairgate added, in milliseconds; `None` when the
+    /// upstream was never called.
+    pub upstream_ms: Option<f64>,
+    pub proxy_ms: f64,
+    pub total_ms: f64,
+    /// The upstream's `usage` object, when it reported one.
+    pub usage: Option<Value>,
+    pub client: ClientMeta,
+}
+
+/// The texts of an exchange after redaction, or only their SHA-256 when the
+/// configuration keeps no texts.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Texts {
+    /// `full` or `hashes`.
+    pub mode: TextMode,
+    pub prompt: Vec<String>,
+    pub context: Vec<String>,
+    pub response: Vec<String>,
+}
+
+/// Whether records keep texts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TextMode {
+    #[default]
+    Full,
+    Hashes,
+}
+
+impl Texts {
+    /// The texts as given, or each replaced by `sha256:<hex>`.
+    pub fn new(
+        mode: TextMode,
+        prompt: Vec<String>,
+        context: Vec<String>,
+        response: Vec<String>,
+    ) -> Texts {
+        let keep = |texts: Vec<String>| match mode {
+            TextMode::Full => texts,
+            TextMode::Hashes => texts.iter().map(|t| sha256(t)).collect(),
+        };
+        Texts {
+            mode,
+            prompt: keep(prompt),
+            context: keep(context),
+            response: keep(response),
+        }
+    }
+
+    pub fn prompt_text(&self) -> String {
+        self.prompt.join("\n")
+    }
+
+    pub fn context_text(&self) -> String {
+        self.context.join("\n")
+    }
+
+    pub fn response_text(&self) -> String {
+        self.response.join("\n")
+    }
+}
+
+/// `sha256:` and the hex digest of `text`.
+pub fn sha256(text: &str) -> String {
+    let digest = Sha256::digest(text.as_bytes());
+    let mut out = String::with_capacity(7 + 64);
+    out.push_str("sha256:");
+    for byte in digest.iter() {
+        out.push_str(&format!("{byte:02x}"));
+    }
+    out
+}
+
+/// A rule hit as recorded: the matched text of a `redact` rule is never
+/// kept, and no matched text is kept when the record keeps no texts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordHit {
+    pub rule: String,
+    pub category: String,
+    pub scope: Scope,
+    pub action: Action,
+    pub start: usize,
+    pub end: usize,
+    pub snippet: Option<String>,
+}
+
+impl RecordHit {
+    pub fn new(hit: &Hit, mode: TextMode) -> RecordHit {
+        let snippet = match (mode, hit.action) {
+            (TextMode::Hashes, _) => None,
+            (TextMode::Full, Action::Redact) => Some(hit.placeholder.to_string()),
+            (TextMode::Full, _) => Some(hit.snippet.clone()),
+        };
+        RecordHit {
+            rule: hit.rule.to_string(),
+            category: hit.category.to_string(),
+            scope: hit.scope,
+            action: hit.action,
+            start: hit.start,
+            end: hit.end,
+            snippet,
+        }
+    }
+}
+
+/// The verdict's parts as recorded.
+pub fn record_hits(verdict: &Verdict, mode: TextMode) -> Vec<RecordHit> {
+    verdict
+        .hits
+        .iter()
+        .map(|hit| RecordHit::new(hit, mode))
+        .collect()
+}
+
+/// What the client said about the exchange.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClientMeta {
+    pub session: Option<String>,
+    pub user: Option<String>,
+    /// A reference answer whose emotions the response is compared with.
+    pub ground_truth: Option<String>,
+    /// The expected answer, for exact match and keyword recall.
+    pub expected: Option<String>,
+}
+
+impl ClientMeta {
+    /// Reads `x-fairgate-session`, `-user`, `-ground-truth` and `-expected`
+    /// (URL-encoded text), falling back to the `fairgate_session`, ... keys
+    /// of the body's `metadata` object.
+    pub fn read(headers: &HeaderMap, body: &Value) -> ClientMeta {
+        let field = |name: &str| -> Option<String> {
+            if let Some(value) = headers.get(format!("x-fairgate-{name}")) {
+                let raw = String::from_utf8_lossy(value.as_bytes());
+                let decoded = percent_encoding::percent_decode_str(&raw.replace('+', " "))
+                    .decode_utf8_lossy()
+                    .into_owned();
+                return Some(decoded);
+            }
+            let key = format!("fairgate_{}", name.replace('-', "_"));
+            body.get("metadata")?.get(&key)?.as_str().map(str::to_owned)
+        };
+        ClientMeta {
+            session: field("session"),
+            user: field("user"),
+            ground_truth: field("ground-truth"),
+            expected: field("expected"),
+        }
+    }
+}
+
+/// `POST /v1/feedback`: what the user did after the exchange.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FeedbackRecord {
+    pub schema_version: u32,
+    pub request_id: String,
+    /// `saved` or `spent`.
+    pub user_action: UserAction,
+    /// `social`, `anti_charity`, `loss_pool` or `none`.
+    pub stake_type: Option<StakeType>,
+    pub goal_completed: Option<bool>,
+    pub received_ms: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UserAction {
+    Saved,
+    Spent,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StakeType {
+    Social,
+    AntiCharity,
+    LossPool,
+    None,
+}
+
+impl StakeType {
+    /// The expected success rate of a commitment with this kind of stake.
+    pub fn expected_success(self) -> f64 {
+        match self {
+            StakeType::Social => 0.78,
+            StakeType::AntiCharity => 0.85,
+            StakeType::LossPool => 0.72,
+            StakeType::None => 0.35,
+        }
+    }
+}
+
+/// The body of `POST /v1/feedback`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FeedbackRequest {
+    pub request_id: String,
+    pub user_action: UserAction,
+    pub stake_type: Option<StakeType>,
+    pub goal_completed: Option<bool>,
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_meta_from_headers_wins_over_body_metadata() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "x-fairgate-expected",
+            "Save%20%E2%82%AC50+a%20week".parse().unwrap(),
+        );
+        let body = serde_json::json!({"metadata": {"fairgate_expected": "no", "fairgate_user": "u-7", "fairgate_ground_truth": "calm"}});
+        let meta = ClientMeta::read(&headers, &body);
+        assert_eq!(meta.expected.as_deref(), Some("Save €50 a week"));
+        assert_eq!(meta.user.as_deref(), Some("u-7"));
+        assert_eq!(meta.ground_truth.as_deref(), Some("calm"));
+        assert_eq!(meta.session, None);
+    }
+
+    #[test]
+    fn hashes_mode_keeps_no_text() {
+        let texts = Texts::new(TextMode::Hashes, vec!["abc".into()], vec![], vec![]);
+        assert_eq!(
+            texts.prompt,
+            ["sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"]
+        );
+    }
+}

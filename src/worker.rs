@@ -1,0 +1,132 @@
+//! Workers: turn a queue item into its results (the quality metrics of
+//! [`crate::quality`]) and store them in the [`crate::sink`]s.
+//!
+//! The same [`Processor`] runs inside the proxy (memory queue) and in
+//! `fairgate worker` processes (NATS JetStream, see
+//! [`crate::queue::nats::run_worker`]).
+
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::quality::{self, Answer, MetricResult, Outcome};
+use crate::record::{ExchangeRecord, QueueItem, TextMode, now_ms};
+use crate::sink::{Processed, Sinks, Stored};
+use crate::telemetry::Metrics;
+
+/// The metrics that read texts: a record that keeps only hashes has no
+/// score for them.
+const TEXT_METRICS: &[&str] = &[
+    "emotional_entropy",
+    "ground_truth_spearman",
+    "exact_match",
+    "keyword_recall",
+    "answer_length",
+    "politeness",
+    "context_relevance",
+];
+
+/// Loads the quality metrics' settings; a missing lexicon leaves the
+/// emotion metrics without a score, and says why.
+pub fn quality_metrics(config: &Config) -> quality::Metrics {
+    let path = &config.quality.lexicon;
+    let lexicon = quality::lexicon::Lexicon::load(path)
+        .map_err(|e| format!("{e} (import one with `fairgate lexicon import`, see the README)"));
+    quality::Metrics::new(lexicon, config.quality.politeness_markers.clone())
+}
+
+pub struct Processor {
+    pub quality: quality::Metrics,
+    sinks: Sinks,
+    telemetry: Arc<Metrics>,
+}
+
+impl Processor {
+    /// Opens the sinks of `config`.
+    pub async fn open(config: &Config, telemetry: Arc<Metrics>) -> anyhow::Result<Processor> {
+        Ok(Processor {
+            quality: quality_metrics(config),
+            sinks: Sinks::open(&config.sinks, &config.queue.nats.url).await?,
+            telemetry,
+        })
+    }
+
+    /// The results of one item.
+    pub fn results(&self, item: QueueItem) -> Processed {
+        let processed_ms = now_ms();
+        match item {
+            QueueItem::Exchange(record) => Processed {
+                kind: "exchange".into(),
+                request_id: record.request_id.clone(),
+                processed_ms,
+                metrics: exchange_metrics(&self.quality, &record),
+                exchange: Some(record),
+                feedback: None,
+            },
+            QueueItem::Feedback(feedback) => Processed {
+                kind: "feedback".into(),
+                request_id: feedback.request_id.clone(),
+                processed_ms,
+                metrics: quality::outcome(Some(&Outcome {
+                    user_action: feedback.user_action,
+                    stake_type: feedback.stake_type,
+                    goal_completed: feedback.goal_completed,
+                })),
+                exchange: None,
+                feedback: Some(feedback),
+            },
+        }
+    }
+
+    /// Computes and stores the results of `item`; counts and times it.
+    pub async fn process(&self, item: QueueItem) -> anyhow::Result<Stored> {
+        let created = item.created_ms();
+        let processed = self.results(item);
+        let stored = self.sinks.write(&processed).await?;
+        match stored {
+            Stored::New => {
+                self.telemetry.queue_event("processed");
+                let lag = (now_ms() - created).max(0) as f64 / 1000.0;
+                self.telemetry.queue_lag.observe(lag);
+                for metric in &processed.metrics {
+                    if let Some(score) = metric.score {
+                        self.telemetry
+                            .quality
+                            .with_label_values(&[&metric.name])
+                            .observe(score);
+                    }
+                }
+            }
+            Stored::Duplicate => self.telemetry.queue_event("duplicate"),
+        }
+        Ok(stored)
+    }
+}
+
+/// The answer metrics of an exchange record.
+pub fn exchange_metrics(quality: &quality::Metrics, record: &ExchangeRecord) -> Vec<MetricResult> {
+    let (question, context, response) = (
+        record.texts.prompt_text(),
+        record.texts.context_text(),
+        record.texts.response_text(),
+    );
+    let answer = Answer {
+        question: &question,
+        context: &context,
+        response: &response,
+        expected: record.client.expected.as_deref(),
+        ground_truth: record.client.ground_truth.as_deref(),
+        latency_ms: Some(record.total_ms),
+        hits: &record.hits,
+    };
+    let mut metrics = quality.answer(&answer);
+    if record.texts.mode == TextMode::Hashes {
+        for metric in &mut metrics {
+            if TEXT_METRICS.contains(&metric.name.as_str()) {
+                metric.score = None;
+                metric.reason = "the record keeps no texts (records.texts: hashes)".into();
+                metric.details = serde_json::Value::Null;
+            }
+        }
+    }
+    metrics
+}
