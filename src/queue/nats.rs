@@ -207,7 +207,8 @@ async fn consume(
             };
             let request_id = item.request_id().to_owned();
             match processor.process(item).await {
-                Ok(_) => {
+                Ok(stored) => {
+                    tracing::debug!(request_id, ?stored, "results stored");
                     if let Err(error) = message.double_ack().await {
                         tracing::warn!(%error, request_id, "acknowledgement failed; the record will be delivered again");
                     }

@@ -159,7 +159,7 @@ async fn write(client: &mut Client, p: &Processed) -> anyhow::Result<Stored> {
                     route, dialect, upstream, model, stream, status, verdict,
                     risk_prompt, risk_response, risk_context, risk_total,
                     upstream_ms, proxy_ms, total_ms, usage, session_id, user_id, texts, record)
-                 VALUES ($1, to_timestamp($2 / 1000.0), to_timestamp($3 / 1000.0), to_timestamp($4 / 1000.0),
+                 VALUES ($1, to_timestamp($2::float8 / 1000), to_timestamp($3::float8 / 1000), to_timestamp($4::float8 / 1000),
                     $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)
                  ON CONFLICT (request_id) DO NOTHING",
                 &[
@@ -215,7 +215,7 @@ async fn write(client: &mut Client, p: &Processed) -> anyhow::Result<Stored> {
         let stake = f.stake_type.map(serde_json::to_value).transpose()?;
         tx.execute(
             "INSERT INTO fairgate_feedback (request_id, user_action, stake_type, goal_completed, received_at)
-             VALUES ($1, $2, $3, $4, to_timestamp($5 / 1000.0))
+             VALUES ($1, $2, $3, $4, to_timestamp($5::float8 / 1000))
              ON CONFLICT (request_id) DO NOTHING",
             &[
                 &f.request_id,
@@ -236,7 +236,7 @@ async fn write(client: &mut Client, p: &Processed) -> anyhow::Result<Stored> {
     for metric in &p.metrics {
         tx.execute(
             "INSERT INTO fairgate_metric_results (request_id, metric, score, reason, details, computed_at)
-             VALUES ($1, $2, $3, $4, $5, to_timestamp($6 / 1000.0))
+             VALUES ($1, $2, $3, $4, $5, to_timestamp($6::float8 / 1000))
              ON CONFLICT (request_id, metric) DO NOTHING",
             &[
                 &p.request_id,

@@ -524,3 +524,71 @@ pub fn anthropic_stream_text(body: &str) -> (String, Option<String>, Vec<String>
     }
     (text, stop, names)
 }
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A unique name for this test's databases, streams and subjects.
+pub fn unique(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!(
+        "{prefix}_{}_{}_{nanos}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A fresh PostgreSQL database on the local server (127.0.0.1:5432, user
+/// postgres); returns its connection string.
+pub async fn fresh_database() -> String {
+    let (admin, connection) = tokio_postgres::connect(
+        "host=127.0.0.1 user=postgres dbname=postgres",
+        tokio_postgres::NoTls,
+    )
+    .await
+    .expect("PostgreSQL on 127.0.0.1:5432");
+    tokio::spawn(connection);
+    let name = unique("fairgate_test");
+    admin
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    format!("host=127.0.0.1 user=postgres dbname={name}")
+}
+
+/// A client of the database at `url`.
+pub async fn pg(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+/// Polls `sql` (a count) until it reaches `n` or 60 s pass; returns the last count.
+pub async fn wait_for_count(client: &tokio_postgres::Client, sql: &str, n: i64) -> i64 {
+    let mut count = 0;
+    for _ in 0..600 {
+        count = client
+            .query_one(sql, &[])
+            .await
+            .map(|row| row.get::<_, i64>(0))
+            .unwrap_or(0);
+        if count >= n {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    count
+}
