@@ -221,7 +221,7 @@ impl Default for QueueConfig {
     fn default() -> Self {
         QueueConfig {
             kind: QueueKind::Memory,
-            capacity: 10_000,
+            capacity: 2048,
             on_full: OnFull::Spill,
             spill_dir: PathBuf::from("data/spill"),
             workers: 2,

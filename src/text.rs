@@ -12,26 +12,43 @@ static TOKEN: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(r"[\p{L}\p{M}\p{Nd}']+").unwrap()
 });
 
-/// The words of a text: lower-cased, U+2019 read as an apostrophe, maximal
-/// runs of letters, combining marks, decimal digits and apostrophes, with
-/// apostrophes trimmed from both ends and empty tokens dropped.
+/// A text lower-cased once (U+2019 read as an apostrophe), read as words
+/// without copying them: maximal runs of letters, combining marks, decimal
+/// digits and apostrophes, with apostrophes trimmed from both ends and empty
+/// words dropped.
+pub struct Words {
+    lower: String,
+}
+
+impl Words {
+    pub fn new(text: &str) -> Words {
+        let mut lower = text.to_lowercase();
+        if lower.contains('\u{2019}') {
+            lower = lower.replace('\u{2019}', "'");
+        }
+        Words { lower }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        TOKEN
+            .find_iter(&self.lower)
+            .map(|m| m.as_str().trim_matches('\''))
+            .filter(|t| !t.is_empty())
+    }
+
+    /// The distinct words.
+    pub fn set(&self) -> HashSet<&str> {
+        self.iter().collect()
+    }
+}
+
+/// The [`Words`] of a text, as owned strings.
 ///
 /// ```
 /// assert_eq!(fairgate::text::tokens("Don’t PANIC, 'friend'!"), ["don't", "panic", "friend"]);
 /// ```
 pub fn tokens(text: &str) -> Vec<String> {
-    let lower = text.to_lowercase().replace('\u{2019}', "'");
-    TOKEN
-        .find_iter(&lower)
-        .map(|m| m.as_str().trim_matches('\''))
-        .filter(|t| !t.is_empty())
-        .map(str::to_owned)
-        .collect()
-}
-
-/// The set of distinct [`tokens`] of a text.
-pub fn token_set(text: &str) -> HashSet<String> {
-    tokens(text).into_iter().collect()
+    Words::new(text).iter().map(str::to_owned).collect()
 }
 
 /// Cosine similarity of the binary token-set vectors of two texts:
@@ -43,11 +60,16 @@ pub fn token_set(text: &str) -> HashSet<String> {
 /// assert!((r - 3.0 / (7.0f64 * 6.0).sqrt()).abs() < 1e-12);
 /// ```
 pub fn cosine(a: &str, b: &str) -> f64 {
-    let (a, b) = (token_set(a), token_set(b));
+    let (a, b) = (Words::new(a), Words::new(b));
+    cosine_of_sets(&a.set(), &b.set())
+}
+
+/// [`cosine`] of two word sets.
+pub fn cosine_of_sets(a: &HashSet<&str>, b: &HashSet<&str>) -> f64 {
     if a.is_empty() || b.is_empty() {
         return 0.0;
     }
-    let shared = a.intersection(&b).count() as f64;
+    let shared = a.intersection(b).count() as f64;
     shared / ((a.len() * b.len()) as f64).sqrt()
 }
 

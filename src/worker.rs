@@ -77,7 +77,13 @@ impl Processor {
         }
     }
 
-    /// Computes and stores the results of `item`; counts and times it.
+    /// Writes out what the sinks buffered.
+    pub fn flush(&self) -> anyhow::Result<()> {
+        self.sinks.flush()
+    }
+
+    /// Computes and stores the results of `item` (buffered until
+    /// [`Processor::flush`]); counts and times it.
     pub async fn process(&self, item: QueueItem) -> anyhow::Result<Stored> {
         let created = item.created_ms();
         let processed = self.results(item);

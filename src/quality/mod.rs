@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 
 use crate::record::{RecordHit, StakeType, UserAction};
 use crate::rules::Scope;
-use crate::text::{cosine, token_set, tokens};
+use crate::text::{Words, cosine_of_sets, tokens};
 use lexicon::{EMOTIONS, Lexicon};
 
 /// One metric's result.
@@ -96,7 +96,8 @@ pub struct Metrics {
     pub lexicon: Option<Lexicon>,
     /// Why there is no lexicon, for the reasons of the metrics that need one.
     pub lexicon_missing: String,
-    pub politeness_markers: Vec<String>,
+    /// The politeness markers, each with its words.
+    markers: Vec<(String, Vec<String>)>,
 }
 
 impl Metrics {
@@ -105,23 +106,34 @@ impl Metrics {
             Ok(lexicon) => (Some(lexicon), String::new()),
             Err(why) => (None, why),
         };
+        let markers = politeness_markers
+            .into_iter()
+            .map(|marker| {
+                let words = tokens(&marker);
+                (marker, words)
+            })
+            .collect();
         Metrics {
             lexicon,
             lexicon_missing,
-            politeness_markers,
+            markers,
         }
     }
 
     /// Every answer metric, in a fixed order. Metrics that need an input
     /// that was not given (expected answer, ground truth, latency) say so.
     pub fn answer(&self, answer: &Answer) -> Vec<MetricResult> {
+        // The response is read into words once for every metric.
+        let response = Words::new(answer.response);
+        let words: Vec<&str> = response.iter().collect();
+        let word_set: HashSet<&str> = words.iter().copied().collect();
         vec![
-            self.emotional_entropy(answer.response),
+            self.entropy_of(&words),
             self.ground_truth_spearman(answer.response, answer.ground_truth),
             exact_match(answer.response, answer.expected),
-            keyword_recall(answer.response, answer.expected),
+            recall_of(&word_set, answer.expected),
             answer_length(answer.response),
-            politeness(answer.response, &self.politeness_markers),
+            self.politeness_of(&words),
             latency(answer.latency_ms),
             context_relevance(answer.question, answer.context),
             financial_safety(answer.hits),
@@ -129,12 +141,42 @@ impl Metrics {
         ]
     }
 
+    /// `min(0.5 × markers present, 1)`, each marker matched as whole words.
+    pub fn politeness(&self, response: &str) -> MetricResult {
+        self.politeness_of(&Words::new(response).iter().collect::<Vec<_>>())
+    }
+
+    fn politeness_of(&self, words: &[&str]) -> MetricResult {
+        let found: Vec<&String> = self
+            .markers
+            .iter()
+            .filter(|(_, marker)| {
+                !marker.is_empty()
+                    && words
+                        .windows(marker.len())
+                        .any(|w| w.iter().zip(marker).all(|(a, b)| *a == b))
+            })
+            .map(|(name, _)| name)
+            .collect();
+        let score = (0.5 * found.len() as f64).min(1.0);
+        MetricResult::scored(
+            "politeness",
+            score,
+            format!("{} politeness markers", found.len()),
+            json!({ "markers": found }),
+        )
+    }
+
     /// The eight emotion counts of a text: for each emotion, the number of
     /// token occurrences whose lexicon entry has it.
     fn emotion_counts(lexicon: &Lexicon, text: &str) -> [u64; 8] {
+        Self::counts_of(lexicon, &Words::new(text).iter().collect::<Vec<_>>())
+    }
+
+    fn counts_of(lexicon: &Lexicon, words: &[&str]) -> [u64; 8] {
         let mut counts = [0u64; 8];
-        for token in tokens(text) {
-            let bits = lexicon.emotions(&token);
+        for token in words {
+            let bits = lexicon.emotions(token);
             for (i, count) in counts.iter_mut().enumerate() {
                 if bits & (1 << i) != 0 {
                     *count += 1;
@@ -147,6 +189,10 @@ impl Metrics {
     /// Shannon entropy (bits) of the response's emotion distribution,
     /// `P(e) = count(e) / Σ counts`.
     pub fn emotional_entropy(&self, response: &str) -> MetricResult {
+        self.entropy_of(&Words::new(response).iter().collect::<Vec<_>>())
+    }
+
+    fn entropy_of(&self, words: &[&str]) -> MetricResult {
         const NAME: &str = "emotional_entropy";
         let Some(lexicon) = &self.lexicon else {
             return MetricResult::none(
@@ -154,7 +200,7 @@ impl Metrics {
                 format!("no emotion lexicon: {}", self.lexicon_missing),
             );
         };
-        let counts = Self::emotion_counts(lexicon, response);
+        let counts = Self::counts_of(lexicon, words);
         let details = counts_json(&counts);
         let total: u64 = counts.iter().sum();
         if total == 0 {
@@ -300,15 +346,20 @@ pub fn exact_match(response: &str, expected: Option<&str>) -> MetricResult {
 /// `|G ∩ E| / |E|` over the token sets of the response G and the expected
 /// answer E; 0 when E has no tokens.
 pub fn keyword_recall(response: &str, expected: Option<&str>) -> MetricResult {
+    recall_of(&Words::new(response).set(), expected)
+}
+
+fn recall_of(g: &HashSet<&str>, expected: Option<&str>) -> MetricResult {
     const NAME: &str = "keyword_recall";
     let Some(expected) = expected else {
         return MetricResult::none(NAME, "no expected answer given");
     };
-    let (g, e) = (token_set(response), token_set(expected));
+    let expected = Words::new(expected);
+    let e = expected.set();
     if e.is_empty() {
         return MetricResult::scored(NAME, 0.0, "the expected answer has no words", Value::Null);
     }
-    let mut missing: Vec<&String> = e.difference(&g).collect();
+    let mut missing: Vec<&str> = e.iter().filter(|w| !g.contains(*w)).copied().collect();
     missing.sort();
     let found = e.len() - missing.len();
     MetricResult::scored(
@@ -332,21 +383,7 @@ pub fn answer_length(response: &str) -> MetricResult {
 
 /// `min(0.5 × markers present, 1)`, each marker matched as whole words.
 pub fn politeness(response: &str, markers: &[String]) -> MetricResult {
-    let words = tokens(response);
-    let found: Vec<&String> = markers
-        .iter()
-        .filter(|marker| {
-            let marker = tokens(marker);
-            !marker.is_empty() && words.windows(marker.len()).any(|w| w == marker.as_slice())
-        })
-        .collect();
-    let score = (0.5 * found.len() as f64).min(1.0);
-    MetricResult::scored(
-        "politeness",
-        score,
-        format!("{} politeness markers", found.len()),
-        json!({"markers": found}),
-    )
+    Metrics::new(Err(String::new()), markers.to_vec()).politeness(response)
 }
 
 pub fn latency(ms: Option<f64>) -> MetricResult {
@@ -364,13 +401,17 @@ pub fn latency(ms: Option<f64>) -> MetricResult {
 /// Cosine similarity of the binary token-set vectors of question and
 /// context; 0.0 when either is empty.
 pub fn context_relevance(question: &str, context: &str) -> MetricResult {
-    let score = cosine(question, context);
-    let reason = if token_set(context).is_empty() {
-        "no context"
-    } else if token_set(question).is_empty() {
-        "no question"
+    let (question, context) = (Words::new(question), Words::new(context));
+    let (q, c) = (question.set(), context.set());
+    let (score, reason) = if c.is_empty() {
+        (0.0, "no context")
+    } else if q.is_empty() {
+        (0.0, "no question")
     } else {
-        "cosine similarity of the word sets of question and context"
+        (
+            cosine_of_sets(&q, &c),
+            "cosine similarity of the word sets of question and context",
+        )
     };
     MetricResult::scored("context_relevance", score, reason, Value::Null)
 }

@@ -206,7 +206,10 @@ async fn consume(
                 }
             };
             let request_id = item.request_id().to_owned();
-            match processor.process(item).await {
+            match processor.process(item).await.and_then(|stored| {
+                processor.flush()?;
+                Ok(stored)
+            }) {
                 Ok(stored) => {
                     tracing::debug!(request_id, ?stored, "results stored");
                     if let Err(error) = message.double_ack().await {

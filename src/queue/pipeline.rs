@@ -20,6 +20,9 @@ use crate::record::QueueItem;
 use crate::telemetry::Metrics;
 use crate::worker::Processor;
 
+/// Records a worker takes from the channel at once.
+const BATCH: usize = 64;
+
 /// What consumes the channel.
 enum Consumer {
     Workers(Arc<Processor>),
@@ -32,6 +35,15 @@ impl Consumer {
         match self {
             Consumer::Workers(_) => true,
             Consumer::Nats(publisher) => publisher.connected(),
+        }
+    }
+
+    /// Makes the results handled so far durable.
+    fn flush(&self) {
+        if let Consumer::Workers(processor) = self
+            && let Err(error) = processor.flush()
+        {
+            tracing::error!(%error, "results could not be written");
         }
     }
 
@@ -147,18 +159,26 @@ async fn run(
         let (queue, rx, consumer, mut stopped) =
             (queue.clone(), rx.clone(), consumer.clone(), stopped.clone());
         tasks.push(tokio::spawn(async move {
+            // Records are taken in batches: under load one wake-up serves
+            // many records.
+            let mut batch = Vec::with_capacity(BATCH);
             loop {
-                let item = {
+                let received = {
                     let mut rx = rx.lock().await;
                     tokio::select! {
                         biased;
-                        _ = stopped.wait_for(|s| *s) => None,
-                        item = rx.recv() => item,
+                        _ = stopped.wait_for(|s| *s) => 0,
+                        n = rx.recv_many(&mut batch, BATCH) => n,
                     }
                 };
-                let Some(item) = item else { break };
+                if received == 0 {
+                    break;
+                }
                 queue.update_depth();
-                consumer.handle(&queue, item).await;
+                for item in batch.drain(..) {
+                    consumer.handle(&queue, item).await;
+                }
+                consumer.flush();
             }
         }));
     }
@@ -185,6 +205,7 @@ async fn run(
             let Ok(item) = rx.try_recv() else { break };
             consumer.handle(&queue, item).await;
         }
+        consumer.flush();
     }
     spill_all(&queue, rx).await;
     queue.update_depth();

@@ -2,14 +2,15 @@
 //! processing), one [`Processed`] per line.
 //!
 //! Duplicates are recognized by kind and request id within the day's file
-//! (the ids already in it are read when the file is opened). Each line is
-//! one `write` to a file opened for appending, so lines of several writers
-//! do not interleave; exactly-once across several worker processes is the
+//! (the ids already in it are read when the file is opened). Lines are
+//! buffered and written by [`JsonlSink::flush`] (after each batch of
+//! records, and before a NATS worker acknowledges one) to a file opened for
+//! appending; exactly-once across several worker processes is the
 //! PostgreSQL sink's job.
 
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -22,7 +23,7 @@ pub struct JsonlSink {
 
 struct Day {
     name: String,
-    file: File,
+    file: BufWriter<File>,
     seen: HashSet<String>,
 }
 
@@ -63,6 +64,18 @@ impl JsonlSink {
         Ok(Stored::New)
     }
 
+    /// Writes buffered lines to the file.
+    pub fn flush(&self) -> anyhow::Result<()> {
+        let mut day = self
+            .day
+            .lock()
+            .map_err(|_| anyhow::anyhow!("jsonl sink lock poisoned"))?;
+        if let Some(day) = day.as_mut() {
+            day.file.flush()?;
+        }
+        Ok(())
+    }
+
     fn open(&self, name: &str) -> anyhow::Result<Day> {
         std::fs::create_dir_all(&self.dir)?;
         let path = self.dir.join(name);
@@ -75,7 +88,10 @@ impl JsonlSink {
                 }
             }
         }
-        let file = OpenOptions::new().create(true).append(true).open(&path)?;
+        let file = BufWriter::with_capacity(
+            64 << 10,
+            OpenOptions::new().create(true).append(true).open(&path)?,
+        );
         Ok(Day {
             name: name.to_owned(),
             file,

@@ -70,6 +70,14 @@ impl Sinks {
         })
     }
 
+    /// Makes what [`Sinks::write`] buffered durable (the JSON lines).
+    pub fn flush(&self) -> anyhow::Result<()> {
+        if let Some(jsonl) = &self.jsonl {
+            jsonl.flush()?;
+        }
+        Ok(())
+    }
+
     /// Stores one result in every sink. A duplicate is one that the
     /// primary store (PostgreSQL when configured, else the JSON lines)
     /// already had; duplicates are not published again.
