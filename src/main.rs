@@ -42,7 +42,12 @@ enum Command {
     },
     /// Run side-queue workers only: consume the NATS JetStream stream and
     /// store results, until SIGTERM or Ctrl-C.
-    Worker,
+    Worker {
+        /// Serve GET /metrics (Prometheus) and /healthz here; a non-loopback
+        /// address needs admin.token_env.
+        #[arg(long, env = "FAIRGATE_WORKER_METRICS_LISTEN")]
+        metrics_listen: Option<std::net::SocketAddr>,
+    },
     /// Import the NRC emotion lexicon (it is not shipped with fairgate).
     Lexicon {
         #[command(subcommand)]
@@ -248,8 +253,22 @@ fn init_logging() {
 }
 
 /// `fairgate worker`: NATS JetStream consumers until SIGTERM or Ctrl-C.
-fn worker(config: Config) -> anyhow::Result<()> {
+fn worker(config: Config, metrics_listen: Option<std::net::SocketAddr>) -> anyhow::Result<()> {
     init_logging();
+    let token = match &config.admin.token_env {
+        Some(var) => Some(std::env::var(var).map_err(|_| {
+            anyhow::anyhow!("admin.token_env: environment variable {var} is not set")
+        })?),
+        None => None,
+    };
+    if let Some(addr) = metrics_listen
+        && !addr.ip().is_loopback()
+        && token.is_none()
+    {
+        anyhow::bail!(
+            "--metrics-listen {addr} is not on loopback, so admin.token_env must name a bearer token"
+        );
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.queue.workers.clamp(1, 8))
         .enable_all()
@@ -257,6 +276,15 @@ fn worker(config: Config) -> anyhow::Result<()> {
     runtime.block_on(async {
         let telemetry = std::sync::Arc::new(fairgate::telemetry::Metrics::new());
         let (stop, stopped) = tokio::sync::watch::channel(false);
+        if let Some(addr) = metrics_listen {
+            let listener = tokio::net::TcpListener::bind(addr).await?;
+            tokio::spawn(fairgate::admin::serve_worker_metrics(
+                listener,
+                telemetry.clone(),
+                token,
+                stopped.clone(),
+            ));
+        }
         let mut consumers = tokio::spawn({
             let config = config.clone();
             async move { fairgate::queue::nats::run_worker(&config, telemetry, stopped).await }
@@ -311,8 +339,8 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
     };
     // The proxy logs to stdout from many threads: it must not run while this
     // thread holds the lock, so it is started before the lock is taken.
-    if let Command::Worker = &cli.command {
-        worker(config)?;
+    if let Command::Worker { metrics_listen } = &cli.command {
+        worker(config, *metrics_listen)?;
         return Ok(true);
     }
     if let Command::Serve { overrides } = &cli.command {
@@ -329,7 +357,7 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
     let mut out = stdout.lock();
     let dir = |d: &Option<PathBuf>| d.clone().unwrap_or_else(|| config.rules.dir.clone());
     let ok = match &cli.command {
-        Command::Serve { .. } | Command::Worker => true,
+        Command::Serve { .. } | Command::Worker { .. } => true,
         Command::Lexicon {
             command: LexiconCommand::Import { path, out: to },
         } => {

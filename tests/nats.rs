@@ -36,11 +36,16 @@ fn queue_config(config: &mut Config, nats_url: &str, db: &str) {
 
 /// Starts `fairgate worker` with `config`, logging to a file in `dir`.
 fn start_worker(config: &Config, dir: &Path, name: &str) -> Child {
+    start_worker_with(config, dir, name, &[])
+}
+
+fn start_worker_with(config: &Config, dir: &Path, name: &str, args: &[&str]) -> Child {
     let path = dir.join(format!("{name}.yaml"));
     std::fs::write(&path, serde_yaml_ng::to_string(config).unwrap()).unwrap();
     let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
     Command::new(env!("CARGO_BIN_EXE_fairgate"))
         .arg("worker")
+        .args(args)
         .env("FAIRGATE_CONFIG", &path)
         .env("RUST_LOG", "info,fairgate=debug")
         .current_dir(dir)
@@ -113,7 +118,13 @@ async fn two_workers_share_the_stream_and_a_killed_worker_loses_nothing() {
     queue_config(&mut config, "nats://127.0.0.1:4222", &db_url);
     let dir = tempfile::tempdir().unwrap();
     let mut first = start_worker(&config, dir.path(), "first");
-    let mut second = start_worker(&config, dir.path(), "second");
+    let metrics_port = support::free_port();
+    let mut second = start_worker_with(
+        &config,
+        dir.path(),
+        "second",
+        &["--metrics-listen", &format!("127.0.0.1:{metrics_port}")],
+    );
     let proxy = support::start_proxy(config).await;
     let db = support::pg(&db_url).await;
     wait_for_log(dir.path(), "first", "worker consuming").await;
@@ -146,6 +157,22 @@ async fn two_workers_share_the_stream_and_a_killed_worker_loses_nothing() {
     assert_eq!(
         support::metric(&page, "fairgate_queue_records_total{event=\"published\"}"),
         Some(60.0)
+    );
+    // The surviving worker's own metrics.
+    let page = support::client()
+        .get(format!("http://127.0.0.1:{metrics_port}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let processed =
+        support::metric(&page, "fairgate_queue_records_total{event=\"processed\"}").unwrap_or(0.0);
+    assert!(processed >= 1.0 && processed <= 60.0, "{page}");
+    assert!(
+        page.contains("fairgate_quality_score_bucket{metric=\"answer_length\""),
+        "{page}"
     );
     second.kill().unwrap();
     second.wait().unwrap();
@@ -240,4 +267,38 @@ async fn nats_restarted_while_serving_loses_nothing() {
     proxy.stop().await;
     nats.kill().unwrap();
     nats.wait().unwrap();
+}
+
+#[tokio::test]
+async fn results_are_published_on_the_results_subject() {
+    let mock = support::start_mock().await;
+    let mut config = support::config(&mock.url(), Path::new("rules"));
+    let subject = support::unique("fgtest.results").replace('_', ".");
+    config.sinks.nats = Some(fairgate::config::NatsSinkConfig {
+        url: Some("nats://127.0.0.1:4222".into()),
+        subject: subject.clone(),
+    });
+    let nats = async_nats::connect("nats://127.0.0.1:4222").await.unwrap();
+    let mut results = nats.subscribe(subject).await.unwrap();
+    nats.flush().await.unwrap();
+    let proxy = support::start_proxy(config).await;
+    let mut ids = send(&proxy, 3, "published").await;
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        let message = tokio::time::timeout(
+            Duration::from_secs(20),
+            futures_util::StreamExt::next(&mut results),
+        )
+        .await
+        .expect("a result within 20 s")
+        .unwrap();
+        let result: Value = serde_json::from_slice(&message.payload).unwrap();
+        assert_eq!(result["kind"], "exchange");
+        assert_eq!(result["metrics"].as_array().unwrap().len(), 10);
+        seen.push(result["request_id"].as_str().unwrap().to_owned());
+    }
+    seen.sort();
+    ids.sort();
+    assert_eq!(seen, ids);
+    proxy.stop().await;
 }

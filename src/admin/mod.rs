@@ -13,37 +13,86 @@ use serde_json::json;
 use crate::proxy::respond::{self, json_response};
 use crate::proxy::{ProxyBody, State};
 
+/// The metrics listener of `fairgate worker`: `GET /metrics` and
+/// `GET /healthz`, with the same bearer token rule as the proxy's admin
+/// listener, until `stop` turns true.
+pub async fn serve_worker_metrics(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<crate::telemetry::Metrics>,
+    token: Option<String>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let builder =
+        hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let Ok((stream, _)) = accepted else { continue };
+        let (metrics, token) = (metrics.clone(), token.clone());
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let (metrics, token) = (metrics.clone(), token.clone());
+            async move {
+                if let Some(denied) = check_token(token.as_deref(), &req) {
+                    return Ok::<_, Infallible>(denied);
+                }
+                Ok(match (req.method(), req.uri().path()) {
+                    (&Method::GET, "/metrics") => metrics_page(metrics.render()),
+                    (&Method::GET, "/healthz") => respond::text(StatusCode::OK, "ok\n".into()),
+                    _ => respond::text(StatusCode::NOT_FOUND, "not found\n".into()),
+                })
+            }
+        });
+        let connection = builder
+            .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+            .into_owned();
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+    }
+}
+
+/// The 401 for a request without the configured bearer token.
+fn check_token(token: Option<&str>, req: &Request<Incoming>) -> Option<Response<ProxyBody>> {
+    let token = token?;
+    let expected = format!("Bearer {token}");
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if given == Some(expected.as_str()) {
+        return None;
+    }
+    let mut response = respond::text(
+        StatusCode::UNAUTHORIZED,
+        "a bearer token is required\n".into(),
+    );
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        http::HeaderValue::from_static("Bearer"),
+    );
+    Some(response)
+}
+
+fn metrics_page(text: String) -> Response<ProxyBody> {
+    let mut response = respond::text(StatusCode::OK, text);
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    response
+}
+
 pub async fn handle(
     state: Arc<State>,
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible> {
-    if let Some(token) = &state.admin_token {
-        let expected = format!("Bearer {token}");
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok());
-        if given != Some(expected.as_str()) {
-            let mut response = respond::text(
-                StatusCode::UNAUTHORIZED,
-                "a bearer token is required\n".into(),
-            );
-            response.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                http::HeaderValue::from_static("Bearer"),
-            );
-            return Ok(response);
-        }
+    if let Some(denied) = check_token(state.admin_token.as_deref(), &req) {
+        return Ok(denied);
     }
     Ok(match (req.method(), req.uri().path()) {
-        (&Method::GET, "/metrics") => {
-            let mut response = respond::text(StatusCode::OK, state.metrics.render());
-            response.headers_mut().insert(
-                header::CONTENT_TYPE,
-                http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-            );
-            response
-        }
+        (&Method::GET, "/metrics") => metrics_page(state.metrics.render()),
         (&Method::GET, "/healthz") => respond::text(StatusCode::OK, "ok\n".into()),
         (&Method::GET, "/readyz") => respond::text(StatusCode::OK, "ready\n".into()),
         (&Method::GET, "/admin/rules") => {
