@@ -169,7 +169,7 @@ async fn two_workers_share_the_stream_and_a_killed_worker_loses_nothing() {
         .unwrap();
     let processed =
         support::metric(&page, "fairgate_queue_records_total{event=\"processed\"}").unwrap_or(0.0);
-    assert!(processed >= 1.0 && processed <= 60.0, "{page}");
+    assert!((1.0..=60.0).contains(&processed), "{page}");
     assert!(
         page.contains("fairgate_quality_score_bucket{metric=\"answer_length\""),
         "{page}"
