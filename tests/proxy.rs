@@ -328,6 +328,39 @@ async fn blocked_phrase_split_across_chunks_never_reaches_the_client() {
 }
 
 #[tokio::test]
+async fn blocked_stream_sends_the_upstream_usage_when_asked() {
+    let (_mock, proxy) = start().await;
+    let mut request = chat("Any tips?", true);
+    request["stream_options"] = json!({"include_usage": true});
+    for piece_delay_ms in [0, 20] {
+        let response = proxy
+            .post(
+                "/v1/chat/completions",
+                json!({"chunks": ["Sure. ", "Guaranteed returns ", "of 20% a year await."], "piece_delay_ms": piece_delay_ms}),
+                &request,
+            )
+            .await;
+        let body = response.text().await.unwrap();
+        let (received, finishes, done) = openai_stream_text(&body);
+        assert!(
+            !received.to_lowercase().contains("guaranteed"),
+            "{received:?}"
+        );
+        assert_eq!(finishes, ["content_filter"]);
+        assert!(done);
+        // The usage chunk comes after the finish and before [DONE], as the
+        // upstream reported it.
+        let events: Vec<&str> = body.split("\n\n").filter(|e| !e.is_empty()).collect();
+        let usage: Value =
+            serde_json::from_str(events[events.len() - 2].strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(usage["choices"], json!([]), "{body}");
+        assert_eq!(usage["usage"]["total_tokens"], 12, "{body}");
+        assert!(!body.contains("await"), "{body}");
+    }
+    proxy.stop().await;
+}
+
+#[tokio::test]
 async fn blocked_stream_ends_with_refusal_anthropic() {
     let (_mock, proxy) = start().await;
     let chunks = [

@@ -10,7 +10,9 @@
 //!   the client, however the upstream chunks it**. The text is re-framed:
 //!   the client gets well-formed deltas that need not line up with the
 //!   upstream's. On a block the stream ends as the SDKs expect: OpenAI, a
-//!   chunk with `finish_reason: "content_filter"` and `data: [DONE]`;
+//!   chunk with `finish_reason: "content_filter"` and `data: [DONE]` (when
+//!   the client asked for usage, the upstream is read on, unsent, for up to
+//!   10 s until its usage chunk, which goes out before `[DONE]`);
 //!   Anthropic, `content_block_stop`, a `message_delta` with
 //!   `stop_reason: "refusal"`, and `message_stop`. Redactions apply before
 //!   release. *Cost*: the client sees each piece of text about
@@ -48,6 +50,9 @@ use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::normalize::Normalized;
 use crate::rules::{Action, Hit, RuleSet, Scope};
 
+/// How long a blocked stream waits for the upstream's usage chunk.
+const USAGE_WAIT: Duration = Duration::from_secs(10);
+
 /// Text that stays held back beyond the longest match, in bytes.
 const MARGIN: usize = 256;
 
@@ -62,6 +67,9 @@ pub struct StreamSetup {
     pub relevance: Vec<f64>,
     /// When the exchange started, for time to first byte.
     pub started: Instant,
+    /// The client asked for a usage chunk (OpenAI
+    /// `stream_options.include_usage`).
+    pub include_usage: bool,
 }
 
 /// How a stream ended.
@@ -115,9 +123,11 @@ where
                     let began = Instant::now();
                     let mut frames = Vec::new();
                     for event in parser.push(&chunk) {
-                        frames.extend(guard.on_event(event));
-                        if guard.finished {
-                            break;
+                        if !guard.finished {
+                            frames.extend(guard.on_event(event));
+                        } else if guard.awaiting_usage() {
+                            // The rest of the chunk may carry the usage.
+                            guard.drain_event(&event);
                         }
                     }
                     guard_time += began.elapsed();
@@ -134,6 +144,26 @@ where
                 client_gone = true;
                 break;
             }
+        }
+        if !client_gone && guard.awaiting_usage() {
+            // Blocked, and the client asked for usage: read the upstream on
+            // (sending nothing of it) until it reports usage, ends, or
+            // USAGE_WAIT passes.
+            let wait = tokio::time::sleep(USAGE_WAIT);
+            tokio::pin!(wait);
+            'drain: loop {
+                let chunk = tokio::select! {
+                    chunk = upstream.next() => chunk,
+                    () = &mut wait => break,
+                };
+                let Some(Ok(chunk)) = chunk else { break };
+                for event in parser.push(&chunk) {
+                    if guard.drain_event(&event) {
+                        break 'drain;
+                    }
+                }
+            }
+            client_gone = !send(guard.usage_ending(), &mut first_byte).await;
         }
         if client_gone {
             tracing::debug!("client went away during a stream");
@@ -269,6 +299,10 @@ pub struct Guard {
     malformed: bool,
     upstream_failed: bool,
     usage: Option<Value>,
+    /// A blocked OpenAI stream whose client asked for usage: the upstream
+    /// is read on (nothing of it sent) until its usage chunk, which is then
+    /// sent before `[DONE]`.
+    awaiting_usage: bool,
 }
 
 impl Guard {
@@ -295,6 +329,7 @@ impl Guard {
             malformed: false,
             upstream_failed: false,
             usage: None,
+            awaiting_usage: false,
         }
     }
 
@@ -699,11 +734,55 @@ impl Guard {
                 frames.push(sse(Some("message_stop"), &json!({"type": "message_stop"})));
                 frames
             }
+            Dialect::OpenAi if self.setup.include_usage && self.usage.is_none() => {
+                self.awaiting_usage = true;
+                vec![sse(None, &self.openai_chunk("", json!("content_filter")))]
+            }
+            Dialect::OpenAi if self.setup.include_usage => vec![
+                sse(None, &self.openai_chunk("", json!("content_filter"))),
+                self.usage_frame(),
+                Bytes::from_static(b"data: [DONE]\n\n"),
+            ],
             Dialect::OpenAi => vec![
                 sse(None, &self.openai_chunk("", json!("content_filter"))),
                 Bytes::from_static(b"data: [DONE]\n\n"),
             ],
         }
+    }
+
+    /// OpenAI's usage chunk: no choices, the upstream's usage (null if it
+    /// never reported one).
+    fn usage_frame(&self) -> Bytes {
+        let mut chunk = self.openai_chunk("", Value::Null);
+        chunk["choices"] = json!([]);
+        chunk["usage"] = self.usage.clone().unwrap_or(Value::Null);
+        sse(None, &chunk)
+    }
+
+    /// Whether the stream was blocked and still owes its usage chunk.
+    pub fn awaiting_usage(&self) -> bool {
+        self.awaiting_usage && self.usage.is_none()
+    }
+
+    /// Reads the usage, if any, of an upstream event after a block; returns
+    /// whether the upstream is done.
+    pub fn drain_event(&mut self, event: &SseEvent) -> bool {
+        let Some(data) = event.data.as_deref() else {
+            return false;
+        };
+        if data.trim() == "[DONE]" {
+            return true;
+        }
+        if let Ok(json) = serde_json::from_str::<Value>(data) {
+            self.note_usage(&json);
+        }
+        self.usage.is_some()
+    }
+
+    /// The end of a blocked stream that waited for its usage.
+    pub fn usage_ending(&mut self) -> Vec<Bytes> {
+        self.awaiting_usage = false;
+        vec![self.usage_frame(), Bytes::from_static(b"data: [DONE]\n\n")]
     }
 
     /// Buffer mode at the end: the whole response is known.
@@ -816,6 +895,7 @@ mod tests {
             request_hits: Vec::new(),
             relevance: Vec::new(),
             started: Instant::now(),
+            include_usage: false,
         }
     }
 

@@ -609,6 +609,10 @@ async fn guarded(
     };
     let model = json.get("model").and_then(Value::as_str).map(str::to_owned);
     let streaming = json.get("stream").and_then(Value::as_bool) == Some(true);
+    let include_usage = json
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        == Some(true);
     let Some(route) = state.config.route(parts.uri.path(), model.as_deref()) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
@@ -757,6 +761,7 @@ async fn guarded(
             scan,
             draft,
             sent.duration_since(started),
+            include_usage,
         );
     }
 
@@ -885,6 +890,7 @@ fn guarded_stream(
     scan: guard::RequestScan,
     draft: RecordDraft,
     before_upstream: Duration,
+    include_usage: bool,
 ) -> Response<ProxyBody> {
     let (head, body) = response.into_parts();
     let status = head.status;
@@ -901,6 +907,7 @@ fn guarded_stream(
         request_hits: scan.verdict.hits.clone(),
         relevance: scan.relevance.clone(),
         started,
+        include_usage,
     };
     let metrics_state = state.clone();
     let route = endpoint.route();

@@ -173,7 +173,19 @@ async fn mock_reply(
                 "usage": {"input_tokens": 5, "output_tokens": 7}
             }),
         ),
-        (false, true) => sse_reply(openai_stream(&chunks), pause),
+        (false, true) => {
+            let mut body = openai_stream(&chunks);
+            if request.pointer("/stream_options/include_usage") == Some(&json!(true)) {
+                // The usage chunk comes last, before [DONE].
+                let usage = json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": "mock-model",
+                                   "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}});
+                body = body.replace(
+                    "data: [DONE]\n\n",
+                    &format!("data: {usage}\n\ndata: [DONE]\n\n"),
+                );
+            }
+            sse_reply(body, pause)
+        }
         (true, true) => sse_reply(anthropic_stream(&chunks), pause),
     })
 }
