@@ -12,11 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use fairgate::config::{Config, NatsConfig, PostgresSinkConfig, QueueKind};
-use serde_json::{Value, json};
-
-fn chat(content: &str) -> Value {
-    json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": content}]})
-}
+use serde_json::Value;
 
 /// The queue and sink settings shared by the proxy and its workers.
 fn queue_config(config: &mut Config, nats_url: &str, db: &str) {
@@ -77,27 +73,6 @@ fn logs(dir: &Path) -> String {
     out
 }
 
-async fn send(proxy: &support::Proxy, n: usize, tag: &str) -> Vec<String> {
-    let mut ids = Vec::new();
-    for i in 0..n {
-        let response = proxy
-            .post(
-                "/v1/chat/completions",
-                json!({}),
-                &chat(&format!("{tag} question {i}")),
-            )
-            .await;
-        assert_eq!(response.status(), 200);
-        ids.push(
-            response.headers()["x-fairgate-request-id"]
-                .to_str()
-                .unwrap()
-                .to_owned(),
-        );
-    }
-    ids
-}
-
 async fn stored_ids(db: &tokio_postgres::Client) -> Vec<String> {
     db.query(
         "SELECT request_id FROM fairgate_exchanges ORDER BY request_id",
@@ -130,12 +105,12 @@ async fn two_workers_share_the_stream_and_a_killed_worker_loses_nothing() {
     wait_for_log(dir.path(), "first", "worker consuming").await;
     wait_for_log(dir.path(), "second", "worker consuming").await;
 
-    let mut ids = send(&proxy, 30, "before").await;
+    let mut ids = proxy.send_questions(30, "before").await;
     // Kill one worker while records are still arriving.
     support::wait_for_count(&db, "SELECT count(*) FROM fairgate_exchanges", 5).await;
     first.kill().unwrap();
     first.wait().unwrap();
-    ids.extend(send(&proxy, 30, "after").await);
+    ids.extend(proxy.send_questions(30, "after").await);
 
     let count = support::wait_for_count(&db, "SELECT count(*) FROM fairgate_exchanges", 60).await;
     let log = logs(dir.path());
@@ -230,7 +205,7 @@ async fn nats_restarted_while_serving_loses_nothing() {
     let proxy = support::start_proxy(config).await;
     let db = support::pg(&db_url).await;
 
-    let mut ids = send(&proxy, 10, "up").await;
+    let mut ids = proxy.send_questions(10, "up").await;
     assert_eq!(
         support::wait_for_count(&db, "SELECT count(*) FROM fairgate_exchanges", 10).await,
         10,
@@ -241,7 +216,7 @@ async fn nats_restarted_while_serving_loses_nothing() {
     // NATS goes away; the proxy keeps serving and spills.
     nats.kill().unwrap();
     nats.wait().unwrap();
-    ids.extend(send(&proxy, 15, "down").await);
+    ids.extend(proxy.send_questions(15, "down").await);
     let page = proxy.metrics().await;
     let spilled =
         support::metric(&page, "fairgate_queue_records_total{event=\"spilled\"}").unwrap_or(0.0);
@@ -250,7 +225,7 @@ async fn nats_restarted_while_serving_loses_nothing() {
     // NATS comes back on the same port and store: the spill is replayed.
     let mut nats = start_nats(port, store.path());
     wait_for_port(port).await;
-    ids.extend(send(&proxy, 5, "back").await);
+    ids.extend(proxy.send_questions(5, "back").await);
     let count = support::wait_for_count(&db, "SELECT count(*) FROM fairgate_exchanges", 30).await;
     assert_eq!(count, 30, "{}", logs(dir.path()));
     ids.sort();
@@ -282,7 +257,7 @@ async fn results_are_published_on_the_results_subject() {
     let mut results = nats.subscribe(subject).await.unwrap();
     nats.flush().await.unwrap();
     let proxy = support::start_proxy(config).await;
-    let mut ids = send(&proxy, 3, "published").await;
+    let mut ids = proxy.send_questions(3, "published").await;
     let mut seen = Vec::new();
     while seen.len() < 3 {
         let message = tokio::time::timeout(

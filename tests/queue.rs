@@ -212,23 +212,7 @@ async fn a_full_queue_spills_and_replays_without_loss() {
     let spill_dir = config.queue.spill_dir.clone();
     // No consumer yet: the queue fills, then records spill.
     let mut proxy = support::start_proxy_state_without_pipeline(State::new(config).unwrap()).await;
-    let mut ids = Vec::new();
-    for i in 0..12 {
-        let response = proxy
-            .post(
-                "/v1/chat/completions",
-                json!({}),
-                &chat(&format!("Question {i}")),
-            )
-            .await;
-        assert_eq!(response.status(), 200);
-        ids.push(
-            response.headers()["x-fairgate-request-id"]
-                .to_str()
-                .unwrap()
-                .to_owned(),
-        );
-    }
+    let mut ids = proxy.send_questions(12, "spilled").await;
     let page = proxy.metrics().await;
     assert_eq!(
         metric(&page, "fairgate_queue_records_total{event=\"enqueued\"}"),

@@ -340,6 +340,26 @@ impl Proxy {
             .expect("the proxy answers")
     }
 
+    /// Sends `n` allowed chat completions (`"{tag} question {i}"`); returns
+    /// their request ids.
+    pub async fn send_questions(&self, n: usize, tag: &str) -> Vec<String> {
+        let mut ids = Vec::new();
+        for i in 0..n {
+            let body = json!({"model": "gpt-4o-mini", "messages": [
+                {"role": "user", "content": format!("{tag} question {i}")}
+            ]});
+            let response = self.post("/v1/chat/completions", json!({}), &body).await;
+            assert_eq!(response.status(), 200);
+            ids.push(
+                response.headers()["x-fairgate-request-id"]
+                    .to_str()
+                    .unwrap()
+                    .to_owned(),
+            );
+        }
+        ids
+    }
+
     /// Starts the side queue's consumer of a proxy started without one.
     pub fn start_pipeline(&mut self) {
         self.pipeline = Some(self.state.start_pipeline().expect("the side queue starts"));
