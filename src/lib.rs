@@ -23,6 +23,12 @@
 //!    ([`guard::stream`], which holds text back until no rule can still
 //!    match it).
 //!
+//! 6. What the block decision does not need leaves the request path as a
+//!    [`record::ExchangeRecord`], pushed without waiting to the [`queue`]
+//!    (in process, or NATS JetStream). Workers ([`worker`]) compute the
+//!    [`quality`] metrics and store them in the [`sink`]s; [`eval`] runs the
+//!    same rules and metrics offline over a dataset.
+//!
 //! Around that path: [`admin`] (metrics, health, rules, reload),
 //! [`telemetry`] (the Prometheus collectors), [`watch`] (reload on file
 //! change and SIGHUP), [`text`] (word tokens and cosine similarity), and
