@@ -223,6 +223,7 @@ async fn a_full_queue_spills_and_replays_without_loss() {
         Some(10.0)
     );
     assert_eq!(metric(&page, "fairgate_queue_depth"), Some(2.0));
+    proxy.state.queue.spill.sync().unwrap();
     let spilled = std::fs::read_to_string(spill_dir.join("spill.jsonl")).unwrap();
     assert_eq!(spilled.lines().count(), 10);
 

@@ -9,7 +9,9 @@
 //! JetStream (`queue.kind: nats`, see [`nats`]), and replays spilled records
 //! once there is room again.
 //!
-//! The spill file is append-only JSON lines (`<spill_dir>/spill.jsonl`).
+//! The spill file is append-only JSON lines (`<spill_dir>/spill.jsonl`),
+//! written by a thread of its own: spilling a record on the request path
+//! serializes it and hands the line over, it never waits on the file.
 //! Replay first renames it aside (`replay-*.jsonl`), so new spills never mix
 //! with a replay in progress; a replay file is deleted only once all of its
 //! records are back in the channel, and what a shutdown interrupts is
@@ -23,7 +25,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use prometheus::{IntCounterVec, IntGauge};
 use tokio::sync::mpsc;
@@ -50,7 +52,7 @@ impl Queue {
         Queue {
             tx,
             rx: Mutex::new(Some(rx)),
-            spill: Spill::new(&config.spill_dir),
+            spill: Spill::new(&config.spill_dir, records.clone()),
             on_full: config.on_full,
             closed: AtomicBool::new(false),
             records,
@@ -131,53 +133,74 @@ impl Queue {
 /// The append-only spill file and the files of replays in progress.
 pub struct Spill {
     dir: PathBuf,
-    file: Mutex<Option<File>>,
+    writer: std::sync::mpsc::Sender<SpillOp>,
     /// Set when a record is spilled; cleared when the spill is taken.
     pending: AtomicBool,
-    next: AtomicU64,
+}
+
+/// What the spill writer thread is asked to do, in order.
+enum SpillOp {
+    Line(Vec<u8>),
+    /// Everything sent before is written; close the file and, if `rotate`,
+    /// move it aside for replay. Answers when done.
+    Sync {
+        rotate: bool,
+        done: std::sync::mpsc::SyncSender<std::io::Result<()>>,
+    },
 }
 
 const SPILL_FILE: &str = "spill.jsonl";
 const REPLAY_PREFIX: &str = "replay-";
 
 impl Spill {
-    pub fn new(dir: &Path) -> Spill {
+    pub fn new(dir: &Path, records: IntCounterVec) -> Spill {
         // Spills left by an earlier run are pending too.
         let pending = std::fs::read_dir(dir).is_ok_and(|entries| {
             entries
                 .flatten()
                 .any(|e| is_spill_name(&e.file_name().to_string_lossy()))
         });
+        let (writer, ops) = std::sync::mpsc::channel();
+        let thread_dir = dir.to_owned();
+        let spawned = std::thread::Builder::new()
+            .name("fairgate-spill".into())
+            .spawn(move || write_spills(&thread_dir, &ops, &records));
+        if let Err(error) = spawned {
+            tracing::error!(%error, "the spill writer cannot start; spilled records will be lost");
+        }
         Spill {
             dir: dir.to_owned(),
-            file: Mutex::new(None),
+            writer,
             pending: AtomicBool::new(pending),
-            next: AtomicU64::new(0),
         }
     }
 
-    /// Appends one record as a JSON line, flushed to the file.
+    /// Hands one record to the spill writer as a JSON line; never waits on
+    /// the file.
     pub fn append(&self, item: &QueueItem) -> std::io::Result<()> {
         let mut line = serde_json::to_vec(item)?;
         line.push(b'\n');
-        let mut file = self
-            .file
-            .lock()
-            .map_err(|_| std::io::Error::other("spill lock poisoned"))?;
-        if file.is_none() {
-            std::fs::create_dir_all(&self.dir)?;
-            *file = Some(
-                OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(self.dir.join(SPILL_FILE))?,
-            );
-        }
-        if let Some(file) = file.as_mut() {
-            file.write_all(&line)?;
-        }
+        self.writer
+            .send(SpillOp::Line(line))
+            .map_err(|_| std::io::Error::other("the spill writer has stopped"))?;
         self.pending.store(true, Ordering::Release);
         Ok(())
+    }
+
+    /// Waits until every record handed over so far is in the file (off the
+    /// request path: replay, shutdown, tests).
+    pub fn sync(&self) -> std::io::Result<()> {
+        self.ask(false)
+    }
+
+    fn ask(&self, rotate: bool) -> std::io::Result<()> {
+        let (done, answer) = std::sync::mpsc::sync_channel(1);
+        self.writer
+            .send(SpillOp::Sync { rotate, done })
+            .map_err(|_| std::io::Error::other("the spill writer has stopped"))?;
+        answer
+            .recv()
+            .map_err(|_| std::io::Error::other("the spill writer has stopped"))?
     }
 
     /// Whether there may be spilled records to replay.
@@ -188,23 +211,8 @@ impl Spill {
     /// Moves the spill file aside and returns every file to replay, oldest
     /// first.
     pub fn take(&self) -> std::io::Result<Vec<PathBuf>> {
-        {
-            let mut file = self
-                .file
-                .lock()
-                .map_err(|_| std::io::Error::other("spill lock poisoned"))?;
-            *file = None;
-            self.pending.store(false, Ordering::Release);
-            let spill = self.dir.join(SPILL_FILE);
-            if std::fs::metadata(&spill).is_ok_and(|m| m.len() > 0) {
-                let name = format!(
-                    "{REPLAY_PREFIX}{:013}-{:06}.jsonl",
-                    crate::record::now_ms(),
-                    self.next.fetch_add(1, Ordering::Relaxed)
-                );
-                std::fs::rename(&spill, self.dir.join(name))?;
-            }
-        }
+        self.pending.store(false, Ordering::Release);
+        self.ask(true)?;
         let mut files: Vec<PathBuf> = match std::fs::read_dir(&self.dir) {
             Ok(entries) => entries
                 .flatten()
@@ -223,6 +231,52 @@ impl Spill {
     /// Marks that records were put back.
     pub fn mark_pending(&self) {
         self.pending.store(true, Ordering::Release);
+    }
+}
+
+/// The spill writer thread: appends lines, closes and rotates on request,
+/// until the [`Spill`] is dropped.
+fn write_spills(dir: &Path, ops: &std::sync::mpsc::Receiver<SpillOp>, records: &IntCounterVec) {
+    let mut file: Option<File> = None;
+    let mut rotations = 0u64;
+    for op in ops {
+        match op {
+            SpillOp::Line(line) => {
+                let written = (|| -> std::io::Result<()> {
+                    if file.is_none() {
+                        std::fs::create_dir_all(dir)?;
+                        file = Some(
+                            OpenOptions::new()
+                                .create(true)
+                                .append(true)
+                                .open(dir.join(SPILL_FILE))?,
+                        );
+                    }
+                    match file.as_mut() {
+                        Some(file) => file.write_all(&line),
+                        None => Ok(()),
+                    }
+                })();
+                if let Err(error) = written {
+                    tracing::error!(%error, "a spilled record could not be written and is lost");
+                    records.with_label_values(&["dropped"]).inc();
+                }
+            }
+            SpillOp::Sync { rotate, done } => {
+                file = None;
+                let mut result = Ok(());
+                let spill = dir.join(SPILL_FILE);
+                if rotate && std::fs::metadata(&spill).is_ok_and(|m| m.len() > 0) {
+                    rotations += 1;
+                    let name = format!(
+                        "{REPLAY_PREFIX}{:013}-{rotations:06}.jsonl",
+                        crate::record::now_ms()
+                    );
+                    result = std::fs::rename(&spill, dir.join(name));
+                }
+                let _ = done.send(result);
+            }
+        }
     }
 }
 

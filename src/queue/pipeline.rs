@@ -143,6 +143,7 @@ async fn run(
                     _ = stopped.wait_for(|s| *s) => {
                         queue.close();
                         spill_all(&queue, rx).await;
+                        let _ = queue.spill.sync();
                         return;
                     }
                 }
@@ -209,6 +210,9 @@ async fn run(
     }
     spill_all(&queue, rx).await;
     queue.update_depth();
+    if let Err(error) = queue.spill.sync() {
+        tracing::error!(%error, "spilled records may not all be on disk");
+    }
 }
 
 /// Writes every record still in the channel to the spill file.
