@@ -83,11 +83,15 @@ impl Processor {
     }
 
     /// Computes and stores the results of `item` (buffered until
-    /// [`Processor::flush`]); counts and times it.
-    pub async fn process(&self, item: QueueItem) -> anyhow::Result<Stored> {
+    /// [`Processor::flush`]); counts and times it. On failure the item comes
+    /// back, so that the caller can keep it.
+    pub async fn process(&self, item: QueueItem) -> Result<Stored, (anyhow::Error, QueueItem)> {
         let created = item.created_ms();
         let processed = self.results(item);
-        let stored = self.sinks.write(&processed).await?;
+        let stored = match self.sinks.write(&processed).await {
+            Ok(stored) => stored,
+            Err(error) => return Err((error, processed.into_item())),
+        };
         match stored {
             Stored::New => {
                 self.telemetry.queue_event("processed");

@@ -206,7 +206,8 @@ async fn consume(
                 }
             };
             let request_id = item.request_id().to_owned();
-            match processor.process(item).await.and_then(|stored| {
+            let stored = processor.process(item).await.map_err(|(error, _)| error);
+            match stored.and_then(|stored| {
                 processor.flush()?;
                 Ok(stored)
             }) {

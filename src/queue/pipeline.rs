@@ -50,12 +50,16 @@ impl Consumer {
     /// Handles one record; on failure it goes to the spill file.
     async fn handle(&self, queue: &Queue, item: QueueItem) {
         let result = match self {
-            Consumer::Workers(processor) => processor.process(item.clone()).await.map(|_| ()),
-            Consumer::Nats(publisher) => publisher.publish(&item).await.map(|()| {
-                queue.count("published");
-            }),
+            Consumer::Workers(processor) => processor.process(item).await.map(|_| ()),
+            Consumer::Nats(publisher) => match publisher.publish(&item).await {
+                Ok(()) => {
+                    queue.count("published");
+                    Ok(())
+                }
+                Err(error) => Err((error, item)),
+            },
         };
-        if let Err(error) = result {
+        if let Err((error, item)) = result {
             tracing::warn!(%error, request_id = item.request_id(), "record not delivered; spilled for a later try");
             queue.count("failed");
             match queue.spill.append(&item) {

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::SinksConfig;
 use crate::quality::MetricResult;
-use crate::record::{ExchangeRecord, FeedbackRecord};
+use crate::record::{ExchangeRecord, FeedbackRecord, QueueItem};
 
 /// The results of one queue item: the record itself and its metrics.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -26,6 +26,18 @@ pub struct Processed {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub feedback: Option<FeedbackRecord>,
     pub metrics: Vec<MetricResult>,
+}
+
+impl Processed {
+    /// The queue item the results were computed from.
+    pub fn into_item(self) -> QueueItem {
+        match (self.exchange, self.feedback) {
+            (Some(record), _) => QueueItem::Exchange(record),
+            (None, Some(feedback)) => QueueItem::Feedback(feedback),
+            // Results are only made from an item, so they always hold one.
+            (None, None) => unreachable!("a result without its exchange or feedback"),
+        }
+    }
 }
 
 /// Whether a write stored something new.
