@@ -197,3 +197,57 @@ async fn migrations_run_once_however_many_workers_start() {
         .get(0);
     assert_eq!(versions, 1);
 }
+
+#[tokio::test]
+async fn a_failed_write_spills_and_is_stored_once_the_database_is_back() {
+    let url = support::fresh_database().await;
+    let mock = support::start_mock().await;
+    let mut config = support::config(&mock.url(), Path::new("rules"));
+    config.sinks.jsonl = None;
+    config.sinks.postgres = Some(PostgresSinkConfig { url: url.clone() });
+    config.queue.replay_interval_ms = 100;
+    let proxy = support::start_proxy(config).await;
+    let db = support::pg(&url).await;
+    let mut ids = proxy.send_questions(2, "before").await;
+    assert_eq!(
+        support::wait_for_count(&db, "SELECT count(*) FROM fairgate_exchanges", 2).await,
+        2
+    );
+
+    // The table goes away: writes fail, and the records wait in the spill.
+    db.batch_execute("ALTER TABLE fairgate_exchanges RENAME TO parked")
+        .await
+        .unwrap();
+    ids.extend(proxy.send_questions(3, "during").await);
+    let mut failed = None;
+    for _ in 0..100 {
+        failed = metric(
+            &proxy.metrics().await,
+            "fairgate_queue_records_total{event=\"failed\"}",
+        );
+        if failed.is_some_and(|n| n >= 3.0) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(failed.is_some_and(|n| n >= 3.0), "{failed:?}");
+
+    db.batch_execute("ALTER TABLE parked RENAME TO fairgate_exchanges")
+        .await
+        .unwrap();
+    assert_eq!(
+        support::wait_for_count(&db, "SELECT count(*) FROM fairgate_exchanges", 5).await,
+        5
+    );
+    let mut stored: Vec<String> = db
+        .query("SELECT request_id FROM fairgate_exchanges", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    stored.sort();
+    ids.sort();
+    assert_eq!(stored, ids);
+    proxy.stop().await;
+}
