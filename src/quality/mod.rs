@@ -381,11 +381,6 @@ pub fn answer_length(response: &str) -> MetricResult {
     )
 }
 
-/// `min(0.5 × markers present, 1)`, each marker matched as whole words.
-pub fn politeness(response: &str, markers: &[String]) -> MetricResult {
-    Metrics::new(Err(String::new()), markers.to_vec()).politeness(response)
-}
-
 pub fn latency(ms: Option<f64>) -> MetricResult {
     match ms {
         Some(ms) => MetricResult::scored(
