@@ -243,3 +243,14 @@ fn eval_without_a_lexicon_says_why_entropy_has_no_score() {
         "{row}"
     );
 }
+
+#[test]
+fn worker_refuses_an_open_metrics_listener_without_a_token() {
+    let output = fairgate(&["worker", "--metrics-listen", "0.0.0.0:0"]);
+    assert!(!output.status.success());
+    assert!(
+        text(&output).contains("admin.token_env must name a bearer token"),
+        "{}",
+        text(&output)
+    );
+}

@@ -157,6 +157,19 @@ async fn exchanges_become_results_with_metrics_and_no_secrets() {
         "{page}"
     );
     assert_eq!(metric(&page, "fairgate_queue_lag_seconds_count"), Some(3.0));
+    // A stream records the time fairgate added too.
+    assert_eq!(
+        metric(
+            &page,
+            "fairgate_proxy_added_latency_seconds_count{route=\"messages\"}"
+        ),
+        Some(1.0),
+        "{page}"
+    );
+    let stream_record = &exchange(&rows, &stream_id)["exchange"];
+    assert!(
+        stream_record["proxy_ms"].as_f64().unwrap() <= stream_record["total_ms"].as_f64().unwrap()
+    );
     proxy.stop().await;
 }
 
