@@ -1,5 +1,8 @@
 //! The `fairgate` command line: parses arguments and calls into the library.
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -198,7 +201,8 @@ fn serve(config: Config) -> anyhow::Result<()> {
         tracing::warn!(%reason, "no emotion lexicon: emotional entropy and Spearman will have no score (see `fairgate lexicon import`)");
     }
     let pipeline = state.start_pipeline()?;
-    let listener = std::net::TcpListener::bind(state.config.listen)?;
+    let listener = fairgate::proxy::bind_shared(state.config.listen)
+        .map_err(|e| anyhow::anyhow!("listen {}: {e}", state.config.listen))?;
     let admin = std::net::TcpListener::bind(state.config.admin.listen)?;
     let threads = match state.config.threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),

@@ -185,9 +185,28 @@ impl State {
     }
 }
 
-/// Serves the proxy on `listener` with one single-threaded runtime per
-/// thread, all accepting on the same socket, until `shutdown` turns true.
-/// The first thread also serves `admin`.
+/// A listening socket that other sockets of this process can bind to the
+/// same address (`SO_REUSEPORT`): the kernel then spreads new connections
+/// over them.
+pub fn bind_shared(addr: std::net::SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
+/// Serves the proxy with one single-threaded runtime per thread until
+/// `shutdown` turns true. The first thread accepts on `listener`; each other
+/// thread binds a socket of its own to the same address, which works when
+/// `listener` came from [`bind_shared`] (otherwise they share `listener`).
+/// With a socket each, the kernel spreads connections evenly; threads
+/// sharing one socket let whichever wakes first take them, and under load
+/// one thread ends up with most connections. The first thread also serves
+/// `admin`.
 ///
 /// Why threads of single-threaded runtimes rather than one work-stealing
 /// runtime: an exchange is a chain of short steps across two connections
@@ -206,8 +225,12 @@ pub fn serve_on_threads(
     listener.set_nonblocking(true)?;
     admin.set_nonblocking(true)?;
     let mut handles = Vec::new();
+    let addr = listener.local_addr()?;
     for i in 0..threads.max(1) {
-        let listener = listener.try_clone()?;
+        let listener = match i {
+            0 => listener.try_clone()?,
+            _ => bind_shared(addr).or_else(|_| listener.try_clone())?,
+        };
         let admin = if i == 0 {
             Some(admin.try_clone()?)
         } else {
@@ -256,6 +279,9 @@ pub async fn run(
         tokio::select! {
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else { continue };
+                // Stream events are small writes: without this, each one
+                // after the first can wait for the client's delayed ACK.
+                let _ = stream.set_nodelay(true);
                 let state = state.clone();
                 let service = service_fn(move |req| handle(state.clone(), req));
                 let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
