@@ -1,20 +1,31 @@
 //! The JSON-lines sink: `<dir>/results-YYYY-MM-DD.jsonl` (UTC day of
 //! processing), one [`Processed`] per line.
 //!
-//! Duplicates are recognized by kind and request id within the day's file
-//! (the ids already in it are read when the file is opened). Lines are
-//! buffered and written by [`JsonlSink::flush`] (after each batch of
-//! records, and before a NATS worker acknowledges one) to a file opened for
-//! appending; exactly-once across several worker processes is the
-//! PostgreSQL sink's job.
+//! Lines are buffered and written by [`JsonlSink::flush`] (after each batch
+//! of records, and before a NATS worker acknowledges one) to a file opened
+//! for appending.
+//!
+//! Duplicates (a record replayed or redelivered after it was stored) are
+//! recognized by kind and request id among the last [`WINDOW`] lines of the
+//! day: a redelivery is of a recent record, and a bounded window keeps the
+//! memory and the start-up time of a busy day flat (when a day's file is
+//! opened, only its last [`TAIL_BYTES`] are read back). Exactly-once over
+//! any span, and across several worker processes, is the PostgreSQL sink's
+//! job.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::io::{BufRead, BufReader, BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use super::{Processed, Stored};
+
+/// How many of the latest keys are remembered.
+pub const WINDOW: usize = 1 << 16;
+/// How much of the end of an existing day file is read back at open.
+pub const TAIL_BYTES: u64 = 64 << 20;
 
 pub struct JsonlSink {
     dir: PathBuf,
@@ -24,7 +35,36 @@ pub struct JsonlSink {
 struct Day {
     name: String,
     file: BufWriter<File>,
-    seen: HashSet<String>,
+    recent: Recent,
+    /// The line being written, kept for its capacity.
+    line: Vec<u8>,
+}
+
+/// The hashes of the last [`WINDOW`] keys (kind and request id), oldest
+/// first out.
+#[derive(Default)]
+struct Recent {
+    set: HashSet<u64>,
+    order: VecDeque<u64>,
+}
+
+impl Recent {
+    /// Remembers a key; false if it is already among the recent ones.
+    fn insert(&mut self, kind: &str, request_id: &str) -> bool {
+        let mut hasher = DefaultHasher::new();
+        (kind, request_id).hash(&mut hasher);
+        let key = hasher.finish();
+        if !self.set.insert(key) {
+            return false;
+        }
+        self.order.push_back(key);
+        if self.order.len() > WINDOW
+            && let Some(oldest) = self.order.pop_front()
+        {
+            self.set.remove(&oldest);
+        }
+        true
+    }
 }
 
 impl JsonlSink {
@@ -45,9 +85,6 @@ impl JsonlSink {
 
     pub async fn write(&self, processed: &Processed) -> anyhow::Result<Stored> {
         let name = JsonlSink::file_name(processed.processed_ms);
-        let key = format!("{}:{}", processed.kind, processed.request_id);
-        let mut line = serde_json::to_vec(processed)?;
-        line.push(b'\n');
         let mut day = self
             .day
             .lock()
@@ -57,10 +94,15 @@ impl JsonlSink {
             _ => self.open(&name)?,
         };
         let day = day.insert(current);
-        if !day.seen.insert(key) {
+        if !day.recent.insert(&processed.kind, &processed.request_id) {
             return Ok(Stored::Duplicate);
         }
-        day.file.write_all(&line)?;
+        // Whole lines only: the record is serialized before any of it is
+        // written.
+        day.line.clear();
+        serde_json::to_writer(&mut day.line, processed)?;
+        day.line.push(b'\n');
+        day.file.write_all(&day.line)?;
         Ok(Stored::New)
     }
 
@@ -79,12 +121,19 @@ impl JsonlSink {
     fn open(&self, name: &str) -> anyhow::Result<Day> {
         std::fs::create_dir_all(&self.dir)?;
         let path = self.dir.join(name);
-        let mut seen = HashSet::new();
-        if let Ok(file) = File::open(&path) {
-            for line in BufReader::new(file).lines() {
-                let line = line?;
-                if let Ok(p) = serde_json::from_str::<Key>(&line) {
-                    seen.insert(format!("{}:{}", p.kind, p.request_id));
+        let mut recent = Recent::default();
+        if let Ok(mut file) = File::open(&path) {
+            let len = file.metadata()?.len();
+            let from = len.saturating_sub(TAIL_BYTES);
+            file.seek(SeekFrom::Start(from))?;
+            let mut lines = BufReader::new(file).lines();
+            if from > 0 {
+                // The first line read is the end of a cut one.
+                lines.next();
+            }
+            for line in lines {
+                if let Ok(p) = serde_json::from_str::<Key>(&line?) {
+                    recent.insert(&p.kind, &p.request_id);
                 }
             }
         }
@@ -95,7 +144,8 @@ impl JsonlSink {
         Ok(Day {
             name: name.to_owned(),
             file,
-            seen,
+            recent,
+            line: Vec::new(),
         })
     }
 }
@@ -104,4 +154,24 @@ impl JsonlSink {
 struct Key {
     kind: String,
     request_id: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_window_forgets_the_oldest_keys_only() {
+        let mut recent = Recent::default();
+        for i in 0..WINDOW + 10 {
+            assert!(recent.insert("exchange", &i.to_string()));
+        }
+        assert_eq!(recent.set.len(), WINDOW);
+        // The newest are still known, the ten oldest are not.
+        assert!(!recent.insert("exchange", &(WINDOW + 9).to_string()));
+        assert!(!recent.insert("exchange", "10"));
+        assert!(recent.insert("exchange", "0"));
+        // Kinds are told apart.
+        assert!(recent.insert("feedback", "11"));
+    }
 }
