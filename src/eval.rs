@@ -213,7 +213,7 @@ pub fn run(config: &Config, request: &EvalRequest, out: &mut dyn Write) -> anyho
             let mut metrics_json = Map::new();
             for r in &results {
                 metrics_json.insert(
-                    r.name.clone(),
+                    r.name.to_string(),
                     json!({"score": r.score, "reason": r.reason, "details": r.details}),
                 );
             }

@@ -199,22 +199,22 @@ impl ClientMeta {
     /// (URL-encoded text), falling back to the `fairgate_session`, ... keys
     /// of the body's `metadata` object.
     pub fn read(headers: &HeaderMap, body: &Value) -> ClientMeta {
-        let field = |name: &str| -> Option<String> {
-            if let Some(value) = headers.get(format!("x-fairgate-{name}")) {
+        let metadata = body.get("metadata");
+        let field = |header: &str, key: &str| -> Option<String> {
+            if let Some(value) = headers.get(header) {
                 let raw = String::from_utf8_lossy(value.as_bytes());
                 let decoded = percent_encoding::percent_decode_str(&raw.replace('+', " "))
                     .decode_utf8_lossy()
                     .into_owned();
                 return Some(decoded);
             }
-            let key = format!("fairgate_{}", name.replace('-', "_"));
-            body.get("metadata")?.get(&key)?.as_str().map(str::to_owned)
+            metadata?.get(key)?.as_str().map(str::to_owned)
         };
         ClientMeta {
-            session: field("session"),
-            user: field("user"),
-            ground_truth: field("ground-truth"),
-            expected: field("expected"),
+            session: field("x-fairgate-session", "fairgate_session"),
+            user: field("x-fairgate-user", "fairgate_user"),
+            ground_truth: field("x-fairgate-ground-truth", "fairgate_ground_truth"),
+            expected: field("x-fairgate-expected", "fairgate_expected"),
         }
     }
 }

@@ -6,11 +6,20 @@ use std::sync::LazyLock;
 
 use regex::Regex;
 
-static TOKEN: LazyLock<Regex> = LazyLock::new(|| {
+/// A non-ASCII character that belongs to words: a letter, a combining mark
+/// or a decimal digit.
+static WORD_CHAR: LazyLock<Regex> = LazyLock::new(|| {
     // A fixed pattern: it compiles or the crate's tests fail.
     #[allow(clippy::unwrap_used)]
-    Regex::new(r"[\p{L}\p{M}\p{Nd}']+").unwrap()
+    Regex::new(r"^[\p{L}\p{M}\p{Nd}]$").unwrap()
 });
+
+fn is_word_char(c: char) -> bool {
+    if c.is_ascii() {
+        return c.is_ascii_alphanumeric() || c == '\'';
+    }
+    WORD_CHAR.is_match(c.encode_utf8(&mut [0; 4]))
+}
 
 /// A text lower-cased once (U+2019 read as an apostrophe), read as words
 /// without copying them: maximal runs of letters, combining marks, decimal
@@ -29,11 +38,29 @@ impl Words {
         Words { lower }
     }
 
+    /// The words in order. Runs of word characters are found by a loop over
+    /// the characters (ASCII decided inline, the rest by their Unicode
+    /// class): most text is ASCII, and this is a hot path of the workers.
     pub fn iter(&self) -> impl Iterator<Item = &str> {
-        TOKEN
-            .find_iter(&self.lower)
-            .map(|m| m.as_str().trim_matches('\''))
-            .filter(|t| !t.is_empty())
+        let text = self.lower.as_str();
+        let mut chars = text.char_indices().peekable();
+        std::iter::from_fn(move || {
+            loop {
+                let (start, _) = chars.by_ref().find(|&(_, c)| is_word_char(c))?;
+                let mut end = text.len();
+                while let Some(&(i, c)) = chars.peek() {
+                    if !is_word_char(c) {
+                        end = i;
+                        break;
+                    }
+                    chars.next();
+                }
+                let word = text[start..end].trim_matches('\'');
+                if !word.is_empty() {
+                    return Some(word);
+                }
+            }
+        })
     }
 
     /// The distinct words.
@@ -85,6 +112,24 @@ mod tests {
         );
         assert_eq!(tokens("''' -- !!"), Vec::<String>::new());
         assert_eq!(tokens("rock'n'roll"), ["rock'n'roll"]);
+        // Word characters outside ASCII, and separators outside ASCII.
+        assert_eq!(
+            tokens("Ελληνικά—日本語\u{a0}٣٤ ½ x²"),
+            ["ελληνικά", "日本語", "٣٤", "x"]
+        );
+        assert_eq!(tokens("'quoted' it's"), ["quoted", "it's"]);
+    }
+
+    #[test]
+    fn word_chars_are_letters_marks_decimal_digits_and_apostrophes() {
+        let class = Regex::new(r"^[\p{L}\p{M}\p{Nd}']$").unwrap();
+        for c in (0..0x3_0000).filter_map(char::from_u32) {
+            assert_eq!(
+                is_word_char(c),
+                class.is_match(c.encode_utf8(&mut [0; 4])),
+                "{c:?}"
+            );
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@
 
 pub mod lexicon;
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
@@ -25,25 +26,30 @@ use lexicon::{EMOTIONS, Lexicon};
 /// One metric's result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MetricResult {
-    pub name: String,
+    pub name: Cow<'static, str>,
     pub score: Option<f64>,
-    pub reason: String,
+    pub reason: Cow<'static, str>,
     pub details: Value,
 }
 
 impl MetricResult {
-    fn scored(name: &str, score: f64, reason: impl Into<String>, details: Value) -> Self {
+    fn scored(
+        name: &'static str,
+        score: f64,
+        reason: impl Into<Cow<'static, str>>,
+        details: Value,
+    ) -> Self {
         MetricResult {
-            name: name.to_owned(),
+            name: Cow::Borrowed(name),
             score: Some(score),
             reason: reason.into(),
             details,
         }
     }
 
-    fn none(name: &str, reason: impl Into<String>) -> Self {
+    fn none(name: &'static str, reason: impl Into<Cow<'static, str>>) -> Self {
         MetricResult {
-            name: name.to_owned(),
+            name: Cow::Borrowed(name),
             score: None,
             reason: reason.into(),
             details: Value::Null,
@@ -94,8 +100,10 @@ pub struct Outcome {
 #[derive(Debug, Clone)]
 pub struct Metrics {
     pub lexicon: Option<Lexicon>,
-    /// Why there is no lexicon, for the reasons of the metrics that need one.
+    /// Why there is no lexicon.
     pub lexicon_missing: String,
+    /// The reason of the metrics that need one, when there is none.
+    no_lexicon: String,
     /// The politeness markers, each with its words.
     markers: Vec<(String, Vec<String>)>,
 }
@@ -106,6 +114,7 @@ impl Metrics {
             Ok(lexicon) => (Some(lexicon), String::new()),
             Err(why) => (None, why),
         };
+        let no_lexicon = format!("no emotion lexicon: {lexicon_missing}");
         let markers = politeness_markers
             .into_iter()
             .map(|marker| {
@@ -116,6 +125,7 @@ impl Metrics {
         Metrics {
             lexicon,
             lexicon_missing,
+            no_lexicon,
             markers,
         }
     }
@@ -126,12 +136,11 @@ impl Metrics {
         // The response is read into words once for every metric.
         let response = Words::new(answer.response);
         let words: Vec<&str> = response.iter().collect();
-        let word_set: HashSet<&str> = words.iter().copied().collect();
         vec![
             self.entropy_of(&words),
             self.ground_truth_spearman(answer.response, answer.ground_truth),
             exact_match(answer.response, answer.expected),
-            recall_of(&word_set, answer.expected),
+            recall_of(&words, answer.expected),
             answer_length(answer.response),
             self.politeness_of(&words),
             latency(answer.latency_ms),
@@ -195,10 +204,7 @@ impl Metrics {
     fn entropy_of(&self, words: &[&str]) -> MetricResult {
         const NAME: &str = "emotional_entropy";
         let Some(lexicon) = &self.lexicon else {
-            return MetricResult::none(
-                NAME,
-                format!("no emotion lexicon: {}", self.lexicon_missing),
-            );
+            return MetricResult::none(NAME, self.no_lexicon.clone());
         };
         let counts = Self::counts_of(lexicon, words);
         let details = counts_json(&counts);
@@ -238,10 +244,7 @@ impl Metrics {
             return MetricResult::none(NAME, "no ground truth given");
         };
         let Some(lexicon) = &self.lexicon else {
-            return MetricResult::none(
-                NAME,
-                format!("no emotion lexicon: {}", self.lexicon_missing),
-            );
+            return MetricResult::none(NAME, self.no_lexicon.clone());
         };
         let a = Self::emotion_counts(lexicon, response).map(|c| c as f64);
         let b = Self::emotion_counts(lexicon, ground_truth).map(|c| c as f64);
@@ -346,14 +349,15 @@ pub fn exact_match(response: &str, expected: Option<&str>) -> MetricResult {
 /// `|G ∩ E| / |E|` over the token sets of the response G and the expected
 /// answer E; 0 when E has no tokens.
 pub fn keyword_recall(response: &str, expected: Option<&str>) -> MetricResult {
-    recall_of(&Words::new(response).set(), expected)
+    recall_of(&Words::new(response).iter().collect::<Vec<_>>(), expected)
 }
 
-fn recall_of(g: &HashSet<&str>, expected: Option<&str>) -> MetricResult {
+fn recall_of(response: &[&str], expected: Option<&str>) -> MetricResult {
     const NAME: &str = "keyword_recall";
     let Some(expected) = expected else {
         return MetricResult::none(NAME, "no expected answer given");
     };
+    let g: HashSet<&str> = response.iter().copied().collect();
     let expected = Words::new(expected);
     let e = expected.set();
     if e.is_empty() {
@@ -396,11 +400,14 @@ pub fn latency(ms: Option<f64>) -> MetricResult {
 /// Cosine similarity of the binary token-set vectors of question and
 /// context; 0.0 when either is empty.
 pub fn context_relevance(question: &str, context: &str) -> MetricResult {
-    let (question, context) = (Words::new(question), Words::new(context));
-    let (q, c) = (question.set(), context.set());
-    let (score, reason) = if c.is_empty() {
-        (0.0, "no context")
-    } else if q.is_empty() {
+    let context = Words::new(context);
+    let c = context.set();
+    if c.is_empty() {
+        return MetricResult::scored("context_relevance", 0.0, "no context", Value::Null);
+    }
+    let question = Words::new(question);
+    let q = question.set();
+    let (score, reason) = if q.is_empty() {
         (0.0, "no question")
     } else {
         (
