@@ -18,8 +18,10 @@
 //!   release. *Cost*: the client sees each piece of text about
 //!   `match_limits + 256` bytes later than the upstream sent it (a few
 //!   hundred bytes, some tens of tokens); time to first token grows by the
-//!   time the model takes to write that much. Each delta rescans a window of
-//!   that size, not the whole response.
+//!   time the model takes to write that much. A check rescans a window of
+//!   that size, not the whole response, once every 64 bytes of new text
+//!   (not on every word-sized delta): text is released, and a block found,
+//!   at most 64 bytes later than a check per delta would.
 //! * **`buffer`**: nothing is sent until the upstream has finished and the
 //!   whole response is scanned; then the stream is replayed (redacted) or
 //!   replaced by the block ending. Guarantees the same, and also that the
@@ -36,7 +38,7 @@ use std::fmt::Display;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
@@ -55,6 +57,11 @@ const USAGE_WAIT: Duration = Duration::from_secs(10);
 
 /// Text that stays held back beyond the longest match, in bytes.
 const MARGIN: usize = 256;
+
+/// Holdback checks the text once this many bytes have arrived since the
+/// last check (and at the end of each block and of the stream), so that
+/// word-sized deltas do not each rescan the window.
+const CHECK_STEP: usize = 64;
 
 /// Everything the guard of one stream needs.
 pub struct StreamSetup {
@@ -192,40 +199,51 @@ pub struct SseEvent {
 /// Splits a byte stream into events at blank lines.
 #[derive(Default)]
 pub struct SseParser {
-    buf: Vec<u8>,
+    buf: BytesMut,
+    /// How far `buf` is known to hold no event end.
+    scanned: usize,
 }
 
 impl SseParser {
     pub fn push(&mut self, chunk: &[u8]) -> Vec<SseEvent> {
         self.buf.extend_from_slice(chunk);
         let mut events = Vec::new();
-        while let Some(end) = event_end(&self.buf) {
-            let raw: Vec<u8> = self.buf.drain(..end).collect();
+        while let Some(end) = event_end(&self.buf, self.scanned) {
+            // The event's bytes are split off, not copied.
+            let raw = self.buf.split_to(end).freeze();
+            self.scanned = 0;
             if let Some(event) = parse_event(raw) {
                 events.push(event);
             }
         }
+        // An end may start on the last two bytes and finish in the next chunk.
+        self.scanned = self.buf.len().saturating_sub(2);
         events
     }
 }
 
-/// The end (after the blank line) of the first complete event in `buf`.
-fn event_end(buf: &[u8]) -> Option<usize> {
-    let mut i = 0;
-    while i + 1 < buf.len() {
-        if buf[i] == b'\n' && buf[i + 1] == b'\n' {
-            return Some(i + 2);
+/// The end (after the blank line) of the first complete event in `buf`,
+/// looking from `from` on.
+fn event_end(buf: &[u8], from: usize) -> Option<usize> {
+    let mut i = from;
+    while let Some(at) = buf.get(i..)?.iter().position(|&b| b == b'\n') {
+        let nl = i + at;
+        if buf.get(nl + 1) == Some(&b'\n') {
+            return Some(nl + 2);
         }
-        if buf[i] == b'\n' && buf[i + 1] == b'\r' && buf.get(i + 2) == Some(&b'\n') {
-            return Some(i + 3);
+        if buf.get(nl + 1..nl + 3) == Some(b"\r\n") {
+            return Some(nl + 3);
         }
-        i += 1;
+        i = nl + 1;
     }
     None
 }
 
-fn parse_event(raw: Vec<u8>) -> Option<SseEvent> {
-    let text = String::from_utf8_lossy(&raw);
+fn parse_event(raw: Bytes) -> Option<SseEvent> {
+    let text = match std::str::from_utf8(&raw) {
+        Ok(text) => std::borrow::Cow::Borrowed(text),
+        Err(_) => String::from_utf8_lossy(&raw),
+    };
     let mut event = None;
     let mut data: Option<String> = None;
     for line in text.lines() {
@@ -246,11 +264,7 @@ fn parse_event(raw: Vec<u8>) -> Option<SseEvent> {
     if event.is_none() && data.is_none() && text.trim().is_empty() {
         return None;
     }
-    Some(SseEvent {
-        raw: Bytes::from(raw),
-        event,
-        data,
-    })
+    Some(SseEvent { raw, event, data })
 }
 
 /// An event held back in buffer mode, with the range of `acc` its text
@@ -285,10 +299,15 @@ pub struct Guard {
     /// included but never sent.
     acc: String,
     released: usize,
+    /// How much of `acc` the last check saw.
+    checked: usize,
     /// Response hits found so far, with offsets into `acc`.
     hits: Vec<Hit>,
     /// The first OpenAI chunk with text, the template for re-framed chunks.
     template: Option<Value>,
+    /// A text chunk of the template, serialized, cut where its text goes:
+    /// re-framed text is written between the two, with no JSON tree built.
+    text_frame_parts: Option<(String, String)>,
     /// The Anthropic content block the pending text belongs to.
     block: u64,
     block_open: bool,
@@ -319,8 +338,10 @@ impl Guard {
             dialect,
             acc: String::new(),
             released: 0,
+            checked: 0,
             hits: Vec::new(),
             template: None,
+            text_frame_parts: None,
             block: 0,
             block_open: false,
             held: Vec::new(),
@@ -390,7 +411,10 @@ impl Guard {
         let Ok(json) = serde_json::from_str::<Value>(data) else {
             return Kind::Malformed;
         };
-        self.note_usage(&json);
+        // Usage comes once or twice a stream; most events need no look.
+        if data.contains("usage") {
+            self.note_usage(&json);
+        }
         match self.dialect {
             Dialect::OpenAi => self.classify_openai(json),
             Dialect::Anthropic => classify_anthropic(&json),
@@ -404,8 +428,8 @@ impl Guard {
         let Some(Value::Object(found)) = json
             .get("usage")
             .filter(|u| u.is_object())
-            .or_else(|| json.pointer("/message/usage"))
-            .or_else(|| json.pointer("/response/usage"))
+            .or_else(|| json.get("message")?.get("usage"))
+            .or_else(|| json.get("response")?.get("usage"))
         else {
             return;
         };
@@ -436,10 +460,11 @@ impl Guard {
                 _ => Kind::Other,
             };
         }
-        let choice = json.pointer("/choices/0");
+        // `get` chains, not `pointer`: this runs on every event.
+        let choice = json.get("choices").and_then(|c| c.get(0));
         let text = match self.setup.endpoint {
             Endpoint::Completions => choice.and_then(|c| c.get("text")),
-            _ => choice.and_then(|c| c.pointer("/delta/content")),
+            _ => choice.and_then(|c| c.get("delta")?.get("content")),
         }
         .and_then(Value::as_str)
         .unwrap_or_default();
@@ -448,7 +473,9 @@ impl Guard {
             .is_some_and(|f| !f.is_null());
         if !text.is_empty() {
             if self.template.is_none() {
-                self.template = Some(json.clone());
+                let text = text.to_owned();
+                self.set_template(json);
+                return Kind::Text { text, block: 0 };
             }
             // A chunk with both text and a finish reason: the text first;
             // the finish follows as its own chunk when released.
@@ -459,11 +486,22 @@ impl Guard {
         }
         if finished {
             if self.template.is_none() {
-                self.template = Some(json);
+                self.set_template(json);
             }
             return Kind::Final;
         }
         Kind::Other
+    }
+
+    fn set_template(&mut self, template: Value) {
+        self.template = Some(template);
+        // No text holds NUL characters; the marker cannot occur otherwise.
+        const MARKER: &str = "\0fairgate\0";
+        let frame = self.openai_chunk(MARKER, Value::Null).to_string();
+        let marker = Value::from(MARKER).to_string();
+        self.text_frame_parts = frame
+            .split_once(&marker)
+            .map(|(before, after)| (format!("data: {before}"), format!("{after}\n\n")));
     }
 
     fn monitor(&mut self, event: SseEvent, kind: Kind) -> Vec<Bytes> {
@@ -518,6 +556,9 @@ impl Guard {
                     self.block_open = true;
                 }
                 self.acc.push_str(&text);
+                if self.acc.len() - self.checked < CHECK_STEP {
+                    return Vec::new();
+                }
                 self.check(false)
             }
             Kind::BlockStart => {
@@ -563,6 +604,7 @@ impl Guard {
     /// Scans the unreleased text (and enough before it); blocks, or
     /// releases what is safe (everything, when `final_check`).
     fn check(&mut self, final_check: bool) -> Vec<Bytes> {
+        self.checked = self.acc.len();
         let window_start = self.window_start();
         let view = self.scan_window(window_start);
         if self.should_block() {
@@ -688,7 +730,17 @@ impl Guard {
                 Some("content_block_delta"),
                 &json!({"type": "content_block_delta", "index": block, "delta": {"type": "text_delta", "text": text}}),
             ),
-            Dialect::OpenAi => sse(None, &self.openai_chunk(text, Value::Null)),
+            Dialect::OpenAi => match &self.text_frame_parts {
+                Some((before, after)) => {
+                    let mut frame = Vec::with_capacity(before.len() + text.len() + after.len() + 8);
+                    frame.extend_from_slice(before.as_bytes());
+                    // Writing a string into a Vec cannot fail.
+                    let _ = serde_json::to_writer(&mut frame, text);
+                    frame.extend_from_slice(after.as_bytes());
+                    Bytes::from(frame)
+                }
+                None => sse(None, &self.openai_chunk(text, Value::Null)),
+            },
         }
     }
 
@@ -698,7 +750,7 @@ impl Guard {
             .template
             .clone()
             .unwrap_or_else(|| json!({"choices": [{"index": 0}]}));
-        if let Some(choice) = chunk.pointer_mut("/choices/0") {
+        if let Some(choice) = chunk.get_mut("choices").and_then(|c| c.get_mut(0)) {
             if self.setup.endpoint == Endpoint::Completions {
                 choice["text"] = json!(text);
             } else if text.is_empty() {
@@ -840,7 +892,12 @@ fn classify_anthropic(json: &Value) -> Kind {
             }
         }
         Some("content_block_start") => {
-            if json.pointer("/content_block/type").and_then(Value::as_str) == Some("text") {
+            if json
+                .get("content_block")
+                .and_then(|b| b.get("type"))
+                .and_then(Value::as_str)
+                == Some("text")
+            {
                 Kind::BlockStart
             } else {
                 Kind::Other
@@ -901,7 +958,7 @@ mod tests {
 
     fn openai_delta(text: &str) -> SseEvent {
         let data = json!({"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]});
-        parse_event(format!("data: {data}\n\n").into_bytes()).unwrap()
+        parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap()
     }
 
     fn released_text(frames: &[Bytes]) -> String {
@@ -918,6 +975,34 @@ mod tests {
             }
         }
         text
+    }
+
+    #[test]
+    fn parser_finds_events_however_the_bytes_are_cut() {
+        let input =
+            "event: a\ndata: 1\n\ndata: 2\r\n\r\ndata: x\ndata: y\n\n: comment\n\ndata: [DONE]\n\n";
+        let expected = [
+            (Some("a"), Some("1")),
+            (None, Some("2")),
+            (None, Some("x\ny")),
+            (None, None),
+            (None, Some("[DONE]")),
+        ];
+        for cut in 0..=input.len() {
+            for second in cut..=input.len() {
+                let mut parser = SseParser::default();
+                let mut events = parser.push(&input.as_bytes()[..cut]);
+                events.extend(parser.push(&input.as_bytes()[cut..second]));
+                events.extend(parser.push(&input.as_bytes()[second..]));
+                let got: Vec<_> = events
+                    .iter()
+                    .map(|e| (e.event.as_deref(), e.data.as_deref()))
+                    .collect();
+                assert_eq!(got, expected, "cut at {cut} and {second}");
+                let raw: Vec<u8> = events.iter().flat_map(|e| e.raw.to_vec()).collect();
+                assert_eq!(raw, input.as_bytes());
+            }
+        }
     }
 
     #[test]
