@@ -8,9 +8,12 @@
 #   THREADS=1 bash benches/proxy.sh  # fairgate on one serving thread (default: one per core)
 #
 # Reports, per target: closed-loop requests/s at fixed concurrency, p50/p99
-# latency at a fixed rate (non-streaming), time to first byte of streams
-# (curl, sequential), CPU time per request of the proxy process (from /proc),
-# and fairgate's peak resident memory with 256 concurrent streams.
+# latency at a fixed rate (non-streaming), CPU time per request of the proxy
+# process (from /proc), the same closed loop with streams (streams/s, CPU
+# per stream), time to first byte of streams (curl, sequential), and
+# fairgate's peak resident memory with 256 concurrent streams. fairgate runs
+# on its embedded defaults (side queue with in-process workers writing JSON
+# lines) from a scratch directory.
 # Needs oha (cargo install oha) and nginx (apt-get install nginx); installs
 # them when missing. Only loopback addresses are used.
 set -euo pipefail
@@ -42,8 +45,10 @@ MOCK_BIN=$(ls -t target/release/deps/mock_upstream-* | grep -v '\.d$' | head -n 
 
 "$MOCK_BIN" "$MOCK" 2>/dev/null &
 PIDS+=($!)
-RUST_LOG=warn target/release/fairgate serve --listen "$FAIRGATE" --admin-listen "$ADMIN" --rules rules \
-  --upstream-openai "http://$MOCK" --threads "${THREADS:-0}" >/dev/null 2>&1 &
+# From a scratch directory, so that results and spills (./data) start empty.
+ROOT=$PWD
+(cd "$WORK" && RUST_LOG=warn exec "$ROOT/target/release/fairgate" serve --listen "$FAIRGATE" --admin-listen "$ADMIN" \
+  --rules "$ROOT/rules" --upstream-openai "http://$MOCK" --threads "${THREADS:-0}" >/dev/null 2>&1) &
 FAIRGATE_PID=$!
 PIDS+=($FAIRGATE_PID)
 
@@ -85,7 +90,7 @@ HZ=$(getconf CLK_TCK)
 oha_json() { oha --no-tui --output-format json "$@" 2>/dev/null; }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 
-declare -A RPS P50 P99 CPU TTFB
+declare -A RPS P50 P99 CPU TTFB SRPS SCPU
 run_target() {
   local name=$1 addr=$2 pid_ticks=$3
   local url="http://$addr/v1/chat/completions"
@@ -100,6 +105,14 @@ run_target() {
   json=$(oha_json -z "${DURATION}s" -q "$RATE" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$WORK/body.json" "$url")
   P50[$name]=$(echo "$json" | field "round(d['latencyPercentiles']['p50'] * 1000, 3)")
   P99[$name]=$(echo "$json" | field "round(d['latencyPercentiles']['p99'] * 1000, 3)")
+  # Streams, closed loop: requests/s and CPU per stream.
+  before=$($pid_ticks)
+  json=$(oha_json -z "${DURATION}s" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$WORK/stream.json" "$url")
+  after=$($pid_ticks)
+  SRPS[$name]=$(echo "$json" | field "round(d['summary']['requestsPerSec'])")
+  n=$(echo "$json" | field "sum(d['statusCodeDistribution'].values())")
+  if [ "$pid_ticks" = "none" ]; then SCPU[$name]="-"; else
+    SCPU[$name]=$(python3 -c "print(round(($after - $before) / $HZ / $n * 1e6, 1))"); fi
   TTFB[$name]=$(for _ in $(seq 200); do
       curl -s -o /dev/null -w '%{time_starttransfer}\n' -H 'content-type: application/json' --data @"$WORK/stream.json" "$url"
     done | sort -n | awk '{a[NR]=$1} END {printf "%.3f/%.3f", a[int(NR*0.5)]*1000, a[int(NR*0.99)]*1000}')
@@ -116,17 +129,18 @@ oha_json -n 5120 -c 256 -m POST -H 'content-type: application/json' -D "$WORK/st
   "http://$FAIRGATE/v1/chat/completions" >/dev/null
 PEAK=$(awk '/VmHWM/ {printf "%.1f", $2 / 1024}' "/proc/$FAIRGATE_PID/status")
 
-printf '\n%-10s %12s %12s %12s %16s %14s\n' target "req/s (c=$CONCURRENCY)" "p50 ms" "p99 ms" "stream TTFB p50/p99 ms" "CPU us/req"
+printf '\n%-10s %12s %8s %8s %12s %14s %14s %12s\n' target "req/s (c=$CONCURRENCY)" "p50 ms" "p99 ms" "CPU us/req" "streams/s" "CPU us/stream" "TTFB p50/p99 ms"
 for t in direct nginx fairgate; do
-  printf '%-10s %12s %12s %12s %16s %14s\n' "$t" "${RPS[$t]}" "${P50[$t]}" "${P99[$t]}" "${TTFB[$t]}" "${CPU[$t]}"
+  printf '%-10s %12s %8s %8s %12s %14s %14s %12s\n' "$t" "${RPS[$t]}" "${P50[$t]}" "${P99[$t]}" "${CPU[$t]}" "${SRPS[$t]}" "${SCPU[$t]}" "${TTFB[$t]}"
 done
 python3 - <<EOF
 rps_direct, rps_nginx, rps_fg = ${RPS[direct]}, ${RPS[nginx]}, ${RPS[fairgate]}
 p99_direct, p99_nginx, p99_fg = ${P99[direct]}, ${P99[nginx]}, ${P99[fairgate]}
 cpu_nginx, cpu_fg = ${CPU[nginx]}, ${CPU[fairgate]}
+scpu_nginx, scpu_fg = ${SCPU[nginx]}, ${SCPU[fairgate]}
 print()
 print(f"throughput, fairgate / direct: {rps_fg / rps_direct:.2f}   (nginx / direct: {rps_nginx / rps_direct:.2f})")
 print(f"added p99 at ${RATE} req/s: fairgate {p99_fg - p99_direct:+.3f} ms, nginx {p99_nginx - p99_direct:+.3f} ms")
-print(f"CPU per request, fairgate / nginx: {cpu_fg / cpu_nginx:.2f}")
+print(f"CPU per request, fairgate / nginx: {cpu_fg / cpu_nginx:.2f}   streams: {scpu_fg / scpu_nginx:.2f}")
 print(f"fairgate peak RSS with 256 concurrent streams: $PEAK MB")
 EOF
