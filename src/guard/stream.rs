@@ -34,6 +34,7 @@
 //! order. A malformed event ends the stream cleanly after what was already
 //! checked, and is counted.
 
+use std::borrow::Cow;
 use std::fmt::Display;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,6 +43,8 @@ use bytes::{Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -408,16 +411,21 @@ impl Guard {
         if data.trim() == "[DONE]" {
             return Kind::Done;
         }
-        let Ok(json) = serde_json::from_str::<Value>(data) else {
+        // The few fields the guard reads, borrowed from the data: no JSON
+        // tree is built for an event. An event they cannot be read from
+        // (not an object, a field twice) is malformed.
+        let Ok(fields) = serde_json::from_str::<EventFields>(data) else {
             return Kind::Malformed;
         };
         // Usage comes once or twice a stream; most events need no look.
-        if data.contains("usage") {
+        if data.contains("usage")
+            && let Ok(json) = serde_json::from_str::<Value>(data)
+        {
             self.note_usage(&json);
         }
         match self.dialect {
-            Dialect::OpenAi => self.classify_openai(json),
-            Dialect::Anthropic => classify_anthropic(&json),
+            Dialect::OpenAi => self.classify_openai(&fields, data),
+            Dialect::Anthropic => classify_anthropic(&fields),
         }
     }
 
@@ -443,15 +451,11 @@ impl Guard {
         }
     }
 
-    fn classify_openai(&mut self, json: Value) -> Kind {
+    fn classify_openai(&mut self, event: &EventFields, data: &str) -> Kind {
         if self.setup.endpoint == Endpoint::Responses {
-            return match json.get("type").and_then(Value::as_str) {
+            return match string(event.kind).as_deref() {
                 Some("response.output_text.delta") => Kind::Text {
-                    text: json
-                        .get("delta")
-                        .and_then(Value::as_str)
-                        .unwrap_or_default()
-                        .to_owned(),
+                    text: string(event.delta).unwrap_or_default().into_owned(),
                     block: 0,
                 },
                 Some("response.completed" | "response.incomplete" | "response.failed") => {
@@ -460,37 +464,37 @@ impl Guard {
                 _ => Kind::Other,
             };
         }
-        // `get` chains, not `pointer`: this runs on every event.
-        let choice = json.get("choices").and_then(|c| c.get(0));
+        let choice = event
+            .choices
+            .and_then(|c| serde_json::from_str::<Vec<&RawValue>>(c.get()).ok())
+            .and_then(|c| serde_json::from_str::<ChoiceFields>(c.first()?.get()).ok())
+            .unwrap_or_default();
         let text = match self.setup.endpoint {
-            Endpoint::Completions => choice.and_then(|c| c.get("text")),
-            _ => choice.and_then(|c| c.get("delta")?.get("content")),
+            Endpoint::Completions => string(choice.text),
+            _ => choice
+                .delta
+                .and_then(|d| serde_json::from_str::<DeltaFields>(d.get()).ok())
+                .and_then(|d| string(d.content)),
         }
-        .and_then(Value::as_str)
         .unwrap_or_default();
-        let finished = choice
-            .and_then(|c| c.get("finish_reason"))
-            .is_some_and(|f| !f.is_null());
-        if !text.is_empty() {
-            if self.template.is_none() {
-                let text = text.to_owned();
-                self.set_template(json);
-                return Kind::Text { text, block: 0 };
-            }
-            // A chunk with both text and a finish reason: the text first;
-            // the finish follows as its own chunk when released.
-            return Kind::Text {
-                text: text.to_owned(),
+        // A chunk with both text and a finish reason: the text first; the
+        // finish follows as its own chunk when released.
+        let kind = if !text.is_empty() {
+            Kind::Text {
+                text: text.into_owned(),
                 block: 0,
-            };
-        }
-        if finished {
-            if self.template.is_none() {
-                self.set_template(json);
             }
-            return Kind::Final;
+        } else if choice.finish_reason.is_some() {
+            Kind::Final
+        } else {
+            return Kind::Other;
+        };
+        if self.template.is_none()
+            && let Ok(json) = serde_json::from_str::<Value>(data)
+        {
+            self.set_template(json);
         }
-        Kind::Other
+        kind
     }
 
     fn set_template(&mut self, template: Value) {
@@ -874,30 +878,31 @@ impl Guard {
     }
 }
 
-fn classify_anthropic(json: &Value) -> Kind {
-    match json.get("type").and_then(Value::as_str) {
+fn classify_anthropic(event: &EventFields) -> Kind {
+    match string(event.kind).as_deref() {
         Some("content_block_delta") => {
-            let delta = json.get("delta");
-            if delta.and_then(|d| d.get("type")).and_then(Value::as_str) == Some("text_delta") {
+            let delta = event
+                .delta
+                .and_then(|d| serde_json::from_str::<DeltaFields>(d.get()).ok())
+                .unwrap_or_default();
+            if string(delta.kind).as_deref() == Some("text_delta") {
                 Kind::Text {
-                    text: delta
-                        .and_then(|d| d.get("text"))
-                        .and_then(Value::as_str)
-                        .unwrap_or_default()
-                        .to_owned(),
-                    block: json.get("index").and_then(Value::as_u64).unwrap_or(0),
+                    text: string(delta.text).unwrap_or_default().into_owned(),
+                    block: event
+                        .index
+                        .and_then(|i| serde_json::from_str::<u64>(i.get()).ok())
+                        .unwrap_or(0),
                 }
             } else {
                 Kind::Other
             }
         }
         Some("content_block_start") => {
-            if json
-                .get("content_block")
-                .and_then(|b| b.get("type"))
-                .and_then(Value::as_str)
-                == Some("text")
-            {
+            let block = event
+                .content_block
+                .and_then(|b| serde_json::from_str::<DeltaFields>(b.get()).ok())
+                .unwrap_or_default();
+            if string(block.kind).as_deref() == Some("text") {
                 Kind::BlockStart
             } else {
                 Kind::Other
@@ -908,6 +913,61 @@ fn classify_anthropic(json: &Value) -> Kind {
         Some("message_stop") => Kind::Done,
         _ => Kind::Other,
     }
+}
+
+/// The fields of a stream event the guard reads, each kept as its JSON
+/// text and read further only when needed (OpenAI chat and completions,
+/// the Responses API, Anthropic messages).
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct EventFields<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow)]
+    choices: Option<&'a RawValue>,
+    #[serde(borrow)]
+    delta: Option<&'a RawValue>,
+    #[serde(borrow)]
+    index: Option<&'a RawValue>,
+    #[serde(borrow)]
+    content_block: Option<&'a RawValue>,
+}
+
+/// An OpenAI choice: `delta` (chat), `text` (completions), `finish_reason`
+/// (`None` when null).
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct ChoiceFields<'a> {
+    #[serde(borrow)]
+    delta: Option<&'a RawValue>,
+    #[serde(borrow)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow)]
+    finish_reason: Option<&'a RawValue>,
+}
+
+/// A chat delta (`content`), an Anthropic delta (`type`, `text`) or content
+/// block (`type`).
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct DeltaFields<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow)]
+    content: Option<&'a RawValue>,
+}
+
+/// A JSON string, borrowed unless it has escapes.
+#[derive(Deserialize)]
+struct JsonStr<'a>(#[serde(borrow)] Cow<'a, str>);
+
+/// The string a field holds; `None` when absent or not a string.
+fn string(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
+    serde_json::from_str::<JsonStr>(raw?.get())
+        .ok()
+        .map(|s| s.0)
 }
 
 fn sse(event: Option<&str>, data: &Value) -> Bytes {
@@ -941,13 +1001,16 @@ mod tests {
     use super::*;
     use crate::rules::CompileOptions;
 
+    /// The shipped rules, compiled once for all the tests here.
+    static RULES: std::sync::LazyLock<Arc<RuleSet>> = std::sync::LazyLock::new(|| {
+        Arc::new(RuleSet::load_dir(Path::new("rules"), &CompileOptions::default()).unwrap())
+    });
+
     fn setup(endpoint: Endpoint, mode: StreamMode) -> StreamSetup {
         StreamSetup {
             endpoint,
             mode,
-            rules: Arc::new(
-                RuleSet::load_dir(Path::new("rules"), &CompileOptions::default()).unwrap(),
-            ),
+            rules: RULES.clone(),
             risk: RiskConfig::default(),
             request_hits: Vec::new(),
             relevance: Vec::new(),
@@ -975,6 +1038,110 @@ mod tests {
             }
         }
         text
+    }
+
+    #[test]
+    fn events_are_read_by_the_fields_the_guard_needs() {
+        let kind = |endpoint, data: &str| {
+            let mut guard = Guard::new(setup(endpoint, StreamMode::Holdback));
+            let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
+            match guard.classify(&event) {
+                Kind::Text { text, block } => format!("text {text:?} {block}"),
+                Kind::BlockEnd => "block end".into(),
+                Kind::BlockStart => "block start".into(),
+                Kind::Final => "final".into(),
+                Kind::Done => "done".into(),
+                Kind::Other => "other".into(),
+                Kind::Malformed => "malformed".into(),
+            }
+        };
+        let chat = Endpoint::ChatCompletions;
+        let cases = [
+            (
+                chat,
+                r#"{"choices":[{"delta":{"content":"caf\u00e9 \"x\""}}]}"#,
+                r#"text "café \"x\"" 0"#,
+            ),
+            (
+                chat,
+                r#"{"choices":[{"delta":{},"finish_reason":null}]}"#,
+                "other",
+            ),
+            (
+                chat,
+                r#"{"choices":[{"delta":{},"finish_reason":"stop"}]}"#,
+                "final",
+            ),
+            (chat, r#"{"choices":[{"delta":{"content":7}}]}"#, "other"),
+            (
+                chat,
+                r#"{"choices":{"0":1},"usage":{"total_tokens":3}}"#,
+                "other",
+            ),
+            (
+                chat,
+                r#"{"choices":[],"usage":{"total_tokens":3}}"#,
+                "other",
+            ),
+            (
+                chat,
+                r#"{"choices":[{"delta":{"content":"a"}}],"choices":[]}"#,
+                "malformed",
+            ),
+            (chat, r#"[1]"#, "other"),
+            (chat, r#"{"choices":[{"delta":{"content":"#, "malformed"),
+            (
+                Endpoint::Completions,
+                r#"{"choices":[{"text":"hi","finish_reason":null}]}"#,
+                r#"text "hi" 0"#,
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.output_text.delta","delta":"hi"}"#,
+                r#"text "hi" 0"#,
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.completed","response":{}}"#,
+                "final",
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_delta","index":2,"delta":{"type":"text_delta","text":"hi"}}"#,
+                r#"text "hi" 2"#,
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{"}}"#,
+                "other",
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+                "block start",
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_start","index":1,"content_block":{"type":"tool_use"}}"#,
+                "other",
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_stop","index":0}"#,
+                "block end",
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"}}"#,
+                "final",
+            ),
+            (Endpoint::Messages, r#"{"type":"message_stop"}"#, "done"),
+            (Endpoint::Messages, r#"{"type":"ping"}"#, "other"),
+            (chat, "[DONE]", "done"),
+        ];
+        for (endpoint, data, expected) in cases {
+            assert_eq!(kind(endpoint, data), expected, "{data}");
+        }
     }
 
     #[test]

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use prometheus::{IntCounterVec, IntGauge};
+use prometheus::{IntCounter, IntCounterVec, IntGauge};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 
@@ -43,6 +43,8 @@ pub struct Queue {
     /// Set on shutdown: from then on records go straight to the spill file.
     closed: AtomicBool,
     records: IntCounterVec,
+    /// `records{event="enqueued"}`, resolved once: it counts every record.
+    enqueued: IntCounter,
     depth: IntGauge,
 }
 
@@ -55,6 +57,7 @@ impl Queue {
             spill: Spill::new(&config.spill_dir, records.clone()),
             on_full: config.on_full,
             closed: AtomicBool::new(false),
+            enqueued: records.with_label_values(&["enqueued"]),
             records,
             depth,
         }
@@ -68,7 +71,7 @@ impl Queue {
         }
         match self.tx.try_send(item) {
             Ok(()) => {
-                self.count("enqueued");
+                self.enqueued.inc();
                 self.depth.set(self.len() as i64);
             }
             Err(TrySendError::Full(item) | TrySendError::Closed(item)) => self.overflow(item),

@@ -23,6 +23,9 @@ use crate::worker::Processor;
 /// Records a worker takes from the channel at once.
 const BATCH: usize = 64;
 
+/// How long a worker waits before looking at an empty channel again.
+const TICK: Duration = Duration::from_millis(2);
+
 /// What consumes the channel.
 enum Consumer {
     Workers(Arc<Processor>),
@@ -164,20 +167,30 @@ async fn run(
         let (queue, rx, consumer, mut stopped) =
             (queue.clone(), rx.clone(), consumer.clone(), stopped.clone());
         tasks.push(tokio::spawn(async move {
-            // Records are taken in batches: under load one wake-up serves
-            // many records.
+            // Records are taken in batches, and an empty channel is looked
+            // at again after TICK rather than waited on: a request never
+            // has to wake this thread (a system call on the request path
+            // per record), and under load one wake-up serves many records.
             let mut batch = Vec::with_capacity(BATCH);
             loop {
-                let received = {
+                // Once stopping, what is left is drained within the grace
+                // period (or spilled) after the workers end.
+                if *stopped.borrow() {
+                    break;
+                }
+                let closed = {
                     let mut rx = rx.lock().await;
+                    take_batch(&mut rx, &mut batch)
+                };
+                if batch.is_empty() {
+                    if closed {
+                        break;
+                    }
                     tokio::select! {
                         biased;
-                        _ = stopped.wait_for(|s| *s) => 0,
-                        n = rx.recv_many(&mut batch, BATCH) => n,
+                        _ = stopped.wait_for(|s| *s) => break,
+                        () = tokio::time::sleep(TICK) => continue,
                     }
-                };
-                if received == 0 {
-                    break;
                 }
                 queue.update_depth();
                 for item in batch.drain(..) {
@@ -217,6 +230,19 @@ async fn run(
     if let Err(error) = queue.spill.sync() {
         tracing::error!(%error, "spilled records may not all be on disk");
     }
+}
+
+/// Moves up to [`BATCH`] records from the channel into `batch` without
+/// waiting; returns whether the channel is closed and empty.
+fn take_batch(rx: &mut mpsc::Receiver<QueueItem>, batch: &mut Vec<QueueItem>) -> bool {
+    while batch.len() < BATCH {
+        match rx.try_recv() {
+            Ok(item) => batch.push(item),
+            Err(mpsc::error::TryRecvError::Empty) => return false,
+            Err(mpsc::error::TryRecvError::Disconnected) => return true,
+        }
+    }
+    false
 }
 
 /// Writes every record still in the channel to the spill file.
