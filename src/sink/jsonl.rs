@@ -27,13 +27,16 @@ pub const WINDOW: usize = 1 << 16;
 /// How much of the end of an existing day file is read back at open.
 pub const TAIL_BYTES: u64 = 64 << 20;
 
+const MS_PER_DAY: i64 = 86_400_000;
+
 pub struct JsonlSink {
     dir: PathBuf,
     day: Mutex<Option<Day>>,
 }
 
 struct Day {
-    name: String,
+    /// Days since the epoch (UTC).
+    number: i64,
     file: BufWriter<File>,
     recent: Recent,
     /// The line being written, kept for its capacity.
@@ -84,14 +87,14 @@ impl JsonlSink {
     }
 
     pub async fn write(&self, processed: &Processed) -> anyhow::Result<Stored> {
-        let name = JsonlSink::file_name(processed.processed_ms);
+        let number = processed.processed_ms.div_euclid(MS_PER_DAY);
         let mut day = self
             .day
             .lock()
             .map_err(|_| anyhow::anyhow!("jsonl sink lock poisoned"))?;
         let current = match day.take() {
-            Some(current) if current.name == name => current,
-            _ => self.open(&name)?,
+            Some(current) if current.number == number => current,
+            _ => self.open(number)?,
         };
         let day = day.insert(current);
         if !day.recent.insert(&processed.kind, &processed.request_id) {
@@ -118,9 +121,9 @@ impl JsonlSink {
         Ok(())
     }
 
-    fn open(&self, name: &str) -> anyhow::Result<Day> {
+    fn open(&self, number: i64) -> anyhow::Result<Day> {
         std::fs::create_dir_all(&self.dir)?;
-        let path = self.dir.join(name);
+        let path = self.dir.join(JsonlSink::file_name(number * MS_PER_DAY));
         let mut recent = Recent::default();
         if let Ok(mut file) = File::open(&path) {
             let len = file.metadata()?.len();
@@ -142,7 +145,7 @@ impl JsonlSink {
             OpenOptions::new().create(true).append(true).open(&path)?,
         );
         Ok(Day {
-            name: name.to_owned(),
+            number,
             file,
             recent,
             line: Vec::new(),

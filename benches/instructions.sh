@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Instructions fairgate executes per exchange, counted by valgrind's
+# callgrind: the same figure for the same binary and inputs whatever else
+# the machine is doing, so two builds can be compared on a shared machine
+# (wall-clock CPU time there moves by ±20% between runs).
+#
+#   bash benches/instructions.sh                      # this checkout's release build
+#   OLD=/path/to/old/fairgate bash benches/instructions.sh   # and an older binary, same run
+#   N=1000 bash benches/instructions.sh               # exchanges per measurement
+#
+# For each binary and each kind of exchange (non-streaming, streaming with
+# the mock's 27 events): fairgate serves on its embedded defaults (side
+# queue with in-process workers writing JSON lines) from a scratch directory
+# under callgrind; oha sends N exchanges; the count of a run with none is
+# subtracted and the rest divided by N. User-space instructions only: the
+# kernel's share (socket I/O) is not counted.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+N=${N:-2000}
+MOCK=127.0.0.1:18111
+PORT=18112
+ADMIN=127.0.0.1:18113
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
+command -v oha >/dev/null || cargo install oha --locked
+cargo build --release --quiet --bin fairgate
+cargo bench --no-run --quiet --bench mock_upstream 2>/dev/null
+MOCK_BIN=$(ls -t target/release/deps/mock_upstream-* | grep -v '\.d$' | head -n 1)
+"$MOCK_BIN" "$MOCK" 2>/dev/null &
+PIDS+=($!)
+
+BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"You are a careful personal-finance assistant."},{"role":"user","content":"I earn 3,000 a month and spend 2,600. How should I start saving and investing?"}]}'
+echo "$BODY" >"$WORK/body.json"
+echo "${BODY%\}}"',"stream":true}' >"$WORK/stream.json"
+
+# Total instructions of one fairgate run that serves $2 exchanges of body $3.
+count() {
+  local bin=$1 n=$2 body=$3 dir
+  dir=$(mktemp -d -p "$WORK")
+  (cd "$dir" && RUST_LOG=warn exec valgrind --tool=callgrind --callgrind-out-file="$dir/out" "$bin" serve \
+    --listen "127.0.0.1:$PORT" --admin-listen "$ADMIN" --rules "$OLDPWD/rules" --upstream-openai "http://$MOCK" \
+    >/dev/null 2>"$dir/valgrind.log") &
+  local pid=$!
+  for _ in $(seq 600); do curl -sf -o /dev/null "http://$ADMIN/healthz" && break; sleep 0.2; done
+  if [ "$n" -gt 0 ]; then
+    oha --no-tui -n "$n" -c 16 -m POST -H 'content-type: application/json' -D "$body" \
+      "http://127.0.0.1:$PORT/v1/chat/completions" >/dev/null 2>&1
+  fi
+  sleep 1
+  kill -TERM "$pid"
+  wait "$pid" 2>/dev/null || true
+  awk '/^totals:/ {print $2}' "$dir/out"
+}
+
+printf '%-40s %16s %16s\n' binary "instr/request" "instr/stream"
+for bin in "$PWD/target/release/fairgate" ${OLD:+"$OLD"}; do
+  base=$(count "$bin" 0 "$WORK/body.json")
+  plain=$(count "$bin" "$N" "$WORK/body.json")
+  streams=$(count "$bin" "$N" "$WORK/stream.json")
+  printf '%-40s %16s %16s\n' "$bin" $(((plain - base) / N)) $(((streams - base) / N))
+done
