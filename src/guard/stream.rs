@@ -413,7 +413,7 @@ impl Guard {
         }
         // The few fields the guard reads, borrowed from the data: no JSON
         // tree is built for an event. An event they cannot be read from
-        // (not an object, a field twice) is malformed.
+        // (not JSON, a field given twice) is malformed.
         let Ok(fields) = serde_json::from_str::<EventFields>(data) else {
             return Kind::Malformed;
         };
