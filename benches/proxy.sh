@@ -91,28 +91,27 @@ oha_json() { oha --no-tui --output-format json "$@" 2>/dev/null; }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 
 declare -A RPS P50 P99 CPU TTFB SRPS SCPU
+# Closed loop with body $3 against $1, CPU ticks read by $2: prints
+# "requests/s CPU-us-per-request" ("-" for the CPU when not measured).
+closed_loop() {
+  local url=$1 pid_ticks=$2 body=$3 before after json n
+  before=$($pid_ticks)
+  json=$(oha_json -z "${DURATION}s" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$body" "$url")
+  after=$($pid_ticks)
+  n=$(echo "$json" | field "sum(d['statusCodeDistribution'].values())")
+  echo "$(echo "$json" | field "round(d['summary']['requestsPerSec'])")" \
+    "$(if [ "$pid_ticks" = "none" ]; then echo -; else
+      python3 -c "print(round(($after - $before) / $HZ / $n * 1e6, 1))"; fi)"
+}
 run_target() {
   local name=$1 addr=$2 pid_ticks=$3
   local url="http://$addr/v1/chat/completions"
-  local before after json n
-  before=$($pid_ticks)
-  json=$(oha_json -z "${DURATION}s" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$WORK/body.json" "$url")
-  after=$($pid_ticks)
-  RPS[$name]=$(echo "$json" | field "round(d['summary']['requestsPerSec'])")
-  n=$(echo "$json" | field "sum(d['statusCodeDistribution'].values())")
-  if [ "$pid_ticks" = "none" ]; then CPU[$name]="-"; else
-    CPU[$name]=$(python3 -c "print(round(($after - $before) / $HZ / $n * 1e6, 1))"); fi
+  local json
+  read -r "RPS[$name]" "CPU[$name]" < <(closed_loop "$url" "$pid_ticks" "$WORK/body.json")
   json=$(oha_json -z "${DURATION}s" -q "$RATE" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$WORK/body.json" "$url")
   P50[$name]=$(echo "$json" | field "round(d['latencyPercentiles']['p50'] * 1000, 3)")
   P99[$name]=$(echo "$json" | field "round(d['latencyPercentiles']['p99'] * 1000, 3)")
-  # Streams, closed loop: requests/s and CPU per stream.
-  before=$($pid_ticks)
-  json=$(oha_json -z "${DURATION}s" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$WORK/stream.json" "$url")
-  after=$($pid_ticks)
-  SRPS[$name]=$(echo "$json" | field "round(d['summary']['requestsPerSec'])")
-  n=$(echo "$json" | field "sum(d['statusCodeDistribution'].values())")
-  if [ "$pid_ticks" = "none" ]; then SCPU[$name]="-"; else
-    SCPU[$name]=$(python3 -c "print(round(($after - $before) / $HZ / $n * 1e6, 1))"); fi
+  read -r "SRPS[$name]" "SCPU[$name]" < <(closed_loop "$url" "$pid_ticks" "$WORK/stream.json")
   TTFB[$name]=$(for _ in $(seq 200); do
       curl -s -o /dev/null -w '%{time_starttransfer}\n' -H 'content-type: application/json' --data @"$WORK/stream.json" "$url"
     done | sort -n | awk '{a[NR]=$1} END {printf "%.3f/%.3f", a[int(NR*0.5)]*1000, a[int(NR*0.99)]*1000}')
