@@ -21,25 +21,9 @@ N=${N:-2000}
 MOCK=127.0.0.1:18111
 PORT=18112
 ADMIN=127.0.0.1:18113
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-
 command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
-command -v oha >/dev/null || cargo install oha --locked
-cargo build --release --quiet --bin fairgate
-cargo bench --no-run --quiet --bench mock_upstream 2>/dev/null
-MOCK_BIN=$(ls -t target/release/deps/mock_upstream-* | grep -v '\.d$' | head -n 1)
-"$MOCK_BIN" "$MOCK" 2>/dev/null &
-PIDS+=($!)
-
-BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"You are a careful personal-finance assistant."},{"role":"user","content":"I earn 3,000 a month and spend 2,600. How should I start saving and investing?"}]}'
-echo "$BODY" >"$WORK/body.json"
-echo "${BODY%\}}"',"stream":true}' >"$WORK/stream.json"
+source benches/common.sh
+start_mock "$MOCK"
 
 # Total instructions of one fairgate run that serves $2 exchanges of body $3.
 count() {

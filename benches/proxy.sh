@@ -26,25 +26,11 @@ MOCK=127.0.0.1:18101
 FAIRGATE=127.0.0.1:18102
 ADMIN=127.0.0.1:18103
 NGINX=127.0.0.1:18104
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-command -v oha >/dev/null || cargo install oha --locked
+source benches/common.sh
 command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx; }
 NGINX_BIN=$(command -v nginx || echo /usr/sbin/nginx)
 
-cargo build --release --quiet --bin fairgate
-cargo bench --no-run --quiet --bench mock_upstream 2>/dev/null
-MOCK_BIN=$(ls -t target/release/deps/mock_upstream-* | grep -v '\.d$' | head -n 1)
-
-"$MOCK_BIN" "$MOCK" 2>/dev/null &
-PIDS+=($!)
+start_mock "$MOCK"
 # From a scratch directory, so that results and spills (./data) start empty.
 ROOT=$PWD
 (cd "$WORK" && RUST_LOG=warn exec "$ROOT/target/release/fairgate" serve --listen "$FAIRGATE" --admin-listen "$ADMIN" \
@@ -73,22 +59,14 @@ http {
 EOF
 "$NGINX_BIN" -c "$WORK/nginx.conf"
 
-for url in "http://$MOCK/v1/models" "http://$ADMIN/healthz" "http://$NGINX/v1/models"; do
+for url in "http://$ADMIN/healthz" "http://$NGINX/v1/models"; do
   for _ in $(seq 100); do curl -sf -o /dev/null "$url" && break; sleep 0.1; done
 done
-
-BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"You are a careful personal-finance assistant."},{"role":"user","content":"I earn 3,000 a month and spend 2,600. How should I start saving and investing?"}]}'
-STREAM_BODY=${BODY%\}}',"stream":true}'
-echo "$BODY" >"$WORK/body.json"
-echo "$STREAM_BODY" >"$WORK/stream.json"
 
 # CPU ticks (user + system) of a process and its threads.
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 nginx_ticks() { local t=0; for p in $(pgrep -f "nginx: worker process"); do t=$((t + $(ticks "$p"))); done; echo $t; }
 HZ=$(getconf CLK_TCK)
-
-oha_json() { oha --no-tui --output-format json "$@" 2>/dev/null; }
-field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 
 declare -A RPS P50 P99 CPU TTFB SRPS SCPU
 # Closed loop with body $3 against $1, CPU ticks read by $2: prints

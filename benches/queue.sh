@@ -14,22 +14,8 @@ DURATION=${DURATION:-10}
 CONCURRENCY=${CONCURRENCY:-64}
 RATE=${RATE:-2000}
 MOCK=127.0.0.1:18201
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() { for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$WORK"; }
-trap cleanup EXIT
-
-command -v oha >/dev/null || cargo install oha --locked
-cargo build --release --quiet --bin fairgate
-cargo bench --no-run --quiet --bench mock_upstream 2>/dev/null
-MOCK_BIN=$(ls -t target/release/deps/mock_upstream-* | grep -v '\.d$' | head -n 1)
-"$MOCK_BIN" "$MOCK" 2>/dev/null &
-PIDS+=($!)
-
-BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"You are a careful personal-finance assistant."},{"role":"user","content":"I earn 3,000 a month and spend 2,600. How should I start saving and investing?"}]}'
-echo "$BODY" >"$WORK/body.json"
-oha_json() { oha --no-tui --output-format json "$@" 2>/dev/null; }
-field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
+source benches/common.sh
+start_mock "$MOCK"
 
 run() {
   local name=$1 workers=$2 port=$3

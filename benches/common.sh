@@ -1,0 +1,35 @@
+# Shared by the benchmark scripts (sourced, run from the repository root):
+# a scratch directory removed on exit with every process in PIDS, oha, the
+# release build, the fast mock upstream, and the request bodies.
+#
+#   source benches/common.sh
+#   start_mock 127.0.0.1:18101   # then $WORK/body.json, $WORK/stream.json
+
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+command -v oha >/dev/null || cargo install oha --locked
+cargo build --release --quiet --bin fairgate
+cargo bench --no-run --quiet --bench mock_upstream 2>/dev/null
+
+BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"You are a careful personal-finance assistant."},{"role":"user","content":"I earn 3,000 a month and spend 2,600. How should I start saving and investing?"}]}'
+echo "$BODY" >"$WORK/body.json"
+echo "${BODY%\}}"',"stream":true}' >"$WORK/stream.json"
+
+oha_json() { oha --no-tui --output-format json "$@" 2>/dev/null; }
+field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
+
+# Starts the mock upstream on $1 and waits until it answers.
+start_mock() {
+  local bin
+  bin=$(ls -t target/release/deps/mock_upstream-* | grep -v '\.d$' | head -n 1)
+  "$bin" "$1" 2>/dev/null &
+  PIDS+=($!)
+  for _ in $(seq 100); do curl -sf -o /dev/null "http://$1/v1/models" && break; sleep 0.1; done
+}
