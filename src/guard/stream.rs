@@ -414,7 +414,7 @@ impl Guard {
         // The few fields the guard reads, borrowed from the data: no JSON
         // tree is built for an event. An event they cannot be read from
         // (not JSON, a field given twice) is malformed.
-        let Ok(fields) = serde_json::from_str::<EventFields>(data) else {
+        let Ok(fields) = serde_json::from_str::<Fields>(data) else {
             return Kind::Malformed;
         };
         // Usage comes once or twice a stream; most events need no look.
@@ -451,7 +451,7 @@ impl Guard {
         }
     }
 
-    fn classify_openai(&mut self, event: &EventFields, data: &str) -> Kind {
+    fn classify_openai(&mut self, event: &Fields, data: &str) -> Kind {
         if self.setup.endpoint == Endpoint::Responses {
             return match string(event.kind).as_deref() {
                 Some("response.output_text.delta") => Kind::Text {
@@ -464,17 +464,14 @@ impl Guard {
                 _ => Kind::Other,
             };
         }
-        let choice = event
+        let first = event
             .choices
             .and_then(|c| serde_json::from_str::<Vec<&RawValue>>(c.get()).ok())
-            .and_then(|c| serde_json::from_str::<ChoiceFields>(c.first()?.get()).ok())
-            .unwrap_or_default();
+            .and_then(|c| c.first().copied());
+        let choice = Fields::of(first);
         let text = match self.setup.endpoint {
             Endpoint::Completions => string(choice.text),
-            _ => choice
-                .delta
-                .and_then(|d| serde_json::from_str::<DeltaFields>(d.get()).ok())
-                .and_then(|d| string(d.content)),
+            _ => string(Fields::of(choice.delta).content),
         }
         .unwrap_or_default();
         // A chunk with both text and a finish reason: the text first; the
@@ -878,13 +875,10 @@ impl Guard {
     }
 }
 
-fn classify_anthropic(event: &EventFields) -> Kind {
+fn classify_anthropic(event: &Fields) -> Kind {
     match string(event.kind).as_deref() {
         Some("content_block_delta") => {
-            let delta = event
-                .delta
-                .and_then(|d| serde_json::from_str::<DeltaFields>(d.get()).ok())
-                .unwrap_or_default();
+            let delta = Fields::of(event.delta);
             if string(delta.kind).as_deref() == Some("text_delta") {
                 Kind::Text {
                     text: string(delta.text).unwrap_or_default().into_owned(),
@@ -898,11 +892,7 @@ fn classify_anthropic(event: &EventFields) -> Kind {
             }
         }
         Some("content_block_start") => {
-            let block = event
-                .content_block
-                .and_then(|b| serde_json::from_str::<DeltaFields>(b.get()).ok())
-                .unwrap_or_default();
-            if string(block.kind).as_deref() == Some("text") {
+            if string(Fields::of(event.content_block).kind).as_deref() == Some("text") {
                 Kind::BlockStart
             } else {
                 Kind::Other
@@ -915,12 +905,14 @@ fn classify_anthropic(event: &EventFields) -> Kind {
     }
 }
 
-/// The fields of a stream event the guard reads, each kept as its JSON
-/// text and read further only when needed (OpenAI chat and completions,
-/// the Responses API, Anthropic messages).
+/// The fields the guard reads at any level of a stream event, each kept as
+/// its JSON text and read further only when needed: the event (`type`,
+/// `choices`, `delta`, `index`, `content_block`), an OpenAI choice
+/// (`delta`, `text`, `finish_reason`, which is `None` when null), a delta
+/// (`content`; Anthropic `type`, `text`) or a content block (`type`).
 #[derive(Deserialize, Default)]
 #[serde(default)]
-struct EventFields<'a> {
+struct Fields<'a> {
     #[serde(rename = "type", borrow)]
     kind: Option<&'a RawValue>,
     #[serde(borrow)]
@@ -931,32 +923,20 @@ struct EventFields<'a> {
     index: Option<&'a RawValue>,
     #[serde(borrow)]
     content_block: Option<&'a RawValue>,
-}
-
-/// An OpenAI choice: `delta` (chat), `text` (completions), `finish_reason`
-/// (`None` when null).
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct ChoiceFields<'a> {
-    #[serde(borrow)]
-    delta: Option<&'a RawValue>,
-    #[serde(borrow)]
-    text: Option<&'a RawValue>,
-    #[serde(borrow)]
-    finish_reason: Option<&'a RawValue>,
-}
-
-/// A chat delta (`content`), an Anthropic delta (`type`, `text`) or content
-/// block (`type`).
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct DeltaFields<'a> {
-    #[serde(rename = "type", borrow)]
-    kind: Option<&'a RawValue>,
     #[serde(borrow)]
     text: Option<&'a RawValue>,
     #[serde(borrow)]
     content: Option<&'a RawValue>,
+    #[serde(borrow)]
+    finish_reason: Option<&'a RawValue>,
+}
+
+impl<'a> Fields<'a> {
+    /// The fields of a nested object; empty when absent or not an object.
+    fn of(raw: Option<&'a RawValue>) -> Fields<'a> {
+        raw.and_then(|r| serde_json::from_str(r.get()).ok())
+            .unwrap_or_default()
+    }
 }
 
 /// A JSON string, borrowed unless it has escapes.
