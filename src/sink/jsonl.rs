@@ -32,6 +32,8 @@ const MS_PER_DAY: i64 = 86_400_000;
 pub struct JsonlSink {
     dir: PathBuf,
     day: Mutex<Option<Day>>,
+    /// [`TAIL_BYTES`], smaller in tests.
+    tail_bytes: u64,
 }
 
 struct Day {
@@ -75,6 +77,7 @@ impl JsonlSink {
         JsonlSink {
             dir: dir.to_owned(),
             day: Mutex::new(None),
+            tail_bytes: TAIL_BYTES,
         }
     }
 
@@ -127,7 +130,7 @@ impl JsonlSink {
         let mut recent = Recent::default();
         if let Ok(mut file) = File::open(&path) {
             let len = file.metadata()?.len();
-            let from = len.saturating_sub(TAIL_BYTES);
+            let from = len.saturating_sub(self.tail_bytes);
             file.seek(SeekFrom::Start(from))?;
             let mut lines = BufReader::new(file).lines();
             if from > 0 {
@@ -162,6 +165,55 @@ struct Key {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn processed(request_id: &str) -> Processed {
+        Processed {
+            kind: "feedback".into(),
+            request_id: request_id.into(),
+            processed_ms: 1_795_300_000_000,
+            exchange: None,
+            feedback: None,
+            metrics: Vec::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reopened_day_knows_the_keys_in_the_tail_it_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let sink = JsonlSink::new(dir.path());
+        for i in 0..100 {
+            assert_eq!(
+                sink.write(&processed(&format!("r{i:03}"))).await.unwrap(),
+                Stored::New
+            );
+        }
+        sink.flush().unwrap();
+        let line = serde_json::to_vec(&processed("r000")).unwrap().len() as u64 + 1;
+        // A new process reads back the last 10.5 lines: the cut one is
+        // skipped, the last ten are known.
+        let mut reopened = JsonlSink::new(dir.path());
+        reopened.tail_bytes = line * 21 / 2;
+        assert_eq!(
+            reopened.write(&processed("r099")).await.unwrap(),
+            Stored::Duplicate
+        );
+        assert_eq!(
+            reopened.write(&processed("r090")).await.unwrap(),
+            Stored::Duplicate
+        );
+        assert_eq!(
+            reopened.write(&processed("r089")).await.unwrap(),
+            Stored::New
+        );
+        assert_eq!(
+            reopened.write(&processed("r000")).await.unwrap(),
+            Stored::New
+        );
+        reopened.flush().unwrap();
+        let name = JsonlSink::file_name(processed("x").processed_ms);
+        let text = std::fs::read_to_string(dir.path().join(name)).unwrap();
+        assert_eq!(text.lines().count(), 102);
+    }
 
     #[test]
     fn the_window_forgets_the_oldest_keys_only() {
