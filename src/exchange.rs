@@ -1,13 +1,19 @@
 //! One normalized exchange per API dialect: where the prompt, the context
 //! and the response live in OpenAI and Anthropic request and response bodies.
 //!
-//! Extraction walks the JSON and hands every text field to a visitor with its
-//! [`Scope`] and a mutable reference, so the guard can scan each field and
-//! redact it in place. Unknown shapes are skipped, never an error: the body
-//! is forwarded as the client wrote it.
+//! Extraction reads a body through the borrowed views of [`crate::json`] and
+//! lists every text with its [`Scope`] and its place in the body, so the
+//! guard can scan each one and rewrite only the redacted ones. Unknown shapes
+//! are skipped, never an error: the body is forwarded as the client wrote
+//! it. The one error besides a body that is not JSON is ambiguity: an object
+//! read on the way to a text that holds a key twice.
 
-use serde_json::Value;
+use std::borrow::Cow;
+use std::ops::Range;
 
+use serde_json::value::RawValue;
+
+use crate::json::{self, Fields};
 use crate::rules::Scope;
 
 /// The API an endpoint speaks.
@@ -60,226 +66,246 @@ impl Endpoint {
     }
 }
 
-/// Calls `visit(scope, text)` for every text of a request body: system and
-/// user messages are the prompt; tool results, function outputs and documents
-/// are context. Assistant turns of the history are the model's own words and
-/// are not scanned again.
-pub fn request_texts(
-    endpoint: Endpoint,
-    body: &mut Value,
-    visit: &mut dyn FnMut(Scope, &mut String),
-) {
-    match endpoint {
-        Endpoint::ChatCompletions => {
-            for message in array_mut(body, "messages") {
-                let scope = match message.get("role").and_then(Value::as_str) {
-                    Some("system" | "developer" | "user") => Scope::Prompt,
-                    Some("tool" | "function") => Scope::Context,
-                    _ => continue,
-                };
-                if let Some(content) = message.get_mut("content") {
-                    content_texts(content, scope, visit);
-                }
-            }
-        }
-        Endpoint::Completions => {
-            if let Some(prompt) = body.get_mut("prompt") {
-                strings(prompt, Scope::Prompt, visit);
-            }
-        }
-        Endpoint::Responses => {
-            if let Some(Value::String(instructions)) = body.get_mut("instructions") {
-                visit(Scope::Prompt, instructions);
-            }
-            match body.get_mut("input") {
-                Some(Value::String(input)) => visit(Scope::Prompt, input),
-                Some(Value::Array(items)) => {
-                    for item in items {
-                        match item.get("type").and_then(Value::as_str) {
-                            Some("function_call_output") => {
-                                if let Some(output) = item.get_mut("output") {
-                                    content_texts(output, Scope::Context, visit);
-                                }
-                            }
-                            _ if item.get("role").and_then(Value::as_str) == Some("assistant") => {}
-                            _ => {
-                                if let Some(content) = item.get_mut("content") {
-                                    content_texts(content, Scope::Prompt, visit);
-                                }
-                            }
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-        Endpoint::Messages => {
-            if let Some(system) = body.get_mut("system") {
-                content_texts(system, Scope::Prompt, visit);
-            }
-            for message in array_mut(body, "messages") {
-                if message.get("role").and_then(Value::as_str) != Some("user") {
-                    continue;
-                }
-                match message.get_mut("content") {
-                    Some(Value::String(text)) => visit(Scope::Prompt, text),
-                    Some(Value::Array(blocks)) => {
-                        for block in blocks {
-                            anthropic_block(block, Scope::Prompt, visit);
-                        }
-                    }
-                    _ => {}
-                }
-            }
-        }
-    }
+/// A text of a body: its scope, its value, and where its JSON string lies
+/// in the body (quotes included), for a redaction to rewrite.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Text<'a> {
+    pub scope: Scope,
+    pub text: Cow<'a, str>,
+    pub span: Range<usize>,
 }
 
-/// Calls `visit` for every text of a (non-streaming) response body: the
-/// assistant's text, its refusal, and the arguments of its tool calls.
-pub fn response_texts(endpoint: Endpoint, body: &mut Value, visit: &mut dyn FnMut(&mut String)) {
-    match endpoint {
-        Endpoint::ChatCompletions => {
-            for choice in array_mut(body, "choices") {
-                let Some(message) = choice.get_mut("message") else {
-                    continue;
-                };
-                for field in ["content", "refusal"] {
-                    if let Some(Value::String(text)) = message.get_mut(field) {
-                        visit(text);
+/// What the guard reads of a request body.
+#[derive(Debug, Default)]
+pub struct RequestBody<'a> {
+    pub model: Option<Cow<'a, str>>,
+    pub stream: bool,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
+    /// The `metadata` object, for [`crate::record::ClientMeta`].
+    pub metadata: Option<&'a RawValue>,
+    /// System and user messages are the prompt; tool results, function
+    /// outputs and documents are context. Assistant turns of the history
+    /// are the model's own words and are not scanned again.
+    pub texts: Vec<Text<'a>>,
+}
+
+impl<'a> RequestBody<'a> {
+    /// Reads a request body; an error when it is not JSON, or when an
+    /// object the guard reads holds one of its keys twice.
+    pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<RequestBody<'a>, serde_json::Error> {
+        let top = json::body(body)?;
+        let mut texts = Texts::new(body);
+        match endpoint {
+            Endpoint::ChatCompletions => {
+                for message in json::objects(top.messages)? {
+                    let scope = match json::string(message.role).as_deref() {
+                        Some("system" | "developer" | "user") => Scope::Prompt,
+                        Some("tool" | "function") => Scope::Context,
+                        _ => continue,
+                    };
+                    texts.content(message.content, scope)?;
+                }
+            }
+            Endpoint::Completions => texts.strings(top.prompt, Scope::Prompt)?,
+            Endpoint::Responses => {
+                texts.text(top.instructions, Scope::Prompt);
+                texts.text(top.input, Scope::Prompt);
+                for item in json::objects(top.input)? {
+                    if json::string(item.kind).as_deref() == Some("function_call_output") {
+                        texts.content(item.output, Scope::Context)?;
+                    } else if json::string(item.role).as_deref() != Some("assistant") {
+                        texts.content(item.content, Scope::Prompt)?;
                     }
                 }
-                for call in array_mut(message, "tool_calls") {
-                    if let Some(Value::String(arguments)) = call.pointer_mut("/function/arguments")
-                    {
-                        visit(arguments);
+            }
+            Endpoint::Messages => {
+                texts.content(top.system, Scope::Prompt)?;
+                for message in json::objects(top.messages)? {
+                    if json::string(message.role).as_deref() != Some("user") {
+                        continue;
+                    }
+                    texts.text(message.content, Scope::Prompt);
+                    for block in json::items(message.content)? {
+                        texts.block(block, Scope::Prompt)?;
                     }
                 }
             }
         }
-        Endpoint::Completions => {
-            for choice in array_mut(body, "choices") {
-                if let Some(Value::String(text)) = choice.get_mut("text") {
-                    visit(text);
-                }
-            }
-        }
-        Endpoint::Responses => {
-            for item in array_mut(body, "output") {
-                if let Some(Value::String(arguments)) = item.get_mut("arguments") {
-                    visit(arguments);
-                }
-                for part in array_mut(item, "content") {
-                    for field in ["text", "refusal"] {
-                        if let Some(Value::String(text)) = part.get_mut(field) {
-                            visit(text);
-                        }
+        let options = Fields::of(top.stream_options)?;
+        Ok(RequestBody {
+            model: json::string(top.model),
+            stream: json::boolean(top.stream) == Some(true),
+            include_usage: json::boolean(options.include_usage) == Some(true),
+            metadata: top.metadata,
+            texts: texts.found,
+        })
+    }
+}
+
+/// What the guard reads of a (non-streaming) response body.
+#[derive(Debug, Default)]
+pub struct ResponseBody<'a> {
+    /// The assistant's text, its refusal, and the arguments of its tool
+    /// calls, all in [`Scope::Response`].
+    pub texts: Vec<Text<'a>>,
+    /// The `usage` object.
+    pub usage: Option<&'a RawValue>,
+}
+
+impl<'a> ResponseBody<'a> {
+    /// Reads a response body; an error as for [`RequestBody::read`].
+    pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<ResponseBody<'a>, serde_json::Error> {
+        let top = json::body(body)?;
+        let mut texts = Texts::new(body);
+        let scope = Scope::Response;
+        match endpoint {
+            Endpoint::ChatCompletions => {
+                for choice in json::objects(top.choices)? {
+                    let message = Fields::of(choice.message)?;
+                    texts.text(message.content, scope);
+                    texts.text(message.refusal, scope);
+                    for call in json::objects(message.tool_calls)? {
+                        let function = Fields::of(call.function)?;
+                        texts.text(function.arguments, scope);
                     }
                 }
             }
-        }
-        Endpoint::Messages => {
-            for block in array_mut(body, "content") {
-                if let Some(Value::String(text)) = block.get_mut("text") {
-                    visit(text);
+            Endpoint::Completions => {
+                for choice in json::objects(top.choices)? {
+                    texts.text(choice.text, scope);
+                }
+            }
+            Endpoint::Responses => {
+                for item in json::objects(top.output)? {
+                    texts.text(item.arguments, scope);
+                    for part in json::objects(item.content)? {
+                        texts.text(part.text, scope);
+                        texts.text(part.refusal, scope);
+                    }
+                }
+            }
+            Endpoint::Messages => {
+                for block in json::objects(top.content)? {
+                    texts.text(block.text, scope);
                 }
             }
         }
+        Ok(ResponseBody {
+            texts: texts.found,
+            usage: top.usage,
+        })
     }
 }
 
-fn array_mut<'a>(value: &'a mut Value, key: &str) -> impl Iterator<Item = &'a mut Value> {
-    value
-        .get_mut(key)
-        .and_then(Value::as_array_mut)
-        .into_iter()
-        .flat_map(|items| items.iter_mut())
+/// The texts found so far in a body.
+struct Texts<'a> {
+    body: &'a [u8],
+    found: Vec<Text<'a>>,
 }
 
-/// A string, or an array of strings.
-fn strings(value: &mut Value, scope: Scope, visit: &mut dyn FnMut(Scope, &mut String)) {
-    match value {
-        Value::String(text) => visit(scope, text),
-        Value::Array(items) => items
-            .iter_mut()
-            .for_each(|item| strings(item, scope, visit)),
-        _ => {}
+impl<'a> Texts<'a> {
+    fn new(body: &'a [u8]) -> Texts<'a> {
+        Texts {
+            body,
+            found: Vec::new(),
+        }
     }
-}
 
-/// OpenAI message content: a string, or parts of which the text ones count
-/// (`text`, `input_text`, `output_text`).
-fn content_texts(content: &mut Value, scope: Scope, visit: &mut dyn FnMut(Scope, &mut String)) {
-    match content {
-        Value::String(text) => visit(scope, text),
-        Value::Array(parts) => {
-            for part in parts {
-                match part {
-                    Value::String(text) => visit(scope, text),
-                    Value::Object(_) => anthropic_block(part, scope, visit),
-                    _ => {}
+    /// A string value, if `raw` is one.
+    fn text(&mut self, raw: Option<&'a RawValue>, scope: Scope) {
+        if let Some(raw) = raw
+            && let Some(text) = json::string(Some(raw))
+        {
+            let span = json::span(self.body, raw);
+            self.found.push(Text { scope, text, span });
+        }
+    }
+
+    /// A string, or an array of strings (nested at any depth).
+    fn strings(
+        &mut self,
+        raw: Option<&'a RawValue>,
+        scope: Scope,
+    ) -> Result<(), serde_json::Error> {
+        self.text(raw, scope);
+        for item in json::items(raw)? {
+            self.strings(Some(item), scope)?;
+        }
+        Ok(())
+    }
+
+    /// OpenAI message content: a string, or parts of which the strings and
+    /// the text blocks count.
+    fn content(
+        &mut self,
+        raw: Option<&'a RawValue>,
+        scope: Scope,
+    ) -> Result<(), serde_json::Error> {
+        self.text(raw, scope);
+        for part in json::items(raw)? {
+            self.text(Some(part), scope);
+            self.block(part, scope)?;
+        }
+        Ok(())
+    }
+
+    /// A content block (Anthropic) or part (OpenAI): text (`text`,
+    /// `input_text`, `output_text`) in `scope`; tool results and documents
+    /// are context.
+    fn block(&mut self, raw: &'a RawValue, scope: Scope) -> Result<(), serde_json::Error> {
+        let block = Fields::of(Some(raw))?;
+        match json::string(block.kind).as_deref() {
+            Some("text" | "input_text" | "output_text") => self.text(block.text, scope),
+            Some("tool_result") => self.content(block.content, Scope::Context)?,
+            Some("document") => {
+                let source = Fields::of(block.source)?;
+                if json::string(source.kind).as_deref() == Some("text") {
+                    self.text(source.data, Scope::Context);
+                } else {
+                    for part in json::items(source.content)? {
+                        self.block(part, Scope::Context)?;
+                    }
                 }
             }
+            _ => {}
         }
-        _ => {}
+        Ok(())
     }
-}
-
-/// A content block (Anthropic) or part (OpenAI): text in `scope`; tool
-/// results and documents are context.
-fn anthropic_block(block: &mut Value, scope: Scope, visit: &mut dyn FnMut(Scope, &mut String)) {
-    match block.get("type").and_then(Value::as_str) {
-        Some("text" | "input_text" | "output_text") => {
-            if let Some(Value::String(text)) = block.get_mut("text") {
-                visit(scope, text);
-            }
-        }
-        Some("tool_result") => {
-            if let Some(content) = block.get_mut("content") {
-                content_texts(content, Scope::Context, visit);
-            }
-        }
-        Some("document") => {
-            if block_is_text_document(block) {
-                if let Some(Value::String(text)) = block.pointer_mut("/source/data") {
-                    visit(Scope::Context, text);
-                }
-            } else if let Some(Value::Array(parts)) = block.pointer_mut("/source/content") {
-                for part in parts {
-                    anthropic_block(part, Scope::Context, visit);
-                }
-            }
-        }
-        _ => {}
-    }
-}
-
-fn block_is_text_document(block: &Value) -> bool {
-    block.pointer("/source/type").and_then(Value::as_str) == Some("text")
 }
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     use super::*;
 
-    fn collect_request(endpoint: Endpoint, mut body: Value) -> Vec<(Scope, String)> {
-        let mut out = Vec::new();
-        request_texts(endpoint, &mut body, &mut |scope, text| {
-            out.push((scope, text.clone()))
-        });
-        out
+    fn collect_request(endpoint: Endpoint, body: Value) -> Vec<(Scope, String)> {
+        let body = body.to_string();
+        let read = RequestBody::read(endpoint, body.as_bytes()).unwrap();
+        read.texts
+            .into_iter()
+            .map(|t| {
+                // Each span is the text's JSON string in the body.
+                let quoted: String = serde_json::from_str(&body[t.span.clone()]).unwrap();
+                assert_eq!(quoted, t.text);
+                (t.scope, t.text.into_owned())
+            })
+            .collect()
     }
 
     #[test]
     fn chat_completions_prompt_and_tool_context() {
-        let body = json!({"model": "gpt", "messages": [
+        let body = json!({"model": "gpt", "stream": true, "stream_options": {"include_usage": true}, "messages": [
             {"role": "system", "content": "be nice"},
             {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]},
             {"role": "assistant", "content": "earlier answer"},
             {"role": "tool", "tool_call_id": "1", "content": "tool said"}
         ]});
+        let text = body.to_string();
+        let read = RequestBody::read(Endpoint::ChatCompletions, text.as_bytes()).unwrap();
+        assert_eq!(read.model.as_deref(), Some("gpt"));
+        assert!(read.stream && read.include_usage);
         assert_eq!(
             collect_request(Endpoint::ChatCompletions, body),
             [
@@ -296,7 +322,8 @@ mod tests {
             {"role": "user", "content": [
                 {"type": "text", "text": "question"},
                 {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "result"}]},
-                {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "doc text"}}
+                {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "doc text"}},
+                {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "part"}]}}
             ]},
             {"role": "assistant", "content": "old"}
         ]});
@@ -306,7 +333,8 @@ mod tests {
                 (Scope::Prompt, "sys".into()),
                 (Scope::Prompt, "question".into()),
                 (Scope::Context, "result".into()),
-                (Scope::Context, "doc text".into())
+                (Scope::Context, "doc text".into()),
+                (Scope::Context, "part".into())
             ]
         );
     }
@@ -315,6 +343,7 @@ mod tests {
     fn responses_and_completions_inputs() {
         let body = json!({"instructions": "inst", "input": [
             {"role": "user", "content": [{"type": "input_text", "text": "q"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "mine"}]},
             {"type": "function_call_output", "call_id": "c", "output": "out"}
         ]});
         assert_eq!(
@@ -325,7 +354,7 @@ mod tests {
                 (Scope::Context, "out".into())
             ]
         );
-        let body = json!({"prompt": ["a", "b"]});
+        let body = json!({"prompt": ["a", ["b"], 7]});
         assert_eq!(
             collect_request(Endpoint::Completions, body),
             [(Scope::Prompt, "a".into()), (Scope::Prompt, "b".into())]
@@ -333,27 +362,52 @@ mod tests {
     }
 
     #[test]
-    fn texts_are_edited_in_place() {
-        let mut body = json!({"messages": [{"role": "user", "content": "secret"}]});
-        request_texts(Endpoint::ChatCompletions, &mut body, &mut |_, text| {
-            *text = "[x]".into()
-        });
-        assert_eq!(body["messages"][0]["content"], "[x]");
+    fn ambiguous_or_broken_bodies_are_errors_and_odd_shapes_are_skipped() {
+        let twice = br#"{"messages": [{"role": "user", "content": "a", "content": "b"}]}"#;
+        assert!(RequestBody::read(Endpoint::ChatCompletions, twice).is_err());
+        assert!(RequestBody::read(Endpoint::ChatCompletions, b"{\"messages\": [").is_err());
+        for odd in [
+            &b"[1, 2]"[..],
+            b"\"text\"",
+            b"{\"messages\": {\"role\": \"user\"}}",
+            b"{\"messages\": [null, 3, {\"role\": 1}]}",
+        ] {
+            let read = RequestBody::read(Endpoint::ChatCompletions, odd).unwrap();
+            assert!(read.texts.is_empty());
+        }
     }
 
     #[test]
     fn response_texts_of_each_endpoint() {
         let mut seen = Vec::new();
-        let mut body = json!({"choices": [{"message": {"content": "hello", "tool_calls": [{"function": {"arguments": "{\"a\":1}"}}]}}]});
-        response_texts(Endpoint::ChatCompletions, &mut body, &mut |t| {
-            seen.push(t.clone())
-        });
-        let mut body = json!({"content": [{"type": "text", "text": "claude says"}, {"type": "tool_use", "input": {}}]});
-        response_texts(Endpoint::Messages, &mut body, &mut |t| seen.push(t.clone()));
-        let mut body = json!({"output": [{"type": "message", "content": [{"type": "output_text", "text": "resp"}]}]});
-        response_texts(Endpoint::Responses, &mut body, &mut |t| {
-            seen.push(t.clone())
-        });
-        assert_eq!(seen, ["hello", "{\"a\":1}", "claude says", "resp"]);
+        for (endpoint, body) in [
+            (
+                Endpoint::ChatCompletions,
+                json!({"choices": [{"message": {"content": "hello", "refusal": null, "tool_calls": [{"function": {"arguments": "{\"a\":1}"}}]}}], "usage": {"total_tokens": 3}}),
+            ),
+            (
+                Endpoint::Messages,
+                json!({"content": [{"type": "text", "text": "claude says"}, {"type": "tool_use", "input": {}}]}),
+            ),
+            (
+                Endpoint::Responses,
+                json!({"output": [{"type": "message", "content": [{"type": "output_text", "text": "resp"}]}]}),
+            ),
+            (
+                Endpoint::Completions,
+                json!({"choices": [{"text": "completed"}]}),
+            ),
+        ] {
+            let body = body.to_string();
+            let read = ResponseBody::read(endpoint, body.as_bytes()).unwrap();
+            if endpoint == Endpoint::ChatCompletions {
+                assert_eq!(read.usage.map(RawValue::get), Some(r#"{"total_tokens":3}"#));
+            }
+            seen.extend(read.texts.into_iter().map(|t| t.text.into_owned()));
+        }
+        assert_eq!(
+            seen,
+            ["hello", "{\"a\":1}", "claude says", "resp", "completed"]
+        );
     }
 }

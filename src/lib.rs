@@ -41,6 +41,7 @@ pub mod config;
 pub mod eval;
 pub mod exchange;
 pub mod guard;
+pub mod json;
 pub mod proxy;
 pub mod quality;
 pub mod queue;

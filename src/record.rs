@@ -6,11 +6,15 @@
 //! fairgate's own `x-fairgate-*` headers or the body's `metadata.fairgate_*`
 //! keys, never from the request headers as a whole.
 
+use std::borrow::Cow;
+
 use http::HeaderMap;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
+use crate::json;
 use crate::risk::{Decision, Risk, Verdict};
 use crate::rules::{Action, Hit, Scope};
 
@@ -198,9 +202,11 @@ impl ClientMeta {
     /// Reads `x-fairgate-session`, `-user`, `-ground-truth` and `-expected`
     /// (URL-encoded text), falling back to the `fairgate_session`, ... keys
     /// of the body's `metadata` object.
-    pub fn read(headers: &HeaderMap, body: &Value) -> ClientMeta {
-        let metadata = body.get("metadata");
-        let field = |header: &str, key: &str| -> Option<String> {
+    pub fn read(headers: &HeaderMap, metadata: Option<&RawValue>) -> ClientMeta {
+        let metadata: BodyMeta = metadata
+            .and_then(|m| serde_json::from_str(m.get()).ok())
+            .unwrap_or_default();
+        let field = |header: &str, value: Option<&RawValue>| -> Option<String> {
             if let Some(value) = headers.get(header) {
                 let raw = String::from_utf8_lossy(value.as_bytes());
                 let decoded = percent_encoding::percent_decode_str(&raw.replace('+', " "))
@@ -208,15 +214,29 @@ impl ClientMeta {
                     .into_owned();
                 return Some(decoded);
             }
-            metadata?.get(key)?.as_str().map(str::to_owned)
+            json::string(value).map(Cow::into_owned)
         };
         ClientMeta {
-            session: field("x-fairgate-session", "fairgate_session"),
-            user: field("x-fairgate-user", "fairgate_user"),
-            ground_truth: field("x-fairgate-ground-truth", "fairgate_ground_truth"),
-            expected: field("x-fairgate-expected", "fairgate_expected"),
+            session: field("x-fairgate-session", metadata.fairgate_session),
+            user: field("x-fairgate-user", metadata.fairgate_user),
+            ground_truth: field("x-fairgate-ground-truth", metadata.fairgate_ground_truth),
+            expected: field("x-fairgate-expected", metadata.fairgate_expected),
         }
     }
+}
+
+/// fairgate's keys of a request body's `metadata` object.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct BodyMeta<'a> {
+    #[serde(borrow)]
+    fairgate_session: Option<&'a RawValue>,
+    #[serde(borrow)]
+    fairgate_user: Option<&'a RawValue>,
+    #[serde(borrow)]
+    fairgate_ground_truth: Option<&'a RawValue>,
+    #[serde(borrow)]
+    fairgate_expected: Option<&'a RawValue>,
 }
 
 /// `POST /v1/feedback`: what the user did after the exchange.
@@ -286,8 +306,8 @@ mod tests {
             "x-fairgate-expected",
             "Save%20%E2%82%AC50+a%20week".parse().unwrap(),
         );
-        let body = serde_json::json!({"metadata": {"fairgate_expected": "no", "fairgate_user": "u-7", "fairgate_ground_truth": "calm"}});
-        let meta = ClientMeta::read(&headers, &body);
+        let metadata = r#"{"fairgate_expected": "no", "fairgate_user": "u-7", "fairgate_ground_truth": "calm", "fairgate_session": 7}"#;
+        let meta = ClientMeta::read(&headers, serde_json::from_str(metadata).ok());
         assert_eq!(meta.expected.as_deref(), Some("Save €50 a week"));
         assert_eq!(meta.user.as_deref(), Some("u-7"));
         assert_eq!(meta.ground_truth.as_deref(), Some("calm"));

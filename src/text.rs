@@ -14,6 +14,27 @@ static WORD_CHAR: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(r"^[\p{L}\p{M}\p{Nd}]$").unwrap()
 });
 
+/// The length of the character at byte `at` (a character boundary) when it
+/// belongs to words; `None` for another character or the end.
+fn word_char_len(text: &str, at: usize) -> Option<usize> {
+    let byte = *text.as_bytes().get(at)?;
+    if byte.is_ascii() {
+        return (byte.is_ascii_alphanumeric() || byte == b'\'').then_some(1);
+    }
+    let c = text[at..].chars().next()?;
+    is_word_char(c).then(|| c.len_utf8())
+}
+
+/// The length of the UTF-8 character that `first` starts.
+fn char_len(first: u8) -> usize {
+    match first {
+        0..0x80 => 1,
+        0xc0..0xe0 => 2,
+        0xe0..0xf0 => 3,
+        _ => 4,
+    }
+}
+
 fn is_word_char(c: char) -> bool {
     if c.is_ascii() {
         return c.is_ascii_alphanumeric() || c == '\'';
@@ -39,27 +60,29 @@ impl Words {
     }
 
     /// The words in order. Runs of word characters are found by a loop over
-    /// the characters (ASCII decided inline, the rest by their Unicode
-    /// class): most text is ASCII, and this is a hot path of the workers.
+    /// the bytes: ASCII is decided inline, and only a byte that starts
+    /// another character is decoded and looked up by its Unicode class. Most
+    /// text is ASCII, and this is a hot path of the workers.
     pub fn iter(&self) -> impl Iterator<Item = &str> {
         let text = self.lower.as_str();
-        let mut chars = text.char_indices().peekable();
+        let mut at = 0;
         std::iter::from_fn(move || {
-            loop {
-                let (start, _) = chars.by_ref().find(|&(_, c)| is_word_char(c))?;
-                let mut end = text.len();
-                while let Some(&(i, c)) = chars.peek() {
-                    if !is_word_char(c) {
-                        end = i;
-                        break;
-                    }
-                    chars.next();
+            while at < text.len() {
+                let start = at;
+                while let Some(len) = word_char_len(text, at) {
+                    at += len;
                 }
-                let word = text[start..end].trim_matches('\'');
+                if at == start {
+                    // Not a word character: step over it.
+                    at += char_len(text.as_bytes()[at]);
+                    continue;
+                }
+                let word = text[start..at].trim_matches('\'');
                 if !word.is_empty() {
                     return Some(word);
                 }
             }
+            None
         })
     }
 
@@ -129,6 +152,35 @@ mod tests {
                 class.is_match(c.encode_utf8(&mut [0; 4])),
                 "{c:?}"
             );
+        }
+    }
+
+    #[test]
+    fn words_are_the_runs_a_regex_finds() {
+        let run = Regex::new(r"[\p{L}\p{M}\p{Nd}']+").unwrap();
+        let reference = |text: &str| -> Vec<String> {
+            let lower = text.to_lowercase().replace('\u{2019}', "'");
+            run.find_iter(&lower)
+                .map(|m| m.as_str().trim_matches('\'').to_owned())
+                .filter(|w| !w.is_empty())
+                .collect()
+        };
+        // Every string of up to four characters over ASCII and other word
+        // characters and separators, including ones whose lower case is
+        // longer (İ) and U+2019.
+        let alphabet = [
+            'a', 'Z', '7', '\'', ' ', '-', 'é', '\u{301}', '日', '—', '\u{a0}', '½', 'İ',
+            '\u{2019}',
+        ];
+        let mut texts = vec![String::new()];
+        for _ in 0..4 {
+            texts = texts
+                .iter()
+                .flat_map(|t| alphabet.iter().map(move |c| format!("{t}{c}")))
+                .collect();
+            for text in &texts {
+                assert_eq!(tokens(text), reference(text), "{text:?}");
+            }
         }
     }
 

@@ -160,6 +160,25 @@ async fn prompt_pii_is_redacted_before_forwarding() {
         sent["messages"][0]["content"],
         "My card is [REDACTED:card], is that safe to share?"
     );
+    // Only the redacted string is rewritten: key order, numbers and spacing
+    // go upstream as the client wrote them.
+    let body = r#"{ "temperature": 0.50, "model": "m",
+  "messages": [{"role": "user", "content": "Card 4111 1111 1111 1111 \u00e9"}], "n": 1e0 }"#;
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        mock.requests()[1].body,
+        body.replace(
+            r#""Card 4111 1111 1111 1111 \u00e9""#,
+            r#""Card [REDACTED:card] é""#
+        )
+    );
     proxy.stop().await;
 }
 

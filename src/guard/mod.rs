@@ -1,12 +1,14 @@
 //! The inline guard: scans the prompt and context of a request before it goes
 //! upstream, and the response before it reaches the client (see [`stream`]
-//! for streamed responses). Redactions are applied in place.
+//! for streamed responses). A redaction rewrites only the redacted strings
+//! of a body ([`crate::json::splice`]).
 
 pub mod stream;
 
-use serde_json::Value;
+use bytes::Bytes;
 
-use crate::exchange::{Endpoint, request_texts, response_texts};
+use crate::exchange::Text;
+use crate::json;
 use crate::risk::{self, RiskConfig, Verdict};
 use crate::rules::{Action, Hit, RuleSet, Scope, redact};
 use crate::text;
@@ -17,8 +19,8 @@ pub struct RequestScan {
     /// The relevance of each context text to the prompt, for the response
     /// stage's verdict.
     pub relevance: Vec<f64>,
-    /// Whether a `redact` hit rewrote the body.
-    pub redacted: bool,
+    /// The body as it goes upstream, when a `redact` hit rewrote it.
+    pub redacted: Option<Bytes>,
     /// The prompt and context texts as forwarded (redacted), for the
     /// exchange record.
     pub texts: RequestTexts,
@@ -31,24 +33,24 @@ pub struct RequestTexts {
     pub context: Vec<String>,
 }
 
-/// Scans every prompt and context text of a request body and redacts the
-/// `redact` hits in place.
+/// Scans the prompt and context texts of a request body (read by
+/// [`crate::exchange::RequestBody`]) and redacts the `redact` hits.
 pub fn scan_request(
     rules: &RuleSet,
     risk: &RiskConfig,
     context_tags: &[String],
-    endpoint: Endpoint,
-    body: &mut Value,
+    body: &[u8],
+    request_texts: &[Text],
 ) -> RequestScan {
     let mut hits = Vec::new();
     let mut question = String::new();
     let mut contexts = Vec::new();
     let mut texts = RequestTexts::default();
-    let mut redacted = false;
-    request_texts(endpoint, body, &mut |scope, text| {
+    let mut edits = Vec::new();
+    for Text { scope, text, span } in request_texts {
         let mut rewritten = String::new();
         let mut changed = false;
-        for (range, part_scope) in split_context(text, scope, context_tags) {
+        for (range, part_scope) in split_context(text, *scope, context_tags) {
             let part = &text[range.clone()];
             match part_scope {
                 Scope::Prompt => {
@@ -78,10 +80,9 @@ pub fn scan_request(
             }));
         }
         if changed {
-            *text = rewritten;
-            redacted = true;
+            edits.push((span.clone(), rewritten));
         }
-    });
+    }
     let relevance: Vec<f64> = if question.trim().is_empty() {
         Vec::new()
     } else {
@@ -93,7 +94,7 @@ pub fn scan_request(
     RequestScan {
         verdict: risk::assess(risk, hits, &relevance),
         relevance,
-        redacted,
+        redacted: (!edits.is_empty()).then(|| json::splice(body, &edits)),
         texts,
     }
 }
@@ -132,24 +133,37 @@ fn split_context(
     parts
 }
 
-/// Scans every text of a response body, redacting in place; returns the
-/// hits and the texts (redacted).
-pub fn scan_response(
-    rules: &RuleSet,
-    endpoint: Endpoint,
-    body: &mut Value,
-) -> (Vec<Hit>, Vec<String>) {
+/// What the scan of a (non-streaming) response found.
+pub struct ResponseScan {
+    pub hits: Vec<Hit>,
+    /// The response texts as the client gets them (redacted).
+    pub texts: Vec<String>,
+    /// The body as it goes to the client, when a `redact` hit rewrote it.
+    pub redacted: Option<Bytes>,
+}
+
+/// Scans the texts of a response body (read by
+/// [`crate::exchange::ResponseBody`]) and redacts the `redact` hits.
+pub fn scan_response(rules: &RuleSet, body: &[u8], response_texts: &[Text]) -> ResponseScan {
     let mut hits = Vec::new();
     let mut texts = Vec::new();
-    response_texts(endpoint, body, &mut |text| {
+    let mut edits = Vec::new();
+    for Text { text, span, .. } in response_texts {
         let found = rules.scan(Scope::Response, text);
         if found.iter().any(|h| h.action == Action::Redact) {
-            *text = redact(text, &found);
+            let redacted = redact(text, &found);
+            texts.push(redacted.clone());
+            edits.push((span.clone(), redacted));
+        } else {
+            texts.push(text.clone().into_owned());
         }
-        texts.push(text.clone());
         hits.extend(found);
-    });
-    (hits, texts)
+    }
+    ResponseScan {
+        hits,
+        texts,
+        redacted: (!edits.is_empty()).then(|| json::splice(body, &edits)),
+    }
 }
 
 /// The message shown for a block: the first blocking rule's, else the

@@ -34,7 +34,6 @@
 //! order. A malformed event ends the stream cleanly after what was already
 //! checked, and is counted.
 
-use std::borrow::Cow;
 use std::fmt::Display;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -43,13 +42,12 @@ use bytes::{Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
-use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint};
+use crate::json::{self, Fields, string};
 use crate::proxy::ProxyBody;
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::normalize::Normalized;
@@ -413,7 +411,8 @@ impl Guard {
         }
         // The few fields the guard reads, borrowed from the data: no JSON
         // tree is built for an event. An event they cannot be read from
-        // (not JSON, a field given twice) is malformed.
+        // (not JSON, or one of them given twice in an object the guard
+        // reads, at any level) is malformed.
         let Ok(fields) = serde_json::from_str::<Fields>(data) else {
             return Kind::Malformed;
         };
@@ -423,10 +422,11 @@ impl Guard {
         {
             self.note_usage(&json);
         }
-        match self.dialect {
+        let kind = match self.dialect {
             Dialect::OpenAi => self.classify_openai(&fields, data),
             Dialect::Anthropic => classify_anthropic(&fields),
-        }
+        };
+        kind.unwrap_or(Kind::Malformed)
     }
 
     /// Keeps the usage an event reports: OpenAI's final `usage` chunk,
@@ -451,9 +451,9 @@ impl Guard {
         }
     }
 
-    fn classify_openai(&mut self, event: &Fields, data: &str) -> Kind {
+    fn classify_openai(&mut self, event: &Fields, data: &str) -> Result<Kind, serde_json::Error> {
         if self.setup.endpoint == Endpoint::Responses {
-            return match string(event.kind).as_deref() {
+            return Ok(match string(event.kind).as_deref() {
                 Some("response.output_text.delta") => Kind::Text {
                     text: string(event.delta).unwrap_or_default().into_owned(),
                     block: 0,
@@ -462,16 +462,15 @@ impl Guard {
                     Kind::Final
                 }
                 _ => Kind::Other,
-            };
+            });
         }
-        let first = event
-            .choices
-            .and_then(|c| serde_json::from_str::<Vec<&RawValue>>(c.get()).ok())
-            .and_then(|c| c.first().copied());
-        let choice = Fields::of(first);
+        let choice = json::objects(event.choices)?
+            .into_iter()
+            .next()
+            .unwrap_or_default();
         let text = match self.setup.endpoint {
             Endpoint::Completions => string(choice.text),
-            _ => string(Fields::of(choice.delta).content),
+            _ => string(Fields::of(choice.delta)?.content),
         }
         .unwrap_or_default();
         // A chunk with both text and a finish reason: the text first; the
@@ -484,14 +483,14 @@ impl Guard {
         } else if choice.finish_reason.is_some() {
             Kind::Final
         } else {
-            return Kind::Other;
+            return Ok(Kind::Other);
         };
         if self.template.is_none()
             && let Ok(json) = serde_json::from_str::<Value>(data)
         {
             self.set_template(json);
         }
-        kind
+        Ok(kind)
     }
 
     fn set_template(&mut self, template: Value) {
@@ -875,10 +874,10 @@ impl Guard {
     }
 }
 
-fn classify_anthropic(event: &Fields) -> Kind {
-    match string(event.kind).as_deref() {
+fn classify_anthropic(event: &Fields) -> Result<Kind, serde_json::Error> {
+    Ok(match string(event.kind).as_deref() {
         Some("content_block_delta") => {
-            let delta = Fields::of(event.delta);
+            let delta = Fields::of(event.delta)?;
             if string(delta.kind).as_deref() == Some("text_delta") {
                 Kind::Text {
                     text: string(delta.text).unwrap_or_default().into_owned(),
@@ -892,7 +891,7 @@ fn classify_anthropic(event: &Fields) -> Kind {
             }
         }
         Some("content_block_start") => {
-            if string(Fields::of(event.content_block).kind).as_deref() == Some("text") {
+            if string(Fields::of(event.content_block)?.kind).as_deref() == Some("text") {
                 Kind::BlockStart
             } else {
                 Kind::Other
@@ -902,52 +901,7 @@ fn classify_anthropic(event: &Fields) -> Kind {
         Some("message_delta") => Kind::Final,
         Some("message_stop") => Kind::Done,
         _ => Kind::Other,
-    }
-}
-
-/// The fields the guard reads at any level of a stream event, each kept as
-/// its JSON text and read further only when needed: the event (`type`,
-/// `choices`, `delta`, `index`, `content_block`), an OpenAI choice
-/// (`delta`, `text`, `finish_reason`, which is `None` when null), a delta
-/// (`content`; Anthropic `type`, `text`) or a content block (`type`).
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct Fields<'a> {
-    #[serde(rename = "type", borrow)]
-    kind: Option<&'a RawValue>,
-    #[serde(borrow)]
-    choices: Option<&'a RawValue>,
-    #[serde(borrow)]
-    delta: Option<&'a RawValue>,
-    #[serde(borrow)]
-    index: Option<&'a RawValue>,
-    #[serde(borrow)]
-    content_block: Option<&'a RawValue>,
-    #[serde(borrow)]
-    text: Option<&'a RawValue>,
-    #[serde(borrow)]
-    content: Option<&'a RawValue>,
-    #[serde(borrow)]
-    finish_reason: Option<&'a RawValue>,
-}
-
-impl<'a> Fields<'a> {
-    /// The fields of a nested object; empty when absent or not an object.
-    fn of(raw: Option<&'a RawValue>) -> Fields<'a> {
-        raw.and_then(|r| serde_json::from_str(r.get()).ok())
-            .unwrap_or_default()
-    }
-}
-
-/// A JSON string, borrowed unless it has escapes.
-#[derive(Deserialize)]
-struct JsonStr<'a>(#[serde(borrow)] Cow<'a, str>);
-
-/// The string a field holds; `None` when absent or not a string.
-fn string(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
-    serde_json::from_str::<JsonStr>(raw?.get())
-        .ok()
-        .map(|s| s.0)
+    })
 }
 
 fn sse(event: Option<&str>, data: &Value) -> Bytes {
@@ -1066,6 +1020,17 @@ mod tests {
             (
                 chat,
                 r#"{"choices":[{"delta":{"content":"a"}}],"choices":[]}"#,
+                "malformed",
+            ),
+            // A key twice at a level the guard reads, however deep.
+            (
+                chat,
+                r#"{"choices":[{"delta":{"content":"a","content":"b"}}]}"#,
+                "malformed",
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"a","text":"b"}}"#,
                 "malformed",
             ),
             (chat, r#"[1]"#, "other"),

@@ -32,7 +32,7 @@ use serde_json::Value;
 use tokio::net::TcpListener;
 
 use crate::config::{Config, OnBlock, StreamMode};
-use crate::exchange::{Dialect, Endpoint};
+use crate::exchange::{Dialect, Endpoint, RequestBody, ResponseBody};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
 use crate::queue::Queue;
@@ -630,15 +630,19 @@ async fn guarded(
             return respond::failure(dialect, failure, request_id);
         }
     };
-    let Ok(mut json) = serde_json::from_slice::<Value>(&bytes) else {
-        return respond::failure(dialect, Failure::InvalidJson, request_id);
+    let read = match RequestBody::read(endpoint, &bytes) {
+        Ok(read) => read,
+        Err(error) => {
+            let failure = if error.is_data() {
+                Failure::AmbiguousJson
+            } else {
+                Failure::InvalidJson
+            };
+            return respond::failure(dialect, failure, request_id);
+        }
     };
-    let model = json.get("model").and_then(Value::as_str).map(str::to_owned);
-    let streaming = json.get("stream").and_then(Value::as_bool) == Some(true);
-    let include_usage = json
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        == Some(true);
+    let model = read.model.as_deref().map(str::to_owned);
+    let (streaming, include_usage) = (read.stream, read.include_usage);
     let Some(route) = state.config.route(parts.uri.path(), model.as_deref()) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
@@ -651,8 +655,8 @@ async fn guarded(
         &rules,
         &state.config.risk,
         &state.config.guard.context_tags,
-        endpoint,
-        &mut json,
+        &bytes,
+        &read.texts,
     );
     let texts = std::mem::take(&mut scan.texts);
     let draft = RecordDraft {
@@ -661,7 +665,7 @@ async fn guarded(
         started_ms: now_ms() - started.elapsed().as_millis() as i64,
         endpoint,
         upstream: upstream.clone(),
-        client: ClientMeta::read(&parts.headers, &json),
+        client: ClientMeta::read(&parts.headers, read.metadata),
         model,
         stream: streaming,
         prompt: texts.prompt,
@@ -727,11 +731,7 @@ async fn guarded(
     );
     let sent = Instant::now();
     // Byte for byte what the client sent, unless a redaction rewrote it.
-    let body = if scan.redacted {
-        Bytes::from(json.to_string())
-    } else {
-        bytes
-    };
+    let body = scan.redacted.take().unwrap_or(bytes);
     let forwarded = forward(
         state,
         &upstream,
@@ -809,20 +809,37 @@ async fn guarded(
                 return out;
             }
         };
-    let Ok(mut response_json) = serde_json::from_slice::<Value>(&body) else {
-        // Not JSON: nothing to scan, relay as it is.
-        let mut out = Response::new(respond::full(body));
-        *out.status_mut() = status;
-        copy_response_headers(&upstream_headers, out.headers_mut());
-        respond::tag(&mut out, request_id, Some(prompt_verdict));
-        end_early(draft, status, Some(upstream_time));
-        return out;
+    let read = match ResponseBody::read(endpoint, &body) {
+        Ok(read) => read,
+        Err(error) if error.is_data() => {
+            // A key twice: the client's parser may read another value
+            // than the guard would scan. Not relayed.
+            state
+                .metrics
+                .upstream_errors
+                .with_label_values(&[&upstream, "ambiguous"])
+                .inc();
+            tracing::warn!(%error, "upstream response holds a key twice");
+            let out = respond::failure(dialect, Failure::UpstreamBroken, request_id);
+            end_early(draft, out.status(), Some(upstream_time));
+            return out;
+        }
+        Err(_) => {
+            // Not JSON: nothing to scan, relay as it is.
+            let mut out = Response::new(respond::full(body));
+            *out.status_mut() = status;
+            copy_response_headers(&upstream_headers, out.headers_mut());
+            respond::tag(&mut out, request_id, Some(prompt_verdict));
+            end_early(draft, status, Some(upstream_time));
+            return out;
+        }
     };
-    let (response_hits, response_texts) =
-        guard::scan_response(&rules, endpoint, &mut response_json);
-    let usage = response_json.get("usage").cloned();
+    let scanned = guard::scan_response(&rules, &body, &read.texts);
+    let usage = read
+        .usage
+        .and_then(|usage| serde_json::from_str::<Value>(usage.get()).ok());
     let mut all: Vec<Hit> = scan.verdict.hits.clone();
-    all.extend(response_hits);
+    all.extend(scanned.hits);
     let verdict = risk::assess(&state.config.risk, all, &scan.relevance);
     record_verdict(&state.metrics, &verdict);
     state
@@ -841,7 +858,7 @@ async fn guarded(
             state,
             Ending {
                 verdict: &verdict,
-                response: response_texts,
+                response: scanned.texts,
                 status: status.as_u16(),
                 upstream: Some(upstream_time),
                 proxy: proxy_time,
@@ -849,6 +866,7 @@ async fn guarded(
             },
         );
     };
+    let mut refused = None;
     if verdict.decision == Decision::Block {
         state
             .metrics
@@ -878,18 +896,14 @@ async fn guarded(
             ending(draft, out.status());
             return out;
         }
-        respond::refuse_in_place(endpoint, &mut response_json, &message);
+        refused = Some(respond::refusal(
+            endpoint,
+            scanned.redacted.as_deref().unwrap_or(&body),
+            &message,
+        ));
     }
     // Byte for byte what the upstream sent, unless the guard changed it.
-    let changed = verdict.decision == Decision::Block
-        || verdict.hits.iter().any(|h| {
-            h.scope == crate::rules::Scope::Response && h.action == crate::rules::Action::Redact
-        });
-    let body = if changed {
-        Bytes::from(response_json.to_string())
-    } else {
-        body
-    };
+    let body = refused.or(scanned.redacted).unwrap_or(body);
     let mut out = Response::new(respond::full(body));
     *out.status_mut() = status;
     copy_response_headers(&upstream_headers, out.headers_mut());

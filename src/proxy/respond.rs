@@ -18,6 +18,8 @@ pub enum Failure {
     TooLarge,
     /// The body of a guarded route is not JSON.
     InvalidJson,
+    /// An object of the body the guard reads holds a key twice.
+    AmbiguousJson,
     /// No upstream could be reached.
     UpstreamUnreachable,
     /// The upstream did not answer in time.
@@ -32,7 +34,7 @@ impl Failure {
     fn status(self) -> StatusCode {
         match self {
             Failure::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Failure::InvalidJson => StatusCode::BAD_REQUEST,
+            Failure::InvalidJson | Failure::AmbiguousJson => StatusCode::BAD_REQUEST,
             Failure::UpstreamUnreachable | Failure::UpstreamBroken => StatusCode::BAD_GATEWAY,
             Failure::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Failure::NoRoute => StatusCode::NOT_FOUND,
@@ -43,6 +45,7 @@ impl Failure {
         match self {
             Failure::TooLarge => "request_too_large",
             Failure::InvalidJson => "invalid_json",
+            Failure::AmbiguousJson => "ambiguous_json",
             Failure::UpstreamUnreachable => "upstream_unreachable",
             Failure::UpstreamTimeout => "upstream_timeout",
             Failure::UpstreamBroken => "upstream_error",
@@ -54,6 +57,9 @@ impl Failure {
         match self {
             Failure::TooLarge => "The request body is larger than this gateway accepts.",
             Failure::InvalidJson => "The request body is not valid JSON.",
+            Failure::AmbiguousJson => {
+                "The request body gives a key twice in one object; which value counts is ambiguous."
+            }
             Failure::UpstreamUnreachable => "The upstream API could not be reached.",
             Failure::UpstreamTimeout => "The upstream API did not answer in time.",
             Failure::UpstreamBroken => "The upstream API's response could not be read.",
@@ -65,7 +71,7 @@ impl Failure {
     fn anthropic_type(self) -> &'static str {
         match self {
             Failure::TooLarge => "request_too_large",
-            Failure::InvalidJson => "invalid_request_error",
+            Failure::InvalidJson | Failure::AmbiguousJson => "invalid_request_error",
             Failure::NoRoute => "not_found_error",
             _ => "api_error",
         }
@@ -73,7 +79,10 @@ impl Failure {
 
     fn openai_type(self) -> &'static str {
         match self {
-            Failure::TooLarge | Failure::InvalidJson | Failure::NoRoute => "invalid_request_error",
+            Failure::TooLarge
+            | Failure::InvalidJson
+            | Failure::AmbiguousJson
+            | Failure::NoRoute => "invalid_request_error",
             _ => "server_error",
         }
     }
@@ -151,7 +160,14 @@ pub fn blocked(
 /// `finish_reason: "content_filter"` with the message as `refusal`,
 /// Anthropic `stop_reason: "refusal"` with the message as the only content.
 /// Usage and ids are kept.
-pub fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {
+pub fn refusal(endpoint: Endpoint, body: &[u8], message: &str) -> Bytes {
+    // The body was read by the guard already: it is JSON.
+    let mut body: Value = serde_json::from_slice(body).unwrap_or_else(|_| json!({}));
+    refuse_in_place(endpoint, &mut body, message);
+    Bytes::from(body.to_string())
+}
+
+fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {
     match endpoint {
         Endpoint::ChatCompletions => {
             if let Some(choices) = body.get_mut("choices").and_then(Value::as_array_mut) {
