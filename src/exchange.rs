@@ -94,11 +94,11 @@ impl<'a> RequestBody<'a> {
     /// Reads a request body; an error when it is not JSON, or when an
     /// object the guard reads holds one of its keys twice.
     pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<RequestBody<'a>, serde_json::Error> {
-        let top = json::body(body)?;
+        let top: Fields = json::body(body)?;
         let mut texts = Texts::new(body);
         match endpoint {
             Endpoint::ChatCompletions => {
-                for message in json::objects(top.messages)? {
+                for message in Fields::objects(top.messages)? {
                     let scope = match json::string(message.role).as_deref() {
                         Some("system" | "developer" | "user") => Scope::Prompt,
                         Some("tool" | "function") => Scope::Context,
@@ -111,7 +111,7 @@ impl<'a> RequestBody<'a> {
             Endpoint::Responses => {
                 texts.text(top.instructions, Scope::Prompt);
                 texts.text(top.input, Scope::Prompt);
-                for item in json::objects(top.input)? {
+                for item in Fields::objects(top.input)? {
                     if json::string(item.kind).as_deref() == Some("function_call_output") {
                         texts.content(item.output, Scope::Context)?;
                     } else if json::string(item.role).as_deref() != Some("assistant") {
@@ -121,7 +121,7 @@ impl<'a> RequestBody<'a> {
             }
             Endpoint::Messages => {
                 texts.content(top.system, Scope::Prompt)?;
-                for message in json::objects(top.messages)? {
+                for message in Fields::objects(top.messages)? {
                     if json::string(message.role).as_deref() != Some("user") {
                         continue;
                     }
@@ -156,37 +156,37 @@ pub struct ResponseBody<'a> {
 impl<'a> ResponseBody<'a> {
     /// Reads a response body; an error as for [`RequestBody::read`].
     pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<ResponseBody<'a>, serde_json::Error> {
-        let top = json::body(body)?;
+        let top: Fields = json::body(body)?;
         let mut texts = Texts::new(body);
         let scope = Scope::Response;
         match endpoint {
             Endpoint::ChatCompletions => {
-                for choice in json::objects(top.choices)? {
+                for choice in Fields::objects(top.choices)? {
                     let message = Fields::of(choice.message)?;
                     texts.text(message.content, scope);
                     texts.text(message.refusal, scope);
-                    for call in json::objects(message.tool_calls)? {
+                    for call in Fields::objects(message.tool_calls)? {
                         let function = Fields::of(call.function)?;
                         texts.text(function.arguments, scope);
                     }
                 }
             }
             Endpoint::Completions => {
-                for choice in json::objects(top.choices)? {
+                for choice in Fields::objects(top.choices)? {
                     texts.text(choice.text, scope);
                 }
             }
             Endpoint::Responses => {
-                for item in json::objects(top.output)? {
+                for item in Fields::objects(top.output)? {
                     texts.text(item.arguments, scope);
-                    for part in json::objects(item.content)? {
+                    for part in Fields::objects(item.content)? {
                         texts.text(part.text, scope);
                         texts.text(part.refusal, scope);
                     }
                 }
             }
             Endpoint::Messages => {
-                for block in json::objects(top.content)? {
+                for block in Fields::objects(top.content)? {
                     texts.text(block.text, scope);
                 }
             }

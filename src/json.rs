@@ -17,6 +17,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::marker::PhantomData;
 use std::ops::Range;
 
 use bytes::Bytes;
@@ -25,9 +26,10 @@ use serde::de::value::MapAccessDeserializer;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
-/// The members the guard reads, at any level of a request, response or
-/// stream event body, each as its JSON text. A member of value `null` is
-/// `None`, as an absent one.
+/// The members the guard reads at any level of a request or response body,
+/// each as its JSON text. A member of value `null` is `None`, as an absent
+/// one. (Stream events have their own, smaller set: the fewer the fields,
+/// the cheaper each event is to read.)
 #[derive(Debug, Deserialize, Default)]
 #[serde(default)]
 pub struct Fields<'a> {
@@ -75,15 +77,6 @@ pub struct Fields<'a> {
     pub output: Option<&'a RawValue>,
     #[serde(borrow)]
     pub usage: Option<&'a RawValue>,
-    // Stream events.
-    #[serde(borrow)]
-    pub delta: Option<&'a RawValue>,
-    #[serde(borrow)]
-    pub index: Option<&'a RawValue>,
-    #[serde(borrow)]
-    pub content_block: Option<&'a RawValue>,
-    #[serde(borrow)]
-    pub finish_reason: Option<&'a RawValue>,
     // Any level.
     #[serde(rename = "type", borrow)]
     pub kind: Option<&'a RawValue>,
@@ -97,82 +90,99 @@ impl<'a> Fields<'a> {
     /// The fields of an object; none when `raw` is absent or not an object.
     /// An object with one of the keys twice is an error.
     pub fn of(raw: Option<&'a RawValue>) -> Result<Fields<'a>, serde_json::Error> {
-        match raw {
-            Some(raw) if raw.get().starts_with('{') => serde_json::from_str(raw.get()),
-            _ => Ok(Fields::default()),
+        of(raw)
+    }
+
+    /// The fields of each item of an array (see [`objects`]).
+    pub fn objects(raw: Option<&'a RawValue>) -> Result<Vec<Fields<'a>>, serde_json::Error> {
+        objects(raw)
+    }
+}
+
+/// A set of fields (`T`, a struct of optional members with a default) read
+/// from an object; the default when `raw` is absent or not an object. An
+/// object with one of the keys twice is an error.
+pub fn of<'a, T: Deserialize<'a> + Default>(
+    raw: Option<&'a RawValue>,
+) -> Result<T, serde_json::Error> {
+    match raw {
+        Some(raw) if raw.get().starts_with('{') => serde_json::from_str(raw.get()),
+        _ => Ok(T::default()),
+    }
+}
+
+/// The fields of a whole body, in one pass; the default when it is JSON but
+/// not an object. An error when it is not JSON, or an object with one of
+/// the keys twice.
+pub fn body<'a, T: Deserialize<'a> + Default>(body: &'a [u8]) -> Result<T, serde_json::Error> {
+    serde_json::from_slice::<Object<T>>(body).map(|o| o.0)
+}
+
+/// The fields of each item of an array, in one pass (items that are not
+/// objects have the default); no items when `raw` is absent or not an
+/// array.
+pub fn objects<'a, T: Deserialize<'a> + Default>(
+    raw: Option<&'a RawValue>,
+) -> Result<Vec<T>, serde_json::Error> {
+    match raw {
+        Some(raw) if raw.get().starts_with('[') => {
+            let items: Vec<Object<T>> = serde_json::from_str(raw.get())?;
+            Ok(items.into_iter().map(|o| o.0).collect())
         }
+        _ => Ok(Vec::new()),
     }
 }
 
-/// Read from any JSON value: the fields of an object, no fields for
-/// anything else. One pass over the value's text.
-struct Object<'a>(Fields<'a>);
+/// Read from any JSON value: the fields of an object, the default for
+/// anything else.
+struct Object<T>(T);
 
-impl<'de> Deserialize<'de> for Object<'de> {
+impl<'de, T: Deserialize<'de> + Default> Deserialize<'de> for Object<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(ObjectVisitor)
+        deserializer.deserialize_any(ObjectVisitor(PhantomData))
     }
 }
 
-struct ObjectVisitor;
+struct ObjectVisitor<T>(PhantomData<T>);
 
-impl<'de> Visitor<'de> for ObjectVisitor {
-    type Value = Object<'de>;
+impl<'de, T: Deserialize<'de> + Default> Visitor<'de> for ObjectVisitor<T> {
+    type Value = Object<T>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("any JSON value")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Object<'de>, A::Error> {
-        Fields::deserialize(MapAccessDeserializer::new(map)).map(Object)
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Object<T>, A::Error> {
+        T::deserialize(MapAccessDeserializer::new(map)).map(Object)
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Object<'de>, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Object<T>, A::Error> {
         while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(Object(Fields::default()))
+        Ok(Object(T::default()))
     }
 
-    fn visit_bool<E>(self, _: bool) -> Result<Object<'de>, E> {
-        Ok(Object(Fields::default()))
+    fn visit_bool<E>(self, _: bool) -> Result<Object<T>, E> {
+        Ok(Object(T::default()))
     }
 
-    fn visit_i64<E>(self, _: i64) -> Result<Object<'de>, E> {
-        Ok(Object(Fields::default()))
+    fn visit_i64<E>(self, _: i64) -> Result<Object<T>, E> {
+        Ok(Object(T::default()))
     }
 
-    fn visit_u64<E>(self, _: u64) -> Result<Object<'de>, E> {
-        Ok(Object(Fields::default()))
+    fn visit_u64<E>(self, _: u64) -> Result<Object<T>, E> {
+        Ok(Object(T::default()))
     }
 
-    fn visit_f64<E>(self, _: f64) -> Result<Object<'de>, E> {
-        Ok(Object(Fields::default()))
+    fn visit_f64<E>(self, _: f64) -> Result<Object<T>, E> {
+        Ok(Object(T::default()))
     }
 
-    fn visit_str<E>(self, _: &str) -> Result<Object<'de>, E> {
-        Ok(Object(Fields::default()))
+    fn visit_str<E>(self, _: &str) -> Result<Object<T>, E> {
+        Ok(Object(T::default()))
     }
 
-    fn visit_unit<E>(self) -> Result<Object<'de>, E> {
-        Ok(Object(Fields::default()))
-    }
-}
-
-/// The fields of a whole body (one pass); none when it is JSON but not an
-/// object. An error when it is not JSON, or an object with one of the keys
-/// twice.
-pub fn body(body: &[u8]) -> Result<Fields<'_>, serde_json::Error> {
-    serde_json::from_slice::<Object>(body).map(|o| o.0)
-}
-
-/// The fields of each item of an array (one pass; items that are not
-/// objects have none); no items when `raw` is absent or not an array.
-pub fn objects(raw: Option<&RawValue>) -> Result<Vec<Fields<'_>>, serde_json::Error> {
-    match raw {
-        Some(raw) if raw.get().starts_with('[') => {
-            let items: Vec<Object> = serde_json::from_str(raw.get())?;
-            Ok(items.into_iter().map(|o| o.0).collect())
-        }
-        _ => Ok(Vec::new()),
+    fn visit_unit<E>(self) -> Result<Object<T>, E> {
+        Ok(Object(T::default()))
     }
 }
 

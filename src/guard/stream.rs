@@ -42,12 +42,14 @@ use bytes::{Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint};
-use crate::json::{self, Fields, string};
+use crate::json::{self, string};
 use crate::proxy::ProxyBody;
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::normalize::Normalized;
@@ -464,13 +466,13 @@ impl Guard {
                 _ => Kind::Other,
             });
         }
-        let choice = json::objects(event.choices)?
+        let choice: Fields = json::objects(event.choices)?
             .into_iter()
             .next()
             .unwrap_or_default();
         let text = match self.setup.endpoint {
             Endpoint::Completions => string(choice.text),
-            _ => string(Fields::of(choice.delta)?.content),
+            _ => string(json::of::<Fields>(choice.delta)?.content),
         }
         .unwrap_or_default();
         // A chunk with both text and a finish reason: the text first; the
@@ -877,7 +879,7 @@ impl Guard {
 fn classify_anthropic(event: &Fields) -> Result<Kind, serde_json::Error> {
     Ok(match string(event.kind).as_deref() {
         Some("content_block_delta") => {
-            let delta = Fields::of(event.delta)?;
+            let delta: Fields = json::of(event.delta)?;
             if string(delta.kind).as_deref() == Some("text_delta") {
                 Kind::Text {
                     text: string(delta.text).unwrap_or_default().into_owned(),
@@ -891,7 +893,7 @@ fn classify_anthropic(event: &Fields) -> Result<Kind, serde_json::Error> {
             }
         }
         Some("content_block_start") => {
-            if string(Fields::of(event.content_block)?.kind).as_deref() == Some("text") {
+            if string(json::of::<Fields>(event.content_block)?.kind).as_deref() == Some("text") {
                 Kind::BlockStart
             } else {
                 Kind::Other
@@ -902,6 +904,32 @@ fn classify_anthropic(event: &Fields) -> Result<Kind, serde_json::Error> {
         Some("message_stop") => Kind::Done,
         _ => Kind::Other,
     })
+}
+
+/// The fields the guard reads at any level of a stream event, each kept as
+/// its JSON text and read further only when needed: the event (`type`,
+/// `choices`, `delta`, `index`, `content_block`), an OpenAI choice
+/// (`delta`, `text`, `finish_reason`, which is `None` when null), a delta
+/// (`content`; Anthropic `type`, `text`) or a content block (`type`).
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Fields<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow)]
+    choices: Option<&'a RawValue>,
+    #[serde(borrow)]
+    delta: Option<&'a RawValue>,
+    #[serde(borrow)]
+    index: Option<&'a RawValue>,
+    #[serde(borrow)]
+    content_block: Option<&'a RawValue>,
+    #[serde(borrow)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow)]
+    content: Option<&'a RawValue>,
+    #[serde(borrow)]
+    finish_reason: Option<&'a RawValue>,
 }
 
 fn sse(event: Option<&str>, data: &Value) -> Bytes {
