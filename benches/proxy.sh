@@ -3,12 +3,13 @@
 # upstream: direct to the mock, through a bare nginx reverse-proxy hop, and
 # through fairgate with the shipped rules.
 #
-#   bash benches/proxy.sh            # about four minutes
+#   bash benches/proxy.sh            # about five minutes
 #   DURATION=5 bash benches/proxy.sh # shorter
 #   THREADS=1 bash benches/proxy.sh  # fairgate on one serving thread (default: one per core)
 #
 # Reports, per target: closed-loop requests/s at fixed concurrency, p50/p99
-# latency at a fixed rate (non-streaming), CPU time per request of the proxy
+# latency at a fixed rate (non-streaming; the median of ROUNDS runs taken in
+# turn across targets, default 3), CPU time per request of the proxy
 # process (from /proc), the same closed loop with streams (streams/s, CPU
 # per stream), time to first byte of streams (curl, sequential), and
 # fairgate's peak resident memory with 256 concurrent streams. fairgate runs
@@ -22,6 +23,7 @@ cd "$(dirname "$0")/.."
 DURATION=${DURATION:-10}
 CONCURRENCY=${CONCURRENCY:-64}
 RATE=${RATE:-2000}
+ROUNDS=${ROUNDS:-3}
 MOCK=127.0.0.1:18101
 FAIRGATE=127.0.0.1:18102
 ADMIN=127.0.0.1:18103
@@ -84,11 +86,7 @@ closed_loop() {
 run_target() {
   local name=$1 addr=$2 pid_ticks=$3
   local url="http://$addr/v1/chat/completions"
-  local json
   read -r "RPS[$name]" "CPU[$name]" < <(closed_loop "$url" "$pid_ticks" "$WORK/body.json")
-  json=$(oha_json -z "${DURATION}s" -q "$RATE" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$WORK/body.json" "$url")
-  P50[$name]=$(echo "$json" | field "round(d['latencyPercentiles']['p50'] * 1000, 3)")
-  P99[$name]=$(echo "$json" | field "round(d['latencyPercentiles']['p99'] * 1000, 3)")
   read -r "SRPS[$name]" "SCPU[$name]" < <(closed_loop "$url" "$pid_ticks" "$WORK/stream.json")
   TTFB[$name]=$(for _ in $(seq 200); do
       curl -s -o /dev/null -w '%{time_starttransfer}\n' -H 'content-type: application/json' --data @"$WORK/stream.json" "$url"
@@ -100,6 +98,27 @@ fairgate_ticks() { ticks "$FAIRGATE_PID"; }
 run_target direct "$MOCK" none
 run_target nginx "$NGINX" nginx_ticks
 run_target fairgate "$FAIRGATE" fairgate_ticks
+
+# p50/p99 at a fixed rate: ROUNDS runs per target, taken in turn so that a
+# noisy moment of this shared machine falls on every target alike; the
+# median of the rounds is reported, with the range of the p99s.
+declare -A ADDR=([direct]=$MOCK [nginx]=$NGINX [fairgate]=$FAIRGATE) P50S P99S
+for _ in $(seq "$ROUNDS"); do
+  for t in direct nginx fairgate; do
+    json=$(oha_json -z "${DURATION}s" -q "$RATE" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' \
+      -D "$WORK/body.json" "http://${ADDR[$t]}/v1/chat/completions")
+    P50S[$t]+=" $(echo "$json" | field "d['latencyPercentiles']['p50'] * 1000")"
+    P99S[$t]+=" $(echo "$json" | field "d['latencyPercentiles']['p99'] * 1000")"
+  done
+done
+median() { python3 -c "import statistics, sys; print(round(statistics.median(map(float, sys.argv[1:])), 3))" "$@"; }
+for t in direct nginx fairgate; do
+  # Word splitting of the lists is wanted here.
+  # shellcheck disable=SC2086
+  P50[$t]=$(median ${P50S[$t]})
+  # shellcheck disable=SC2086
+  P99[$t]=$(median ${P99S[$t]})
+done
 
 # Peak memory with 256 concurrent streams.
 oha_json -n 5120 -c 256 -m POST -H 'content-type: application/json' -D "$WORK/stream.json" \
@@ -117,7 +136,10 @@ cpu_nginx, cpu_fg = ${CPU[nginx]}, ${CPU[fairgate]}
 scpu_nginx, scpu_fg = ${SCPU[nginx]}, ${SCPU[fairgate]}
 print()
 print(f"throughput, fairgate / direct: {rps_fg / rps_direct:.2f}   (nginx / direct: {rps_nginx / rps_direct:.2f})")
-print(f"added p99 at ${RATE} req/s: fairgate {p99_fg - p99_direct:+.3f} ms, nginx {p99_nginx - p99_direct:+.3f} ms")
+print(f"added p99 at ${RATE} req/s (median of ${ROUNDS} rounds): fairgate {p99_fg - p99_direct:+.3f} ms, nginx {p99_nginx - p99_direct:+.3f} ms")
+for t, p99s in (("direct", "${P99S[direct]}"), ("nginx", "${P99S[nginx]}"), ("fairgate", "${P99S[fairgate]}")):
+    values = [float(v) for v in p99s.split()]
+    print(f"  p99 of each round, {t}: " + ", ".join(f"{v:.3f}" for v in values) + " ms")
 print(f"CPU per request, fairgate / nginx: {cpu_fg / cpu_nginx:.2f}   streams: {scpu_fg / scpu_nginx:.2f}")
 print(f"fairgate peak RSS with 256 concurrent streams: $PEAK MB")
 EOF

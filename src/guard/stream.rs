@@ -43,13 +43,12 @@ use futures_util::{Stream, StreamExt};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint};
-use crate::json::{self, string};
+use crate::json::Member;
 use crate::proxy::ProxyBody;
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::normalize::Normalized;
@@ -228,18 +227,16 @@ impl SseParser {
 /// The end (after the blank line) of the first complete event in `buf`,
 /// looking from `from` on.
 fn event_end(buf: &[u8], from: usize) -> Option<usize> {
-    let mut i = from;
-    while let Some(at) = buf.get(i..)?.iter().position(|&b| b == b'\n') {
-        let nl = i + at;
+    memchr::memchr_iter(b'\n', buf.get(from..)?).find_map(|at| {
+        let nl = from + at;
         if buf.get(nl + 1) == Some(&b'\n') {
-            return Some(nl + 2);
+            Some(nl + 2)
+        } else if buf.get(nl + 1..nl + 3) == Some(b"\r\n") {
+            Some(nl + 3)
+        } else {
+            None
         }
-        if buf.get(nl + 1..nl + 3) == Some(b"\r\n") {
-            return Some(nl + 3);
-        }
-        i = nl + 1;
-    }
-    None
+    })
 }
 
 fn parse_event(raw: Bytes) -> Option<SseEvent> {
@@ -424,11 +421,10 @@ impl Guard {
         {
             self.note_usage(&json);
         }
-        let kind = match self.dialect {
+        match self.dialect {
             Dialect::OpenAi => self.classify_openai(&fields, data),
             Dialect::Anthropic => classify_anthropic(&fields),
-        };
-        kind.unwrap_or(Kind::Malformed)
+        }
     }
 
     /// Keeps the usage an event reports: OpenAI's final `usage` chunk,
@@ -453,46 +449,43 @@ impl Guard {
         }
     }
 
-    fn classify_openai(&mut self, event: &Fields, data: &str) -> Result<Kind, serde_json::Error> {
+    fn classify_openai(&mut self, event: &Fields, data: &str) -> Kind {
         if self.setup.endpoint == Endpoint::Responses {
-            return Ok(match string(event.kind).as_deref() {
+            return match event.kind.str() {
                 Some("response.output_text.delta") => Kind::Text {
-                    text: string(event.delta).unwrap_or_default().into_owned(),
+                    text: event.delta.str().unwrap_or_default().to_owned(),
                     block: 0,
                 },
                 Some("response.completed" | "response.incomplete" | "response.failed") => {
                     Kind::Final
                 }
                 _ => Kind::Other,
-            });
+            };
         }
-        let choice: Fields = json::objects(event.choices)?
-            .into_iter()
-            .next()
-            .unwrap_or_default();
+        let choice = event.choices.first().unwrap_or(Fields::of(&Member::Null));
         let text = match self.setup.endpoint {
-            Endpoint::Completions => string(choice.text),
-            _ => string(json::of::<Fields>(choice.delta)?.content),
+            Endpoint::Completions => choice.text.str(),
+            _ => Fields::of(&choice.delta).content.str(),
         }
         .unwrap_or_default();
         // A chunk with both text and a finish reason: the text first; the
         // finish follows as its own chunk when released.
         let kind = if !text.is_empty() {
             Kind::Text {
-                text: text.into_owned(),
+                text: text.to_owned(),
                 block: 0,
             }
-        } else if choice.finish_reason.is_some() {
+        } else if !choice.finish_reason.is_null() {
             Kind::Final
         } else {
-            return Ok(Kind::Other);
+            return Kind::Other;
         };
         if self.template.is_none()
             && let Ok(json) = serde_json::from_str::<Value>(data)
         {
             self.set_template(json);
         }
-        Ok(kind)
+        kind
     }
 
     fn set_template(&mut self, template: Value) {
@@ -876,24 +869,21 @@ impl Guard {
     }
 }
 
-fn classify_anthropic(event: &Fields) -> Result<Kind, serde_json::Error> {
-    Ok(match string(event.kind).as_deref() {
+fn classify_anthropic(event: &Fields) -> Kind {
+    match event.kind.str() {
         Some("content_block_delta") => {
-            let delta: Fields = json::of(event.delta)?;
-            if string(delta.kind).as_deref() == Some("text_delta") {
+            let delta = Fields::of(&event.delta);
+            if delta.kind.str() == Some("text_delta") {
                 Kind::Text {
-                    text: string(delta.text).unwrap_or_default().into_owned(),
-                    block: event
-                        .index
-                        .and_then(|i| serde_json::from_str::<u64>(i.get()).ok())
-                        .unwrap_or(0),
+                    text: delta.text.str().unwrap_or_default().to_owned(),
+                    block: event.index.u64().unwrap_or(0),
                 }
             } else {
                 Kind::Other
             }
         }
         Some("content_block_start") => {
-            if string(json::of::<Fields>(event.content_block)?.kind).as_deref() == Some("text") {
+            if Fields::of(&event.content_block).kind.str() == Some("text") {
                 Kind::BlockStart
             } else {
                 Kind::Other
@@ -903,33 +893,50 @@ fn classify_anthropic(event: &Fields) -> Result<Kind, serde_json::Error> {
         Some("message_delta") => Kind::Final,
         Some("message_stop") => Kind::Done,
         _ => Kind::Other,
-    })
+    }
 }
 
-/// The fields the guard reads at any level of a stream event, each kept as
-/// its JSON text and read further only when needed: the event (`type`,
-/// `choices`, `delta`, `index`, `content_block`), an OpenAI choice
-/// (`delta`, `text`, `finish_reason`, which is `None` when null), a delta
-/// (`content`; Anthropic `type`, `text`) or a content block (`type`).
+/// The fields the guard reads at any level of a stream event, all read in
+/// one pass over the event's data: the event (`type`, `choices`, `delta`,
+/// `index`, `content_block`), an OpenAI choice (`delta`, `text`,
+/// `finish_reason`), a delta (`content`; Anthropic `type`, `text`; the
+/// Responses API's `delta` is a string) or a content block (`type`).
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct Fields<'a> {
     #[serde(rename = "type", borrow)]
-    kind: Option<&'a RawValue>,
+    kind: Member<'a, Fields<'a>>,
     #[serde(borrow)]
-    choices: Option<&'a RawValue>,
+    choices: Member<'a, Fields<'a>>,
     #[serde(borrow)]
-    delta: Option<&'a RawValue>,
+    delta: Member<'a, Fields<'a>>,
     #[serde(borrow)]
-    index: Option<&'a RawValue>,
+    index: Member<'a, Fields<'a>>,
     #[serde(borrow)]
-    content_block: Option<&'a RawValue>,
+    content_block: Member<'a, Fields<'a>>,
     #[serde(borrow)]
-    text: Option<&'a RawValue>,
+    text: Member<'a, Fields<'a>>,
     #[serde(borrow)]
-    content: Option<&'a RawValue>,
+    content: Member<'a, Fields<'a>>,
     #[serde(borrow)]
-    finish_reason: Option<&'a RawValue>,
+    finish_reason: Member<'a, Fields<'a>>,
+}
+
+impl<'a> Fields<'a> {
+    /// The fields of a member that is an object; none otherwise.
+    fn of<'b>(member: &'b Member<'a, Fields<'a>>) -> &'b Fields<'a> {
+        static NONE: Fields<'static> = Fields {
+            kind: Member::Null,
+            choices: Member::Null,
+            delta: Member::Null,
+            index: Member::Null,
+            content_block: Member::Null,
+            text: Member::Null,
+            content: Member::Null,
+            finish_reason: Member::Null,
+        };
+        member.fields().unwrap_or(&NONE)
+    }
 }
 
 fn sse(event: Option<&str>, data: &Value) -> Bytes {
@@ -1060,6 +1067,21 @@ mod tests {
                 Endpoint::Messages,
                 r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"a","text":"b"}}"#,
                 "malformed",
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"text_delta","text":"\"caf\u00e9\""}}"#,
+                r#"text "\"café\"" 1"#,
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.output_text.delta","delta":"a\nb","item":{"type":"x"}}"#,
+                r#"text "a\nb" 0"#,
+            ),
+            (
+                chat,
+                r#"{"choices":[3,{"delta":{"content":"second"}}]}"#,
+                "other",
             ),
             (chat, r#"[1]"#, "other"),
             (chat, r#"{"choices":[{"delta":{"content":"#, "malformed"),
