@@ -106,6 +106,10 @@ pub struct Metrics {
     no_lexicon: String,
     /// The politeness markers, each with its words.
     markers: Vec<(String, Vec<String>)>,
+    /// The markers (indexes) by their first word, so that a response is
+    /// read once rather than once per marker. A short list: a word is
+    /// compared faster than it is hashed.
+    markers_by_first_word: Vec<(String, Vec<usize>)>,
 }
 
 impl Metrics {
@@ -115,18 +119,27 @@ impl Metrics {
             Err(why) => (None, why),
         };
         let no_lexicon = format!("no emotion lexicon: {lexicon_missing}");
-        let markers = politeness_markers
+        let markers: Vec<(String, Vec<String>)> = politeness_markers
             .into_iter()
             .map(|marker| {
                 let words = tokens(&marker);
                 (marker, words)
             })
             .collect();
+        let mut markers_by_first_word: Vec<(String, Vec<usize>)> = Vec::new();
+        for (i, (_, words)) in markers.iter().enumerate() {
+            let Some(first) = words.first() else { continue };
+            match markers_by_first_word.iter_mut().find(|(w, _)| w == first) {
+                Some((_, indexes)) => indexes.push(i),
+                None => markers_by_first_word.push((first.clone(), vec![i])),
+            }
+        }
         Metrics {
             lexicon,
             lexicon_missing,
             no_lexicon,
             markers,
+            markers_by_first_word,
         }
     }
 
@@ -156,16 +169,29 @@ impl Metrics {
     }
 
     fn politeness_of(&self, words: &[&str]) -> MetricResult {
+        let mut present = vec![false; self.markers.len()];
+        for (at, word) in words.iter().enumerate() {
+            let starting = self
+                .markers_by_first_word
+                .iter()
+                .filter(|(first, _)| {
+                    first.as_bytes().first() == word.as_bytes().first() && first == word
+                })
+                .flat_map(|(_, indexes)| indexes);
+            for &i in starting {
+                let marker = &self.markers[i].1;
+                present[i] |= words
+                    .get(at..at + marker.len())
+                    .is_some_and(|w| w.iter().zip(marker).all(|(a, b)| *a == b));
+            }
+        }
+        // In the order the markers are configured.
         let found: Vec<&String> = self
             .markers
             .iter()
-            .filter(|(_, marker)| {
-                !marker.is_empty()
-                    && words
-                        .windows(marker.len())
-                        .any(|w| w.iter().zip(marker).all(|(a, b)| *a == b))
-            })
-            .map(|(name, _)| name)
+            .zip(&present)
+            .filter(|(_, present)| **present)
+            .map(|((name, _), _)| name)
             .collect();
         let score = (0.5 * found.len() as f64).min(1.0);
         MetricResult::scored(

@@ -148,6 +148,14 @@ fn politeness_counts_whole_word_markers() {
     // Whole words only: "thanksgiving" and "pleased" are not markers.
     assert_eq!(politeness("Thanksgiving pleased everyone").score, Some(0.0));
     assert_eq!(politeness("You’re welcome!").score, Some(0.5));
+    // A marker cut by the end of the text is not one; found markers are
+    // listed in the configured order, each once.
+    assert_eq!(politeness("I must thank").score, Some(0.0));
+    let found = politeness("Sorry. Thank you, thank you, and please.");
+    assert_eq!(
+        found.details["markers"],
+        serde_json::json!(["please", "thank you", "sorry"])
+    );
 }
 
 #[test]
