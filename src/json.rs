@@ -4,6 +4,11 @@
 //! body) and read further only when the guard needs it; every other member
 //! is skipped without being copied. Strings without escapes stay borrowed.
 //!
+//! Stream events, whose every text is needed and which are never rewritten
+//! in place, are read in one pass instead: each [`Member`] is read together
+//! with the object that holds it (a string, the fields of an object, the
+//! fields of each item of an array), rather than kept raw and read again.
+//!
 //! Because every value is a slice of the body, a text's place in the body is
 //! known ([`span`]), and a redaction rewrites only that string ([`splice`]):
 //! the rest of the body goes on byte for byte as the client or upstream
