@@ -799,19 +799,24 @@ async fn guarded(
     let (head, body) = response.into_parts();
     let status = head.status;
     let upstream_headers = head.headers;
+    // An answer whose body cannot be relayed: counted by `kind`, and a 502
+    // in the caller's dialect.
+    let broken = |kind: &str, draft: RecordDraft| {
+        state
+            .metrics
+            .upstream_errors
+            .with_label_values(&[&upstream, kind])
+            .inc();
+        let out = respond::failure(dialect, Failure::UpstreamBroken, request_id);
+        end_early(draft, out.status(), Some(upstream_time));
+        out
+    };
     let body =
         match upstream::read_body(body, state.config.guard.max_response_bytes, deadline).await {
             Ok(body) => body,
             Err(error) => {
-                state
-                    .metrics
-                    .upstream_errors
-                    .with_label_values(&[&upstream, "body"])
-                    .inc();
                 tracing::warn!(%error, "upstream body could not be read");
-                let out = respond::failure(dialect, Failure::UpstreamBroken, request_id);
-                end_early(draft, out.status(), Some(upstream_time));
-                return out;
+                return broken("body", draft);
             }
         };
     let read = match ResponseBody::read(endpoint, &body) {
@@ -819,15 +824,8 @@ async fn guarded(
         Err(error) if error.is_data() => {
             // A key twice: the client's parser may read another value
             // than the guard would scan. Not relayed.
-            state
-                .metrics
-                .upstream_errors
-                .with_label_values(&[&upstream, "ambiguous"])
-                .inc();
             tracing::warn!(%error, "upstream response holds a key twice");
-            let out = respond::failure(dialect, Failure::UpstreamBroken, request_id);
-            end_early(draft, out.status(), Some(upstream_time));
-            return out;
+            return broken("ambiguous", draft);
         }
         Err(_) => {
             // Not JSON: nothing to scan, relay as it is.
