@@ -94,7 +94,7 @@ impl<'a> RequestBody<'a> {
     /// Reads a request body; an error when it is not JSON, or when an
     /// object the guard reads holds one of its keys twice.
     pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<RequestBody<'a>, serde_json::Error> {
-        let top: Fields = json::body(body)?;
+        let top = Fields::body(body)?;
         let mut texts = Texts::new(body);
         match endpoint {
             Endpoint::ChatCompletions => {
@@ -156,7 +156,7 @@ pub struct ResponseBody<'a> {
 impl<'a> ResponseBody<'a> {
     /// Reads a response body; an error as for [`RequestBody::read`].
     pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<ResponseBody<'a>, serde_json::Error> {
-        let top: Fields = json::body(body)?;
+        let top = Fields::body(body)?;
         let mut texts = Texts::new(body);
         let scope = Scope::Response;
         match endpoint {

@@ -92,54 +92,39 @@ pub struct Fields<'a> {
 }
 
 impl<'a> Fields<'a> {
+    /// The fields of a whole body, in one pass; none when it is JSON but not
+    /// an object. An error when it is not JSON, or an object with one of the
+    /// keys twice.
+    pub fn body(body: &'a [u8]) -> Result<Fields<'a>, serde_json::Error> {
+        serde_json::from_slice::<Object<Fields>>(body).map(|o| o.0)
+    }
+
     /// The fields of an object; none when `raw` is absent or not an object.
     /// An object with one of the keys twice is an error.
     pub fn of(raw: Option<&'a RawValue>) -> Result<Fields<'a>, serde_json::Error> {
-        of(raw)
-    }
-
-    /// The fields of each item of an array (see [`objects`]).
-    pub fn objects(raw: Option<&'a RawValue>) -> Result<Vec<Fields<'a>>, serde_json::Error> {
-        objects(raw)
-    }
-}
-
-/// A set of fields (`T`, a struct of optional members with a default) read
-/// from an object; the default when `raw` is absent or not an object. An
-/// object with one of the keys twice is an error.
-pub fn of<'a, T: Deserialize<'a> + Default>(
-    raw: Option<&'a RawValue>,
-) -> Result<T, serde_json::Error> {
-    match raw {
-        Some(raw) if raw.get().starts_with('{') => serde_json::from_str(raw.get()),
-        _ => Ok(T::default()),
-    }
-}
-
-/// The fields of a whole body, in one pass; the default when it is JSON but
-/// not an object. An error when it is not JSON, or an object with one of
-/// the keys twice.
-pub fn body<'a, T: Deserialize<'a> + Default>(body: &'a [u8]) -> Result<T, serde_json::Error> {
-    serde_json::from_slice::<Object<T>>(body).map(|o| o.0)
-}
-
-/// The fields of each item of an array, in one pass (items that are not
-/// objects have the default); no items when `raw` is absent or not an
-/// array.
-pub fn objects<'a, T: Deserialize<'a> + Default>(
-    raw: Option<&'a RawValue>,
-) -> Result<Vec<T>, serde_json::Error> {
-    match raw {
-        Some(raw) if raw.get().starts_with('[') => {
-            let items: Vec<Object<T>> = serde_json::from_str(raw.get())?;
-            Ok(items.into_iter().map(|o| o.0).collect())
+        match raw {
+            Some(raw) if raw.get().starts_with('{') => serde_json::from_str(raw.get()),
+            _ => Ok(Fields::default()),
         }
-        _ => Ok(Vec::new()),
+    }
+
+    /// The fields of each item of an array, in one pass (items that are not
+    /// objects have none); no items when `raw` is absent or not an array.
+    pub fn objects(raw: Option<&'a RawValue>) -> Result<Vec<Fields<'a>>, serde_json::Error> {
+        match raw {
+            Some(raw) if raw.get().starts_with('[') => {
+                let items: Vec<Object<Fields>> = serde_json::from_str(raw.get())?;
+                Ok(items.into_iter().map(|o| o.0).collect())
+            }
+            _ => Ok(Vec::new()),
+        }
     }
 }
 
-/// Read from any JSON value: the fields of an object, the default for
-/// anything else.
+/// Read from any JSON value: the fields `T` of an object, the default for
+/// anything else. (Not a [`Member`] read into its fields: that boxes and
+/// moves each object's fields, which measured 1.5% more instructions per
+/// request.)
 struct Object<T>(T);
 
 impl<'de, T: Deserialize<'de> + Default> Deserialize<'de> for Object<T> {
