@@ -26,6 +26,9 @@ const BATCH: usize = 64;
 /// How long a worker waits before looking at an empty channel again.
 const TICK: Duration = Duration::from_millis(2);
 
+/// How long results may wait in a sink's buffer while records keep coming.
+const FLUSH_EVERY: Duration = Duration::from_millis(50);
+
 /// What consumes the channel.
 enum Consumer {
     Workers(Arc<Processor>),
@@ -93,9 +96,12 @@ impl Pipeline {
         let Some(rx) = queue.take_receiver() else {
             anyhow::bail!("the queue already has a consumer");
         };
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(config.queue.workers.clamp(1, 4))
-            .thread_name("fairgate-queue")
+        // One thread: the workers are tasks on it. They wait on sinks and
+        // NATS concurrently, and their CPU work (the metrics) is a small
+        // share of an exchange's, so more threads would only take cores
+        // from the serving threads and wake each other (futex and
+        // sched_yield calls under load, per strace).
+        let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
         let thread = std::thread::Builder::new()
@@ -172,6 +178,7 @@ async fn run(
             // has to wake this thread (a system call on the request path
             // per record), and under load one wake-up serves many records.
             let mut batch = Vec::with_capacity(BATCH);
+            let mut flushed = Instant::now();
             loop {
                 // Once stopping, what is left is drained within the grace
                 // period (or spilled) after the workers end.
@@ -186,6 +193,12 @@ async fn run(
                     if closed {
                         break;
                     }
+                    // Idle: what was buffered is written out now. Under
+                    // load, once FLUSH_EVERY has passed (or the sink's
+                    // buffer is full), rather than in a small write per
+                    // batch.
+                    consumer.flush();
+                    flushed = Instant::now();
                     tokio::select! {
                         biased;
                         _ = stopped.wait_for(|s| *s) => break,
@@ -196,8 +209,12 @@ async fn run(
                 for item in batch.drain(..) {
                     consumer.handle(&queue, item).await;
                 }
-                consumer.flush();
+                if flushed.elapsed() >= FLUSH_EVERY {
+                    consumer.flush();
+                    flushed = Instant::now();
+                }
             }
+            consumer.flush();
         }));
     }
     let replay = {

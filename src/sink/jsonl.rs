@@ -1,9 +1,10 @@
 //! The JSON-lines sink: `<dir>/results-YYYY-MM-DD.jsonl` (UTC day of
 //! processing), one [`Processed`] per line.
 //!
-//! Lines are buffered and written by [`JsonlSink::flush`] (after each batch
-//! of records, and before a NATS worker acknowledges one) to a file opened
-//! for appending.
+//! Lines are buffered (64 KiB) and written to a file opened for appending
+//! when the buffer is full and by [`JsonlSink::flush`]: when the in-process
+//! workers find the queue empty or 50 ms after the last write while records
+//! keep coming, and before a NATS worker acknowledges a record.
 //!
 //! Duplicates (a record replayed or redelivered after it was stored) are
 //! recognized by kind and request id among the last [`WINDOW`] lines of the
