@@ -1,6 +1,7 @@
 # Shared by the benchmark scripts (sourced, run from the repository root):
 # a scratch directory removed on exit with every process in PIDS, oha, the
-# release build, the fast mock upstream, and the request bodies.
+# release build, the fast mock upstream and the stream load generator
+# (benches/stream_ttfb.rs), and the request bodies.
 #
 #   source benches/common.sh
 #   start_mock 127.0.0.1:18101   # then $WORK/body.json, $WORK/stream.json
@@ -16,7 +17,7 @@ trap cleanup EXIT
 
 command -v oha >/dev/null || cargo install oha --locked
 cargo build --release --quiet --bin fairgate
-cargo bench --no-run --quiet --bench mock_upstream 2>/dev/null
+cargo bench --no-run --quiet --bench mock_upstream --bench stream_ttfb 2>/dev/null
 
 BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"You are a careful personal-finance assistant."},{"role":"user","content":"I earn 3,000 a month and spend 2,600. How should I start saving and investing?"}]}'
 echo "$BODY" >"$WORK/body.json"
@@ -25,11 +26,12 @@ echo "${BODY%\}}"',"stream":true}' >"$WORK/stream.json"
 oha_json() { oha --no-tui --output-format json "$@" 2>/dev/null; }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 
+# The newest build of bench binary $1.
+bench_bin() { ls -t target/release/deps/"$1"-* | grep -v '\.d$' | head -n 1; }
+
 # Starts the mock upstream on $1 and waits until it answers.
 start_mock() {
-  local bin
-  bin=$(ls -t target/release/deps/mock_upstream-* | grep -v '\.d$' | head -n 1)
-  "$bin" "$1" 2>/dev/null &
+  "$(bench_bin mock_upstream)" "$1" 2>/dev/null &
   PIDS+=($!)
   for _ in $(seq 100); do curl -sf -o /dev/null "http://$1/v1/models" && break; sleep 0.1; done
 }

@@ -11,10 +11,10 @@
 # turn across the targets: closed-loop requests/s at fixed concurrency and
 # the CPU time per request of the proxy process (user and system, from
 # /proc), the same with streams, and p50/p99 latency at a fixed rate
-# (non-streaming); with each round's ratios. Then the time to first byte of
-# streams (curl, one at a time), fairgate's own time per exchange at the
-# fixed rate (from its records: total minus upstream), and its peak
-# resident memory with 256 concurrent streams. fairgate runs on its
+# (non-streaming) and time to first byte of streams at the same rate
+# (benches/stream_ttfb.rs); with each round's ratios. Then fairgate's own
+# time per exchange at the fixed rate (from its records: total minus
+# upstream), and its peak resident memory with 256 concurrent streams. fairgate runs on its
 # embedded defaults (side queue with in-process workers writing JSON lines)
 # from a scratch directory. The report is benches/proxy_report.py's.
 # Needs oha (cargo install oha) and nginx (apt-get install nginx); installs
@@ -100,7 +100,7 @@ closed_loop() {
 # round appends one value per figure to a space-separated list.
 declare -A ADDR=([direct]=$MOCK [nginx]=$NGINX [fairgate]=$FAIRGATE)
 declare -A TICKS=([direct]=none [nginx]=nginx_ticks [fairgate]=fairgate_ticks)
-declare -A RPS USR SYS SRPS SUSR SSYS P50S P99S TTFB
+declare -A RPS USR SYS SRPS SUSR SSYS P50S P99S T50S T99S
 WINDOWS=()
 for _ in $(seq "$ROUNDS"); do
   for t in direct nginx fairgate; do
@@ -120,14 +120,13 @@ for _ in $(seq "$ROUNDS"); do
     P50S[$t]+=" $(echo "$json" | field "d['latencyPercentiles']['p50'] * 1000")"
     P99S[$t]+=" $(echo "$json" | field "d['latencyPercentiles']['p99'] * 1000")"
   done
-done
-
-# Time to first byte of streams: curl, one stream at a time.
-for t in direct nginx fairgate; do
-  TTFB[$t]=$(for _ in $(seq 200); do
-      curl -s -o /dev/null -w '%{time_starttransfer}\n' -H 'content-type: application/json' --data @"$WORK/stream.json" \
-        "http://${ADDR[$t]}/v1/chat/completions"
-    done | sort -n | awk '{a[NR]=$1} END {printf "%.3f / %.3f", a[int(NR*0.5)]*1000, a[int(NR*0.99)]*1000}')
+  # Streams at the same fixed rate: time to first byte.
+  for t in direct nginx fairgate; do
+    read -r p50 p99 _ failures < <("$(bench_bin stream_ttfb)" "http://${ADDR[$t]}/v1/chat/completions" \
+      "$WORK/stream.json" "$RATE" "$DURATION")
+    [ "$failures" = 0 ] || echo "$t: $failures streams failed" >&2
+    T50S[$t]+=" $p50" T99S[$t]+=" $p99"
+  done
 done
 
 # Peak memory with 256 concurrent streams.
@@ -146,5 +145,5 @@ export_figure() {
   local -n figure=$1
   for t in direct nginx fairgate; do export "$1_$t=${figure[$t]}"; done
 }
-for v in RPS USR SYS SRPS SUSR SSYS P50S P99S TTFB; do export_figure "$v"; done
+for v in RPS USR SYS SRPS SUSR SSYS P50S P99S T50S T99S; do export_figure "$v"; done
 python3 benches/proxy_report.py

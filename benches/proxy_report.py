@@ -61,7 +61,8 @@ def main():
         (f"p50 / p99 at {rate} req/s, ms", lambda t: f"{med('P50S', t):.3f} / {med('P99S', t):.3f}"),
         (f"streams/s, {connections} connections", lambda t: f"{med('SRPS', t):,.0f}"),
         ("CPU per stream (user + system), µs", lambda t: cpu_cell("S", t)),
-        ("stream time to first byte p50 / p99, ms", lambda t: os.environ[f"TTFB_{t}"]),
+        (f"stream time to first byte p50 / p99 at {rate} streams/s, ms",
+         lambda t: f"{med('T50S', t):.3f} / {med('T99S', t):.3f}"),
     ]
     print()
     print(f"Medians of {os.environ['ROUNDS']} rounds taken in turn across the targets:")
@@ -96,6 +97,10 @@ def main():
     for target in ("fairgate", "nginx"):
         added = [p - d for p, d in zip(values("P99S", target), direct)]
         show(f"added p99 at {rate} req/s, {target}, ms", added)
+    direct = values("T99S", "direct")
+    for target in ("fairgate", "nginx"):
+        added = [p - d for p, d in zip(values("T99S", target), direct)]
+        show(f"added p99 time to first byte at {rate} streams/s, {target}, ms", added)
     own = own_times()
     if own:
         def quantile(q):
