@@ -14,7 +14,8 @@
 # (non-streaming) and time to first byte of streams at the same rate
 # (benches/stream_ttfb.rs); with each round's ratios. Then fairgate's own
 # time per exchange at the fixed rate (from its records: total minus
-# upstream), and its peak resident memory with 256 concurrent streams. fairgate runs on its
+# upstream), and its peak resident memory over the run, which ends with 256
+# concurrent streams. fairgate runs on its
 # embedded defaults (side queue with in-process workers writing JSON lines)
 # from a scratch directory. The report is benches/proxy_report.py's.
 # Needs oha (cargo install oha) and nginx (apt-get install nginx); installs
@@ -129,7 +130,8 @@ for _ in $(seq "$ROUNDS"); do
   done
 done
 
-# Peak memory with 256 concurrent streams.
+# The run ends with 256 concurrent streams; the peak memory is the
+# process's over the whole run (VmHWM).
 oha_json -n 5120 -c 256 -m POST -H 'content-type: application/json' -D "$WORK/stream.json" \
   "http://$FAIRGATE/v1/chat/completions" >/dev/null
 PEAK=$(awk '/VmHWM/ {printf "%.1f", $2 / 1024}' "/proc/$FAIRGATE_PID/status")

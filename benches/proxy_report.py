@@ -109,7 +109,7 @@ def main():
             f"fairgate's own time per exchange at {rate} req/s (its records: total minus upstream, "
             f"{len(own):,} exchanges): p50 {quantile(0.5):.3f} ms, p99 {quantile(0.99):.3f} ms"
         )
-    print(f"fairgate peak RSS with 256 concurrent streams: {os.environ['PEAK']} MB")
+    print(f"fairgate peak RSS over the run, which ends with 256 concurrent streams: {os.environ['PEAK']} MB")
 
 
 if __name__ == "__main__":
