@@ -29,6 +29,33 @@ const TICK: Duration = Duration::from_millis(2);
 /// How long results may wait in a sink's buffer while records keep coming.
 const FLUSH_EVERY: Duration = Duration::from_millis(50);
 
+/// When a worker writes out the results its sinks buffered: as soon as it
+/// finds the queue empty, or [`FLUSH_EVERY`] after the oldest result not
+/// yet written while records keep coming (the sink's buffer also writes
+/// itself out when full). Not after every batch: under load that was a
+/// small write per batch.
+#[derive(Debug, Default)]
+struct Flushes {
+    /// When the oldest result not yet written out was handled.
+    oldest: Option<Instant>,
+}
+
+impl Flushes {
+    fn handled(&mut self, now: Instant) {
+        self.oldest.get_or_insert(now);
+    }
+
+    /// Whether to flush now; `idle` when the queue was found empty.
+    fn due(&self, idle: bool, now: Instant) -> bool {
+        self.oldest
+            .is_some_and(|oldest| idle || now.duration_since(oldest) >= FLUSH_EVERY)
+    }
+
+    fn flushed(&mut self) {
+        self.oldest = None;
+    }
+}
+
 /// What consumes the channel.
 enum Consumer {
     Workers(Arc<Processor>),
@@ -178,7 +205,7 @@ async fn run(
             // has to wake this thread (a system call on the request path
             // per record), and under load one wake-up serves many records.
             let mut batch = Vec::with_capacity(BATCH);
-            let mut flushed = Instant::now();
+            let mut flushes = Flushes::default();
             loop {
                 // Once stopping, what is left is drained within the grace
                 // period (or spilled) after the workers end.
@@ -189,16 +216,15 @@ async fn run(
                     let mut rx = rx.lock().await;
                     take_batch(&mut rx, &mut batch)
                 };
-                if batch.is_empty() {
+                let idle = batch.is_empty();
+                if flushes.due(idle, Instant::now()) {
+                    consumer.flush();
+                    flushes.flushed();
+                }
+                if idle {
                     if closed {
                         break;
                     }
-                    // Idle: what was buffered is written out now. Under
-                    // load, once FLUSH_EVERY has passed (or the sink's
-                    // buffer is full), rather than in a small write per
-                    // batch.
-                    consumer.flush();
-                    flushed = Instant::now();
                     tokio::select! {
                         biased;
                         _ = stopped.wait_for(|s| *s) => break,
@@ -209,10 +235,7 @@ async fn run(
                 for item in batch.drain(..) {
                     consumer.handle(&queue, item).await;
                 }
-                if flushed.elapsed() >= FLUSH_EVERY {
-                    consumer.flush();
-                    flushed = Instant::now();
-                }
+                flushes.handled(Instant::now());
             }
             consumer.flush();
         }));
@@ -345,5 +368,37 @@ async fn replay(
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn results_are_written_when_idle_or_once_the_oldest_has_waited_long_enough() {
+        let start = Instant::now();
+        let mut flushes = Flushes::default();
+        // Nothing handled: nothing to write, idle or not.
+        assert!(!flushes.due(true, start));
+        assert!(!flushes.due(false, start + FLUSH_EVERY * 2));
+
+        // Records keep coming: not after each batch, but once the oldest
+        // result has waited FLUSH_EVERY (later batches do not push it out).
+        flushes.handled(start);
+        flushes.handled(start + FLUSH_EVERY / 2);
+        assert!(!flushes.due(false, start + FLUSH_EVERY / 2));
+        assert!(!flushes.due(false, start + FLUSH_EVERY - Duration::from_millis(1)));
+        assert!(flushes.due(false, start + FLUSH_EVERY));
+
+        // The queue found empty: at once.
+        assert!(flushes.due(true, start + Duration::from_millis(1)));
+
+        // Once written out, the clock starts with the next result.
+        flushes.flushed();
+        assert!(!flushes.due(true, start + FLUSH_EVERY * 3));
+        flushes.handled(start + FLUSH_EVERY * 3);
+        assert!(!flushes.due(false, start + FLUSH_EVERY * 3 + FLUSH_EVERY / 2));
+        assert!(flushes.due(false, start + FLUSH_EVERY * 4));
     }
 }

@@ -3,8 +3,9 @@
 //!
 //! Lines are buffered (64 KiB) and written to a file opened for appending
 //! when the buffer is full and by [`JsonlSink::flush`]: when the in-process
-//! workers find the queue empty or 50 ms after the last write while records
-//! keep coming, and before a NATS worker acknowledges a record.
+//! workers find the queue empty or, while records keep coming, once the
+//! oldest unwritten line has waited 50 ms; and before a NATS worker
+//! acknowledges a record.
 //!
 //! Duplicates (a record replayed or redelivered after it was stored) are
 //! recognized by kind and request id among the last [`WINDOW`] lines of the
