@@ -29,6 +29,8 @@ def cpu(prefix, target):
 
 
 def cpu_cell(prefix, target):
+    """The median of user + system, then the medians of each (which need
+    not add up to it)."""
     if target == "direct":
         return ""
     user, system = med(prefix + "USR", target), med(prefix + "SYS", target)
@@ -93,14 +95,11 @@ def main():
         show(f"  throughput its CPU per request implies on {cores} shared cores, {target}", implied)
     show("CPU per request, fairgate / nginx", per_round(cpu("", "fairgate"), cpu("", "nginx")))
     show("CPU per stream, fairgate / nginx", per_round(cpu("S", "fairgate"), cpu("S", "nginx")))
-    direct = values("P99S", "direct")
-    for target in ("fairgate", "nginx"):
-        added = [p - d for p, d in zip(values("P99S", target), direct)]
-        show(f"added p99 at {rate} req/s, {target}, ms", added)
-    direct = values("T99S", "direct")
-    for target in ("fairgate", "nginx"):
-        added = [p - d for p, d in zip(values("T99S", target), direct)]
-        show(f"added p99 time to first byte at {rate} streams/s, {target}, ms", added)
+    for figure, what in (("P99S", f"p99 at {rate} req/s"), ("T99S", f"p99 time to first byte at {rate} streams/s")):
+        direct = values(figure, "direct")
+        for target in ("fairgate", "nginx"):
+            added = [p - d for p, d in zip(values(figure, target), direct)]
+            show(f"added {what}, {target}, ms", added)
     own = own_times()
     if own:
         def quantile(q):
