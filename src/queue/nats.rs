@@ -98,7 +98,7 @@ impl Publisher {
             QueueItem::Feedback(f) => format!("feedback:{}", f.request_id),
         };
         headers.insert("Nats-Msg-Id", id.as_str());
-        let payload = serde_json::to_vec(item)?;
+        let payload = sonic_rs::to_vec(item)?;
         let ack = self
             .js
             .publish_with_headers(self.config.subject.clone(), headers, payload.into())

@@ -107,7 +107,7 @@ impl Sinks {
         if stored == Stored::New
             && let Some((client, subject)) = &self.nats
         {
-            let payload = serde_json::to_vec(processed)?;
+            let payload = sonic_rs::to_vec(processed)?;
             client.publish(subject.clone(), payload.into()).await?;
             client.flush().await?;
         }
