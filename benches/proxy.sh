@@ -10,7 +10,8 @@
 # Reports, per target, the median of ROUNDS rounds (default 3) taken in
 # turn across the targets: closed-loop requests/s at fixed concurrency and
 # the CPU time per request of the proxy process (user and system, from
-# /proc), the same with streams, and p50/p99 latency at a fixed rate
+# /proc; also the share of the side queue's thread, whose in-process
+# workers compute the quality metrics), the same with streams, and p50/p99 latency at a fixed rate
 # (non-streaming) and time to first byte of streams at the same rate
 # (benches/stream_ttfb.rs); with each round's ratios. Then fairgate's own
 # time per exchange at the fixed rate (from its records: total minus
@@ -80,19 +81,31 @@ nginx_ticks() {
 }
 none() { echo "0 0"; }
 fairgate_ticks() { ticks "$FAIRGATE_PID"; }
+# The side queue's thread alone: its in-process workers compute the
+# quality metrics and write the results.
+queue_ticks() {
+  local task
+  for task in /proc/"$FAIRGATE_PID"/task/*; do
+    [ "$(cat "$task/comm")" = fairgate-queue ] && { ticks "$FAIRGATE_PID/task/${task##*/}"; return; }
+  done
+  echo "0 0"
+}
 HZ=$(getconf CLK_TCK)
 now_ms() { date +%s%3N; }
 
-# Closed loop with body $3 against $1, CPU ticks read by $2: prints
-# "requests/s user-us-per-request system-us-per-request".
+# Closed loop with body $3 against $1, CPU ticks of the process read by
+# $2 and of its side queue's thread by $4: prints "requests/s
+# user-us-per-request system-us-per-request queue-us-per-request".
 closed_loop() {
-  local url=$1 pid_ticks=$2 body=$3 u0 s0 u1 s1 json n
+  local url=$1 pid_ticks=$2 body=$3 queue=$4 u0 s0 u1 s1 qu0 qs0 qu1 qs1 json n
   read -r u0 s0 < <($pid_ticks)
+  read -r qu0 qs0 < <($queue)
   json=$(oha_json -z "${DURATION}s" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$body" "$url")
   read -r u1 s1 < <($pid_ticks)
+  read -r qu1 qs1 < <($queue)
   n=$(echo "$json" | field "sum(d['statusCodeDistribution'].values())")
   echo "$(echo "$json" | field "round(d['summary']['requestsPerSec'])")" \
-    "$(python3 -c "print(round(($u1 - $u0) / $HZ / $n * 1e6, 2), round(($s1 - $s0) / $HZ / $n * 1e6, 2))")"
+    "$(python3 -c "print(*(round(t / $HZ / $n * 1e6, 2) for t in ($u1 - $u0, $s1 - $s0, $qu1 + $qs1 - $qu0 - $qs0)))")"
 }
 
 # Every figure is taken ROUNDS times, in turn across the targets, so that a
@@ -101,15 +114,16 @@ closed_loop() {
 # round appends one value per figure to a space-separated list.
 declare -A ADDR=([direct]=$MOCK [nginx]=$NGINX [fairgate]=$FAIRGATE)
 declare -A TICKS=([direct]=none [nginx]=nginx_ticks [fairgate]=fairgate_ticks)
-declare -A RPS USR SYS SRPS SUSR SSYS P50S P99S T50S T99S
+declare -A QUEUE=([direct]=none [nginx]=none [fairgate]=queue_ticks)
+declare -A RPS USR SYS QCPU SRPS SUSR SSYS SQCPU P50S P99S T50S T99S
 WINDOWS=()
 for _ in $(seq "$ROUNDS"); do
   for t in direct nginx fairgate; do
     url="http://${ADDR[$t]}/v1/chat/completions"
-    read -r rps usr sys < <(closed_loop "$url" "${TICKS[$t]}" "$WORK/body.json")
-    RPS[$t]+=" $rps" USR[$t]+=" $usr" SYS[$t]+=" $sys"
-    read -r rps usr sys < <(closed_loop "$url" "${TICKS[$t]}" "$WORK/stream.json")
-    SRPS[$t]+=" $rps" SUSR[$t]+=" $usr" SSYS[$t]+=" $sys"
+    read -r rps usr sys queue < <(closed_loop "$url" "${TICKS[$t]}" "$WORK/body.json" "${QUEUE[$t]}")
+    RPS[$t]+=" $rps" USR[$t]+=" $usr" SYS[$t]+=" $sys" QCPU[$t]+=" $queue"
+    read -r rps usr sys queue < <(closed_loop "$url" "${TICKS[$t]}" "$WORK/stream.json" "${QUEUE[$t]}")
+    SRPS[$t]+=" $rps" SUSR[$t]+=" $usr" SSYS[$t]+=" $sys" SQCPU[$t]+=" $queue"
   done
   # p50/p99 at a fixed rate. fairgate's own records of these runs give its
   # share of each exchange (proxy_ms: total minus upstream).
@@ -147,5 +161,5 @@ export_figure() {
   local -n figure=$1
   for t in direct nginx fairgate; do export "$1_$t=${figure[$t]}"; done
 }
-for v in RPS USR SYS SRPS SUSR SSYS P50S P99S T50S T99S; do export_figure "$v"; done
+for v in RPS USR SYS QCPU SRPS SUSR SSYS SQCPU P50S P99S T50S T99S; do export_figure "$v"; done
 python3 benches/proxy_report.py

@@ -95,6 +95,15 @@ def main():
         show(f"  throughput its CPU per request implies on {cores} shared cores, {target}", implied)
     show("CPU per request, fairgate / nginx", per_round(cpu("", "fairgate"), cpu("", "nginx")))
     show("CPU per stream, fairgate / nginx", per_round(cpu("S", "fairgate"), cpu("S", "nginx")))
+    # The side queue's thread runs the in-process workers (quality
+    # metrics, result lines): work done for the record, not for the hop,
+    # which `queue.kind: nats` moves to worker processes.
+    for prefix, what in (("", "request"), ("S", "stream")):
+        queue = values(prefix + "QCPU", "fairgate")
+        serving = [c - q for c, q in zip(cpu(prefix, "fairgate"), queue)]
+        shares = ", ".join(f"{q / c:.0%}" for q, c in zip(queue, cpu(prefix, "fairgate")))
+        print(f"fairgate's side-queue thread per {what}: {statistics.median(queue):.1f} µs (of the process's CPU: {shares})")
+        show(f"  CPU per {what} less the side-queue thread, fairgate / nginx", per_round(serving, cpu(prefix, "nginx")))
     for figure, what in (("P99S", f"p99 at {rate} req/s"), ("T99S", f"p99 time to first byte at {rate} streams/s")):
         direct = values(figure, "direct")
         for target in ("fairgate", "nginx"):
