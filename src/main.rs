@@ -200,7 +200,6 @@ fn serve(config: Config) -> anyhow::Result<()> {
     if let Err(reason) = fairgate::quality::lexicon::Lexicon::load(&state.config.quality.lexicon) {
         tracing::warn!(%reason, "no emotion lexicon: emotional entropy and Spearman will have no score (see `fairgate lexicon import`)");
     }
-    release_freed_memory();
     let pipeline = state.start_pipeline()?;
     let listener = fairgate::proxy::bind_shared(state.config.listen)
         .map_err(|e| anyhow::anyhow!("listen {}: {e}", state.config.listen))?;
@@ -430,15 +429,4 @@ fn run(cli: Cli) -> anyhow::Result<bool> {
     };
     out.flush()?;
     Ok(ok)
-}
-
-/// Hands back to the system the pages that compiling the rules and loading
-/// the lexicon allocated and freed, which mimalloc would otherwise keep:
-/// 2.5 MB less resident memory at idle and 1.5 MB less at the peak of 256
-/// concurrent streams (README, Performance).
-#[allow(unsafe_code)]
-fn release_freed_memory() {
-    // SAFETY: `mi_collect` takes no pointers and has no preconditions; it
-    // only frees pages mimalloc holds no live allocation in.
-    unsafe { libmimalloc_sys::mi_collect(true) }
 }
