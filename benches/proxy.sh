@@ -11,8 +11,9 @@
 # turn across the targets: closed-loop requests/s at fixed concurrency and
 # the CPU time per request of the proxy process (user and system, from
 # /proc; also the share of the side queue's thread, whose in-process
-# workers compute the quality metrics), the same with streams, and p50/p99 latency at a fixed rate
-# (non-streaming) and time to first byte of streams at the same rate
+# workers compute the quality metrics), the same with streams, and p50/p99
+# latency at a fixed rate (non-streaming) and time to first byte of streams
+# at the same rate
 # (benches/stream_ttfb.rs); with each round's ratios. Then fairgate's own
 # time per exchange at the fixed rate (from its records: total minus
 # upstream), and its peak resident memory over the run, which ends with 256
