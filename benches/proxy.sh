@@ -12,9 +12,9 @@
 # the CPU time per request of the proxy process (user and system, from
 # /proc; also the share of the side queue's thread, whose in-process
 # workers compute the quality metrics), the same with streams, and p50/p99
-# latency at a fixed rate (non-streaming) and time to first byte of streams
-# at the same rate
-# (benches/stream_ttfb.rs); with each round's ratios. Then fairgate's own
+# latency at a fixed rate (non-streaming) and time to first byte of
+# streams at the same rate (benches/stream_ttfb.rs); with each round's
+# ratios. Then fairgate's own
 # time per exchange at the fixed rate (from its records: total minus
 # upstream), and its peak resident memory over the run, which ends with 256
 # concurrent streams. fairgate runs on its
@@ -83,14 +83,11 @@ nginx_ticks() {
 none() { echo "0 0"; }
 fairgate_ticks() { ticks "$FAIRGATE_PID"; }
 # The side queue's thread alone: its in-process workers compute the
-# quality metrics and write the results.
-queue_ticks() {
-  local task
-  for task in /proc/"$FAIRGATE_PID"/task/*; do
-    [ "$(cat "$task/comm")" = fairgate-queue ] && { ticks "$FAIRGATE_PID/task/${task##*/}"; return; }
-  done
-  echo "0 0"
-}
+# quality metrics and write the results. It starts before fairgate
+# listens and lives as long as the process.
+QUEUE_TASK=$(grep -lx fairgate-queue /proc/"$FAIRGATE_PID"/task/*/comm | cut -d/ -f5)
+[ -n "$QUEUE_TASK" ] || { echo "fairgate has no fairgate-queue thread" >&2; exit 1; }
+queue_ticks() { ticks "$FAIRGATE_PID/task/$QUEUE_TASK"; }
 HZ=$(getconf CLK_TCK)
 now_ms() { date +%s%3N; }
 

@@ -37,6 +37,16 @@ def cpu_cell(prefix, target):
     return f"{statistics.median(cpu(prefix, target)):.1f} ({user:.1f} + {system:.1f})"
 
 
+def queue_cell(prefix, target):
+    """The median CPU of fairgate's side-queue thread per exchange, and
+    its share of the process's in each round."""
+    if target != "fairgate":
+        return ""
+    queue = values(prefix + "QCPU", target)
+    shares = ", ".join(f"{q / c:.0%}" for q, c in zip(queue, cpu(prefix, target)))
+    return f"{statistics.median(queue):.1f} ({shares})"
+
+
 def show(label, ratios):
     rounds = ", ".join(f"{r:.2f}" for r in ratios)
     print(f"{label}: {statistics.median(ratios):.2f}   (rounds: {rounds})")
@@ -60,9 +70,11 @@ def main():
     rows = [
         (f"requests/s, {connections} connections", lambda t: f"{med('RPS', t):,.0f}"),
         ("CPU per request (user + system), µs", lambda t: cpu_cell("", t)),
+        ("of which the side queue's thread, µs", lambda t: queue_cell("", t)),
         (f"p50 / p99 at {rate} req/s, ms", lambda t: f"{med('P50S', t):.3f} / {med('P99S', t):.3f}"),
         (f"streams/s, {connections} connections", lambda t: f"{med('SRPS', t):,.0f}"),
         ("CPU per stream (user + system), µs", lambda t: cpu_cell("S", t)),
+        ("of which the side queue's thread, µs", lambda t: queue_cell("S", t)),
         (f"stream time to first byte p50 / p99 at {rate} streams/s, ms",
          lambda t: f"{med('T50S', t):.3f} / {med('T99S', t):.3f}"),
     ]
@@ -99,11 +111,8 @@ def main():
     # metrics, result lines): work done for the record, not for the hop,
     # which `queue.kind: nats` moves to worker processes.
     for prefix, what in (("", "request"), ("S", "stream")):
-        queue = values(prefix + "QCPU", "fairgate")
-        serving = [c - q for c, q in zip(cpu(prefix, "fairgate"), queue)]
-        shares = ", ".join(f"{q / c:.0%}" for q, c in zip(queue, cpu(prefix, "fairgate")))
-        print(f"fairgate's side-queue thread per {what}: {statistics.median(queue):.1f} µs (of the process's CPU: {shares})")
-        show(f"  CPU per {what} less the side-queue thread, fairgate / nginx", per_round(serving, cpu(prefix, "nginx")))
+        serving = [c - q for c, q in zip(cpu(prefix, "fairgate"), values(prefix + "QCPU", "fairgate"))]
+        show(f"CPU per {what} less the side-queue thread, fairgate / nginx", per_round(serving, cpu(prefix, "nginx")))
     for figure, what in (("P99S", f"p99 at {rate} req/s"), ("T99S", f"p99 time to first byte at {rate} streams/s")):
         direct = values(figure, "direct")
         for target in ("fairgate", "nginx"):
