@@ -4,10 +4,8 @@
 //! body) and read further only when the guard needs it; every other member
 //! is skipped without being copied. Strings without escapes stay borrowed.
 //!
-//! Stream events, whose every text is needed and which are never rewritten
-//! in place, are read in one pass instead: each [`Member`] is read together
-//! with the object that holds it (a string, the fields of an object, the
-//! fields of each item of an array), rather than kept raw and read again.
+//! (Stream events, whose every text is needed and which are never
+//! rewritten in place, have their own reader: `guard::stream::event`.)
 //!
 //! Because every value is a slice of the body, a text's place in the body is
 //! known ([`span`]), and a redaction rewrites only that string ([`splice`]):
@@ -122,9 +120,7 @@ impl<'a> Fields<'a> {
 }
 
 /// Read from any JSON value: the fields `T` of an object, the default for
-/// anything else. (Not a [`Member`] read into its fields: that boxes and
-/// moves each object's fields, which measured 1.5% more instructions per
-/// request.)
+/// anything else.
 struct Object<T>(T);
 
 impl<'de, T: Deserialize<'de> + Default> Deserialize<'de> for Object<T> {
@@ -173,117 +169,6 @@ impl<'de, T: Deserialize<'de> + Default> Visitor<'de> for ObjectVisitor<T> {
 
     fn visit_unit<E>(self) -> Result<Object<T>, E> {
         Ok(Object(T::default()))
-    }
-}
-
-/// A member read in the same pass as the object that holds it, for bodies
-/// read whole at once (stream events): a string (borrowed unless escaped),
-/// the fields `T` of an object, the fields of each item of an array (the
-/// default for items that are not objects), a non-negative integer, `null`
-/// (also when absent), or any other value (skipped).
-#[derive(Debug, Default)]
-pub enum Member<'a, T> {
-    Str(Cow<'a, str>),
-    Fields(Box<T>),
-    Items(Vec<T>),
-    U64(u64),
-    #[default]
-    Null,
-    Other,
-}
-
-impl<'a, T> Member<'a, T> {
-    pub fn str(&self) -> Option<&str> {
-        match self {
-            Member::Str(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    pub fn fields(&self) -> Option<&T> {
-        match self {
-            Member::Fields(fields) => Some(fields),
-            _ => None,
-        }
-    }
-
-    /// The first item of an array.
-    pub fn first(&self) -> Option<&T> {
-        match self {
-            Member::Items(items) => items.first(),
-            _ => None,
-        }
-    }
-
-    pub fn u64(&self) -> Option<u64> {
-        match self {
-            Member::U64(n) => Some(*n),
-            _ => None,
-        }
-    }
-
-    pub fn is_null(&self) -> bool {
-        matches!(self, Member::Null)
-    }
-}
-
-impl<'de: 'a, 'a, T: Deserialize<'de> + Default> Deserialize<'de> for Member<'a, T> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(MemberVisitor(PhantomData))
-    }
-}
-
-struct MemberVisitor<'a, T>(PhantomData<(&'a (), T)>);
-
-impl<'de: 'a, 'a, T: Deserialize<'de> + Default> Visitor<'de> for MemberVisitor<'a, T> {
-    type Value = Member<'a, T>;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("any JSON value")
-    }
-
-    fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Self::Value, E> {
-        Ok(Member::Str(Cow::Borrowed(s)))
-    }
-
-    fn visit_str<E>(self, s: &str) -> Result<Self::Value, E> {
-        Ok(Member::Str(Cow::Owned(s.to_owned())))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-        T::deserialize(MapAccessDeserializer::new(map)).map(|t| Member::Fields(Box::new(t)))
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let mut items = Vec::new();
-        while let Some(item) = seq.next_element::<Object<T>>()? {
-            items.push(item.0);
-        }
-        Ok(Member::Items(items))
-    }
-
-    fn visit_u64<E>(self, n: u64) -> Result<Self::Value, E> {
-        Ok(Member::U64(n))
-    }
-
-    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(Member::Other)
-    }
-
-    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(Member::Other)
-    }
-
-    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(Member::Other)
-    }
-
-    fn visit_unit<E>(self) -> Result<Self::Value, E> {
-        Ok(Member::Null)
-    }
-
-    fn visit_none<E>(self) -> Result<Self::Value, E> {
-        Ok(Member::Null)
     }
 }
 

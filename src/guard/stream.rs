@@ -34,6 +34,8 @@
 //! order. A malformed event ends the stream cleanly after what was already
 //! checked, and is counted.
 
+mod event;
+
 use std::fmt::Display;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,17 +44,17 @@ use bytes::{Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
 use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint};
-use crate::json::Member;
 use crate::proxy::ProxyBody;
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::normalize::Normalized;
 use crate::rules::{Action, Hit, RuleSet, Scope};
+
+use event::{Event, Shape, Text};
 
 /// How long a blocked stream waits for the upstream's usage chunk.
 const USAGE_WAIT: Duration = Duration::from_secs(10);
@@ -322,6 +324,9 @@ pub struct Guard {
     /// is read on (nothing of it sent) until its usage chunk, which is then
     /// sent before `[DONE]`.
     awaiting_usage: bool,
+    /// The shape of the last text event read in full: the next ones that
+    /// differ from it only in their text are read by their text alone.
+    shape: Option<Shape>,
 }
 
 impl Guard {
@@ -351,6 +356,7 @@ impl Guard {
             upstream_failed: false,
             usage: None,
             awaiting_usage: false,
+            shape: None,
         }
     }
 
@@ -408,53 +414,57 @@ impl Guard {
         if data.trim() == "[DONE]" {
             return Kind::Done;
         }
-        // The few fields the guard reads, borrowed from the data: no JSON
-        // tree is built for an event. An event they cannot be read from
-        // (not JSON, or one of them given twice in an object the guard
-        // reads, at any level) is malformed.
-        let Ok(fields) = serde_json::from_str::<Fields>(data) else {
+        if let Some(shape) = &self.shape
+            && let Some(text) = shape.text(data)
+        {
+            return Kind::Text {
+                text: text.into_owned(),
+                block: shape.block,
+            };
+        }
+        let Ok(fields) = Event::read(data) else {
             return Kind::Malformed;
         };
-        // Usage comes once or twice a stream; most events need no look.
-        if data.contains("usage")
-            && let Ok(json) = serde_json::from_str::<Value>(data)
-        {
-            self.note_usage(&json);
+        if let Some(usage) = fields.usage {
+            self.note_usage(usage);
         }
         match self.dialect {
             Dialect::OpenAi => self.classify_openai(&fields, data),
-            Dialect::Anthropic => classify_anthropic(&fields),
+            Dialect::Anthropic => self.classify_anthropic(&fields, data),
         }
     }
 
-    /// Keeps the usage an event reports: OpenAI's final `usage` chunk,
-    /// Anthropic's `message_start` and `message_delta` (merged), the
-    /// Responses API's `response.completed`.
-    fn note_usage(&mut self, json: &Value) {
-        let Some(Value::Object(found)) = json
-            .get("usage")
-            .filter(|u| u.is_object())
-            .or_else(|| json.get("message")?.get("usage"))
-            .or_else(|| json.get("response")?.get("usage"))
-        else {
+    /// Keeps the usage an event reports (its JSON text): OpenAI's final
+    /// `usage` chunk, Anthropic's `message_start` and `message_delta`
+    /// (merged), the Responses API's `response.completed`.
+    fn note_usage(&mut self, usage: &str) {
+        let Ok(found) = serde_json::from_str::<Map<String, Value>>(usage) else {
             return;
         };
         match &mut self.usage {
-            Some(Value::Object(usage)) => {
-                for (key, value) in found {
-                    usage.insert(key.clone(), value.clone());
-                }
-            }
-            _ => self.usage = Some(Value::Object(found.clone())),
+            Some(Value::Object(usage)) => usage.extend(found),
+            _ => self.usage = Some(Value::Object(found)),
         }
     }
 
-    fn classify_openai(&mut self, event: &Fields, data: &str) -> Kind {
+    /// A text event: its kind, and its shape for the events that follow.
+    fn text(&mut self, text: &Text, block: u64, data: &str) -> Kind {
+        self.shape = Some(Shape::around(data, text.token.clone(), block));
+        Kind::Text {
+            text: text.value.clone().into_owned(),
+            block,
+        }
+    }
+
+    fn classify_openai(&mut self, event: &Event, data: &str) -> Kind {
         if self.setup.endpoint == Endpoint::Responses {
-            return match event.kind.str() {
-                Some("response.output_text.delta") => Kind::Text {
-                    text: event.delta.str().unwrap_or_default().to_owned(),
-                    block: 0,
+            return match event.kind.as_deref() {
+                Some("response.output_text.delta") => match &event.delta_text {
+                    Some(text) => self.text(text, 0, data),
+                    None => Kind::Text {
+                        text: String::new(),
+                        block: 0,
+                    },
                 },
                 Some("response.completed" | "response.incomplete" | "response.failed") => {
                     Kind::Final
@@ -462,23 +472,17 @@ impl Guard {
                 _ => Kind::Other,
             };
         }
-        let choice = event.choices.first().unwrap_or(Fields::of(&Member::Null));
+        let choice = &event.choice;
         let text = match self.setup.endpoint {
-            Endpoint::Completions => choice.text.str(),
-            _ => Fields::of(&choice.delta).content.str(),
-        }
-        .unwrap_or_default();
+            Endpoint::Completions => &choice.text,
+            _ => &choice.delta.content,
+        };
         // A chunk with both text and a finish reason: the text first; the
         // finish follows as its own chunk when released.
-        let kind = if !text.is_empty() {
-            Kind::Text {
-                text: text.to_owned(),
-                block: 0,
-            }
-        } else if !choice.finish_reason.is_null() {
-            Kind::Final
-        } else {
-            return Kind::Other;
+        let kind = match text {
+            Some(text) if !text.value.is_empty() => self.text(text, 0, data),
+            _ if choice.finished => Kind::Final,
+            _ => return Kind::Other,
         };
         if self.template.is_none()
             && let Ok(json) = serde_json::from_str::<Value>(data)
@@ -486,6 +490,31 @@ impl Guard {
             self.set_template(json);
         }
         kind
+    }
+
+    fn classify_anthropic(&mut self, event: &Event, data: &str) -> Kind {
+        match event.kind.as_deref() {
+            Some("content_block_delta") => {
+                let delta = &event.delta;
+                match (&delta.kind, &delta.text) {
+                    (Some(kind), Some(text)) if kind == "text_delta" => {
+                        self.text(text, event.index.unwrap_or(0), data)
+                    }
+                    (Some(kind), None) if kind == "text_delta" => Kind::Text {
+                        text: String::new(),
+                        block: event.index.unwrap_or(0),
+                    },
+                    _ => Kind::Other,
+                }
+            }
+            Some("content_block_start") if event.block_kind.as_deref() == Some("text") => {
+                Kind::BlockStart
+            }
+            Some("content_block_stop") => Kind::BlockEnd,
+            Some("message_delta") => Kind::Final,
+            Some("message_stop") => Kind::Done,
+            _ => Kind::Other,
+        }
     }
 
     fn set_template(&mut self, template: Value) {
@@ -820,8 +849,8 @@ impl Guard {
         if data.trim() == "[DONE]" {
             return true;
         }
-        if let Ok(json) = serde_json::from_str::<Value>(data) {
-            self.note_usage(&json);
+        if let Ok(Some(usage)) = Event::read(data).map(|event| event.usage) {
+            self.note_usage(usage);
         }
         self.usage.is_some()
     }
@@ -866,76 +895,6 @@ impl Guard {
         let from = ranges.clone().map(|t| t.0).min().unwrap_or(0);
         let to = ranges.map(|t| t.1).max().unwrap_or(from);
         (from, to)
-    }
-}
-
-fn classify_anthropic(event: &Fields) -> Kind {
-    match event.kind.str() {
-        Some("content_block_delta") => {
-            let delta = Fields::of(&event.delta);
-            if delta.kind.str() == Some("text_delta") {
-                Kind::Text {
-                    text: delta.text.str().unwrap_or_default().to_owned(),
-                    block: event.index.u64().unwrap_or(0),
-                }
-            } else {
-                Kind::Other
-            }
-        }
-        Some("content_block_start") => {
-            if Fields::of(&event.content_block).kind.str() == Some("text") {
-                Kind::BlockStart
-            } else {
-                Kind::Other
-            }
-        }
-        Some("content_block_stop") => Kind::BlockEnd,
-        Some("message_delta") => Kind::Final,
-        Some("message_stop") => Kind::Done,
-        _ => Kind::Other,
-    }
-}
-
-/// The fields the guard reads at any level of a stream event, all read in
-/// one pass over the event's data: the event (`type`, `choices`, `delta`,
-/// `index`, `content_block`), an OpenAI choice (`delta`, `text`,
-/// `finish_reason`), a delta (`content`; Anthropic `type`, `text`; the
-/// Responses API's `delta` is a string) or a content block (`type`).
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct Fields<'a> {
-    #[serde(rename = "type", borrow)]
-    kind: Member<'a, Fields<'a>>,
-    #[serde(borrow)]
-    choices: Member<'a, Fields<'a>>,
-    #[serde(borrow)]
-    delta: Member<'a, Fields<'a>>,
-    #[serde(borrow)]
-    index: Member<'a, Fields<'a>>,
-    #[serde(borrow)]
-    content_block: Member<'a, Fields<'a>>,
-    #[serde(borrow)]
-    text: Member<'a, Fields<'a>>,
-    #[serde(borrow)]
-    content: Member<'a, Fields<'a>>,
-    #[serde(borrow)]
-    finish_reason: Member<'a, Fields<'a>>,
-}
-
-impl<'a> Fields<'a> {
-    /// The fields of a member that is an object; none otherwise.
-    fn of<'b>(member: &'b Member<'a, Fields<'a>>) -> &'b Fields<'a> {
-        static NONE: Fields<'static> = Fields {
-            kind: Member::Null,
-            choices: Member::Null,
-            delta: Member::Null,
-            index: Member::Null,
-            content_block: Member::Null,
-            text: Member::Null,
-            content: Member::Null,
-            finish_reason: Member::Null,
-        };
-        member.fields().unwrap_or(&NONE)
     }
 }
 
@@ -1009,20 +968,81 @@ mod tests {
         text
     }
 
+    /// What `guard` makes of an event with data `data`.
+    fn describe(guard: &mut Guard, data: &str) -> String {
+        let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
+        match guard.classify(&event) {
+            Kind::Text { text, block } => format!("text {text:?} {block}"),
+            Kind::BlockEnd => "block end".into(),
+            Kind::BlockStart => "block start".into(),
+            Kind::Final => "final".into(),
+            Kind::Done => "done".into(),
+            Kind::Other => "other".into(),
+            Kind::Malformed => "malformed".into(),
+        }
+    }
+
+    #[test]
+    fn an_event_shaped_like_the_last_text_reads_as_if_read_in_full() {
+        let shapes = [
+            (
+                Endpoint::ChatCompletions,
+                r#"{"id":"c","choices":[{"index":0,"delta":{"content":"#,
+                r#"},"finish_reason":null}]}"#,
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"id":"c","choices":[{"index":0,"delta":{"content":"#,
+                r#"},"finish_reason":"stop"}],"usage":{"total_tokens":3}}"#,
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"choices":[{"text":"#,
+                r#","finish_reason":null}]}"#,
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_delta","index":2,"delta":{"type":"text_delta","text":"#,
+                "}}",
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.output_text.delta","delta":"#,
+                "}",
+            ),
+        ];
+        let texts = [
+            r#""next""#,
+            r#" "caf\u00e9 \"x\"" "#,
+            r#""""#,
+            "7",
+            "null",
+            r#""a","content":"b","text":"c""#,
+            r#""a"}}"#,
+            r#""open"#,
+        ];
+        for (endpoint, before, after) in shapes {
+            let mut guard = Guard::new(setup(endpoint, StreamMode::Holdback));
+            let first = format!(r#"{before}"first"{after}"#);
+            assert!(describe(&mut guard, &first).starts_with("text"), "{first}");
+            assert!(guard.shape.is_some(), "{first}");
+            for text in texts {
+                let data = format!("{before}{text}{after}");
+                let fresh = &mut Guard::new(setup(endpoint, StreamMode::Holdback));
+                assert_eq!(
+                    describe(&mut guard, &data),
+                    describe(fresh, &data),
+                    "{data}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn events_are_read_by_the_fields_the_guard_needs() {
         let kind = |endpoint, data: &str| {
             let mut guard = Guard::new(setup(endpoint, StreamMode::Holdback));
-            let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
-            match guard.classify(&event) {
-                Kind::Text { text, block } => format!("text {text:?} {block}"),
-                Kind::BlockEnd => "block end".into(),
-                Kind::BlockStart => "block start".into(),
-                Kind::Final => "final".into(),
-                Kind::Done => "done".into(),
-                Kind::Other => "other".into(),
-                Kind::Malformed => "malformed".into(),
-            }
+            describe(&mut guard, data)
         };
         let chat = Endpoint::ChatCompletions;
         let cases = [
