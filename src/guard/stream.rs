@@ -242,6 +242,20 @@ fn event_end(buf: &[u8], from: usize) -> Option<usize> {
 }
 
 fn parse_event(raw: Bytes) -> Option<SseEvent> {
+    // Most events are one `data: ` line: read as the loop below would.
+    if let Some(line) = raw
+        .strip_prefix(b"data: ")
+        .and_then(|rest| rest.strip_suffix(b"\n\n"))
+        && memchr::memchr2(b'\n', b'\r', line).is_none()
+        && let Ok(data) = std::str::from_utf8(line)
+    {
+        let data = Some(data.to_owned());
+        return Some(SseEvent {
+            raw,
+            event: None,
+            data,
+        });
+    }
     let text = match std::str::from_utf8(&raw) {
         Ok(text) => std::borrow::Cow::Borrowed(text),
         Err(_) => String::from_utf8_lossy(&raw),
@@ -1161,13 +1175,14 @@ mod tests {
 
     #[test]
     fn parser_finds_events_however_the_bytes_are_cut() {
-        let input =
-            "event: a\ndata: 1\n\ndata: 2\r\n\r\ndata: x\ndata: y\n\n: comment\n\ndata: [DONE]\n\n";
+        let input = "event: a\ndata: 1\n\ndata: 2\r\n\r\ndata: x\ndata: y\n\n: comment\n\ndata:z\n\ndata:  w\n\ndata: [DONE]\n\n";
         let expected = [
             (Some("a"), Some("1")),
             (None, Some("2")),
             (None, Some("x\ny")),
             (None, None),
+            (None, Some("z")),
+            (None, Some(" w")),
             (None, Some("[DONE]")),
         ];
         for cut in 0..=input.len() {
