@@ -258,7 +258,8 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
-    /// The next value if it is a string (borrowed unless it has escapes).
+    /// The next value if it is a string: borrowed when the data holds it
+    /// as it reads (no escapes), owned otherwise.
     fn string(&mut self) -> Result<Option<Text<'a>>, Malformed> {
         let peek = self.jiter.peek()?;
         if peek != Peek::String {
@@ -357,6 +358,15 @@ mod tests {
         assert!(Event::read(r#"{"choices":[{}, {"a":}]}"#).is_err());
         assert!(Event::read(r#"{"type":"a"} x"#).is_err());
         assert!(Event::read(r#""just a string""#).is_ok());
+    }
+
+    #[test]
+    fn every_cut_of_an_event_is_malformed_never_a_panic() {
+        let data = r#"{"type":"x","index":1,"delta":{"type":"text_delta","text":"caf\u00e9 \"q\""},"choices":[{"delta":{"content":"b"},"text":"c","finish_reason":null},2],"usage":{"n":[1.5e3,true]},"message":{"usage":{}}}"#;
+        assert!(Event::read(data).is_ok());
+        for cut in 0..data.len() {
+            assert!(Event::read(&data[..cut]).is_err(), "{}", &data[..cut]);
+        }
     }
 
     #[test]
