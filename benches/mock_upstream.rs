@@ -3,6 +3,10 @@
 //! when the request asks for one, and everything else with a small JSON.
 //!
 //! `cargo bench --bench mock_upstream -- 127.0.0.1:18101`
+//!
+//! With `MOCK_OBFUSCATION` set, each text chunk ends with an `obfuscation`
+//! member of varying length, as OpenAI's chunks do by default: the bytes
+//! around a chunk's text then differ from chunk to chunk.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -22,9 +26,15 @@ fn stream_body() -> String {
     let mut out = String::from(
         "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n",
     );
-    for word in words.split_inclusive(' ') {
+    let obfuscation = std::env::var_os("MOCK_OBFUSCATION").is_some();
+    for (i, word) in words.split_inclusive(' ').enumerate() {
+        let padding = if obfuscation {
+            format!(r#","obfuscation":"{}""#, &"Xq7pZ2kLm9Rt4vBw"[i % 8..])
+        } else {
+            String::new()
+        };
         out.push_str(&format!(
-            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{}}},\"finish_reason\":null}}]}}\n\n",
+            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{}}},\"finish_reason\":null}}]{padding}}}\n\n",
             serde_json::to_string(word).unwrap_or_default()
         ));
     }

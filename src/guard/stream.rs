@@ -462,8 +462,9 @@ impl Guard {
     }
 
     /// A text event: its kind, and its shape for the events that follow.
-    fn text(&mut self, text: &Text, block: u64, data: &str) -> Kind {
-        self.shape = Some(Shape::around(data, text.token.clone(), block));
+    fn text(&mut self, event: &Event, text: &Text, block: u64, data: &str) -> Kind {
+        let shape = Shape::of(data, text.token.clone(), &event.skipped, block);
+        self.shape = Some(shape);
         Kind::Text {
             text: text.value.clone().into_owned(),
             block,
@@ -474,7 +475,7 @@ impl Guard {
         if self.setup.endpoint == Endpoint::Responses {
             return match event.kind.as_deref() {
                 Some("response.output_text.delta") => match &event.delta_text {
-                    Some(text) => self.text(text, 0, data),
+                    Some(text) => self.text(event, text, 0, data),
                     None => Kind::Text {
                         text: String::new(),
                         block: 0,
@@ -494,7 +495,7 @@ impl Guard {
         // A chunk with both text and a finish reason: the text first; the
         // finish follows as its own chunk when released.
         let kind = match text {
-            Some(text) if !text.value.is_empty() => self.text(text, 0, data),
+            Some(text) if !text.value.is_empty() => self.text(event, text, 0, data),
             _ if choice.finished => Kind::Final,
             _ => return Kind::Other,
         };
@@ -512,7 +513,7 @@ impl Guard {
                 let delta = &event.delta;
                 match (&delta.kind, &delta.text) {
                     (Some(kind), Some(text)) if kind == "text_delta" => {
-                        self.text(text, event.index.unwrap_or(0), data)
+                        self.text(event, text, event.index.unwrap_or(0), data)
                     }
                     (Some(kind), None) if kind == "text_delta" => Kind::Text {
                         text: String::new(),
@@ -1007,6 +1008,11 @@ mod tests {
             (
                 Endpoint::ChatCompletions,
                 r#"{"id":"c","choices":[{"index":0,"delta":{"content":"#,
+                r#"},"finish_reason":null}],"obfuscation":"pad"}"#,
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"id":"c","choices":[{"index":0,"delta":{"content":"#,
                 r#"},"finish_reason":"stop"}],"usage":{"total_tokens":3}}"#,
             ),
             (
@@ -1040,14 +1046,21 @@ mod tests {
             let first = format!(r#"{before}"first"{after}"#);
             assert!(describe(&mut guard, &first).starts_with("text"), "{first}");
             assert!(guard.shape.is_some(), "{first}");
+            // The skipped strings (`id`, the padding) may differ too.
+            let others = [
+                after.to_owned(),
+                after.replace(r#""pad""#, r#""p\u0061d 2""#),
+            ];
             for text in texts {
-                let data = format!("{before}{text}{after}");
-                let fresh = &mut Guard::new(setup(endpoint, StreamMode::Holdback));
-                assert_eq!(
-                    describe(&mut guard, &data),
-                    describe(fresh, &data),
-                    "{data}"
-                );
+                for after in &others {
+                    let data = format!("{before}{text}{after}").replace(r#""c""#, r#""c9""#);
+                    let fresh = &mut Guard::new(setup(endpoint, StreamMode::Holdback));
+                    assert_eq!(
+                        describe(&mut guard, &data),
+                        describe(fresh, &data),
+                        "{data}"
+                    );
+                }
             }
         }
     }

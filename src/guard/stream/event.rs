@@ -7,13 +7,15 @@
 //! makes the event malformed, since two parsers may disagree on which
 //! value counts.
 //!
-//! Most text events of a stream differ from the one before only in their
-//! text: the same keys, ids and numbers around one string. A [`Shape`]
-//! keeps the bytes around the text of the last text event read in full.
-//! An event that starts and ends with the same bytes and holds exactly one
-//! JSON string between them is the same event with another text (putting
-//! one string token in place of another keeps a JSON text valid and its
-//! structure unchanged), so only that string is read.
+//! Most text events of a stream differ from the one before only in some
+//! strings: the text, and members the guard skips (OpenAI's `obfuscation`
+//! padding, say), between the same keys, numbers and punctuation. A
+//! [`Shape`] keeps the last text event read in full as its fixed bytes and
+//! the places of those strings. An event made of the same fixed bytes with
+//! one JSON string in each place is the same event with other strings
+//! there (putting one string token in place of another keeps a JSON text
+//! valid and its structure unchanged), so only the strings are read: the
+//! text is taken, the others only checked to be strings.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -50,6 +52,9 @@ pub struct Event<'a> {
     /// The JSON text of `usage`, or else of `message.usage` or
     /// `response.usage`, when it is an object.
     pub usage: Option<&'a str>,
+    /// Where the strings lie that are members of the objects read, but
+    /// not read themselves (ids, model names, padding), in order.
+    pub skipped: Vec<Range<usize>>,
 }
 
 /// A delta object: Anthropic's `type` and `text`, OpenAI's `content`.
@@ -131,6 +136,7 @@ impl<'a> Event<'a> {
             reader.jiter.next_skip()?;
         }
         reader.jiter.finish()?;
+        event.skipped = reader.skipped;
         Ok(event)
     }
 }
@@ -186,35 +192,77 @@ impl<'a> Delta<'a> {
     }
 }
 
-/// The bytes around the text of a text event, and its content block.
+/// A text event as its fixed bytes and the places of its strings that
+/// may differ, one of them the text; and its content block.
 #[derive(Debug)]
 pub struct Shape {
+    /// The bytes before and after the text: most often the only string
+    /// that differs, and then the quicker test.
     before: String,
     after: String,
+    /// The bytes before, between and after the places.
+    fixed: Vec<String>,
+    /// Which place holds the text.
+    text: usize,
     pub block: u64,
 }
 
 impl Shape {
-    /// The shape of `data` around the text token `token`.
-    pub fn around(data: &str, token: Range<usize>, block: u64) -> Shape {
+    /// The shape of `data` with the text at `text` and other strings at
+    /// `skipped` (string tokens, in order, none overlapping the text).
+    pub fn of(data: &str, text: Range<usize>, skipped: &[Range<usize>], block: u64) -> Shape {
+        let at = skipped.partition_point(|place| place.start < text.start);
+        let places = skipped[..at].iter().chain([&text]).chain(&skipped[at..]);
+        let mut fixed = Vec::with_capacity(skipped.len() + 2);
+        let mut from = 0;
+        for place in places {
+            fixed.push(data[from..place.start].to_owned());
+            from = place.end;
+        }
+        fixed.push(data[from..].to_owned());
         Shape {
-            before: data[..token.start].to_owned(),
-            after: data[token.end..].to_owned(),
+            before: data[..text.start].to_owned(),
+            after: data[text.end..].to_owned(),
+            fixed,
+            text: at,
             block,
         }
     }
 
-    /// The text of an event of this shape that carries some: the one JSON
-    /// string between the shape's bytes. `None` when the event has another
-    /// shape (and must be read in full).
+    /// The text of an event of this shape that carries some. `None` when
+    /// the event has another shape (and must be read in full).
     pub fn text<'a>(&self, data: &'a str) -> Option<Cow<'a, str>> {
-        let between = data
-            .strip_prefix(self.before.as_str())?
-            .strip_suffix(self.after.as_str())?;
-        let mut reader = Reader::new(between);
-        let text = reader.string().ok()??;
-        reader.jiter.finish().ok()?;
-        Some(text.value).filter(|text| !text.is_empty())
+        if let Some(between) = data
+            .strip_prefix(self.before.as_str())
+            .and_then(|rest| rest.strip_suffix(self.after.as_str()))
+        {
+            let mut reader = Reader::new(between);
+            if let Ok(Some(text)) = reader.string()
+                && reader.jiter.finish().is_ok()
+            {
+                return Some(text.value).filter(|text| !text.is_empty());
+            }
+        }
+        let (last, before) = self.fixed.split_last()?;
+        let mut rest = data;
+        let mut text = None;
+        for (place, fixed) in before.iter().enumerate() {
+            rest = rest.strip_prefix(fixed.as_str())?;
+            // Exactly one string token, from the first byte on.
+            if !rest.starts_with('"') {
+                return None;
+            }
+            let mut reader = Reader::new(rest);
+            let string = reader.string().ok()??;
+            rest = &rest[string.token.end..];
+            if place == self.text {
+                text = Some(string.value);
+            }
+        }
+        if rest != last {
+            return None;
+        }
+        text.filter(|text| !text.is_empty())
     }
 }
 
@@ -223,6 +271,8 @@ impl Shape {
 struct Reader<'a> {
     data: &'a str,
     jiter: Jiter<'a>,
+    /// Where the strings skipped as members of objects read lie.
+    skipped: Vec<Range<usize>>,
 }
 
 impl<'a> Reader<'a> {
@@ -230,6 +280,7 @@ impl<'a> Reader<'a> {
         Reader {
             data,
             jiter: Jiter::new(data.as_bytes()),
+            skipped: Vec::new(),
         }
     }
 
@@ -251,9 +302,21 @@ impl<'a> Reader<'a> {
                     seen |= 1 << at;
                     member(self, at)?;
                 }
-                None => self.jiter.next_skip()?,
+                None => self.skip_member()?,
             }
             key = self.jiter.next_key()?.map(position);
+        }
+        Ok(())
+    }
+
+    /// Skips a member the guard does not read, noting where it lies when
+    /// it is a string.
+    fn skip_member(&mut self) -> Result<(), Malformed> {
+        let peek = self.jiter.peek()?;
+        let start = self.jiter.current_index();
+        self.jiter.known_skip(peek)?;
+        if peek == Peek::String {
+            self.skipped.push(start..self.jiter.current_index());
         }
         Ok(())
     }
@@ -370,33 +433,35 @@ mod tests {
     }
 
     #[test]
-    fn a_shape_reads_only_events_that_differ_in_their_text() {
-        let first = r#"{"id":"c1","choices":[{"delta":{"content":"one"},"finish_reason":null}]}"#;
-        let token = Event::read(first)
-            .unwrap()
-            .choice
-            .delta
-            .content
-            .unwrap()
-            .token;
-        let shape = Shape::around(first, token, 0);
-        let same = |text: &str| {
+    fn a_shape_reads_events_that_differ_only_in_their_strings() {
+        let event = |id: &str, text: &str, pad: &str| {
             format!(
-                r#"{{"id":"c1","choices":[{{"delta":{{"content":{text}}},"finish_reason":null}}]}}"#
+                r#"{{"id":{id},"choices":[{{"delta":{{"content":{text}}},"finish_reason":null}}],"obfuscation":{pad}}}"#
             )
         };
-        assert_eq!(shape.text(&same(r#""two""#)).as_deref(), Some("two"));
-        assert_eq!(shape.text(&same(r#" "t\nw" "#)).as_deref(), Some("t\nw"));
-        // Anything but one string between the same bytes is read in full.
-        for other in [
-            r#""""#,
-            r#"7"#,
-            r#""a","content":"b""#,
-            r#""a"}},{"delta":{"content":"b""#,
-            r#""unterminated"#,
+        let first = event(r#""c1""#, r#""one""#, r#""xyz""#);
+        let read = Event::read(&first).unwrap();
+        assert_eq!(read.skipped.len(), 2);
+        let text = read.choice.delta.content.unwrap().token;
+        let shape = Shape::of(&first, text, &read.skipped, 0);
+        let two = event(r#""c1""#, r#""two""#, r#""q""#);
+        assert_eq!(shape.text(&two).as_deref(), Some("two"));
+        let escaped = event(r#""c2""#, r#""t\nw""#, r#""""#);
+        assert_eq!(shape.text(&escaped).as_deref(), Some("t\nw"));
+        // Anything but one string in each place is read in full.
+        for (id, text, pad) in [
+            (r#""c1""#, r#""""#, r#""x""#),
+            (r#""c1""#, "7", r#""x""#),
+            (r#""c1""#, r#" "two""#, r#""x""#),
+            (r#""c1""#, r#""a","content":"b""#, r#""x""#),
+            (r#""c1""#, r#""a"}},{"delta":{"content":"b""#, r#""x""#),
+            (r#""c1""#, r#""open"#, r#""x""#),
+            ("1", r#""two""#, r#""x""#),
+            (r#""c1""#, r#""two""#, "null"),
+            (r#""c1""#, r#""two""#, r#""x","choices":[]"#),
         ] {
-            assert_eq!(shape.text(&same(other)), None, "{other}");
+            let data = event(id, text, pad);
+            assert_eq!(shape.text(&data), None, "{data}");
         }
-        assert_eq!(shape.text(&first.replace("c1", "c2")), None);
     }
 }
