@@ -306,21 +306,26 @@ async fn blocked_phrase_split_across_chunks_never_reaches_the_client() {
     let phrase = "guaranteed returns of 20% a year";
     let after = " are waiting for you, so sign up now and tell your friends.";
     let text = format!("{before}{phrase}{after}");
-    let mut chunkings: Vec<Vec<String>> = Vec::new();
+    // Each chunking with whether its chunks are padded as OpenAI's are
+    // (then the bytes around the text differ from chunk to chunk).
+    let mut chunkings: Vec<(Vec<String>, bool)> = Vec::new();
     // One character per chunk.
-    chunkings.push(text.chars().map(String::from).collect());
+    let characters: Vec<String> = text.chars().map(String::from).collect();
+    chunkings.push((characters.clone(), false));
+    chunkings.push((characters, true));
     // Two cuts inside the phrase, every pair of positions (a sample).
     let start = before.len();
     for i in (start..start + phrase.len()).step_by(3) {
         for j in (i + 1..start + phrase.len()).step_by(5) {
-            chunkings.push(vec![text[..i].into(), text[i..j].into(), text[j..].into()]);
+            let chunks = vec![text[..i].into(), text[i..j].into(), text[j..].into()];
+            chunkings.push((chunks, false));
         }
     }
-    for chunks in chunkings {
+    for (chunks, padded) in chunkings {
         let response = proxy
             .post(
                 "/v1/chat/completions",
-                json!({"chunks": chunks}),
+                json!({"chunks": chunks, "obfuscation": padded}),
                 &chat("Any tips?", true),
             )
             .await;

@@ -339,7 +339,7 @@ pub struct Guard {
     /// sent before `[DONE]`.
     awaiting_usage: bool,
     /// The shape of the last text event read in full: the next ones that
-    /// differ from it only in their text are read by their text alone.
+    /// differ from it only in their strings are read by those alone.
     shape: Option<Shape>,
 }
 
@@ -428,6 +428,8 @@ impl Guard {
         if data.trim() == "[DONE]" {
             return Kind::Done;
         }
+        // An event of the last text event's shape means the same, and any
+        // usage it holds is that one's, already noted.
         if let Some(shape) = &self.shape
             && let Some(text) = shape.text(data)
         {

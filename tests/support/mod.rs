@@ -174,7 +174,8 @@ async fn mock_reply(
             }),
         ),
         (false, true) => {
-            let mut body = openai_stream(&chunks);
+            let padded = script.get("obfuscation") == Some(&json!(true));
+            let mut body = openai_stream(&chunks, padded);
             if request.pointer("/stream_options/include_usage") == Some(&json!(true)) {
                 // The usage chunk comes last, before [DONE].
                 let usage = json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": "mock-model",
@@ -190,19 +191,26 @@ async fn mock_reply(
     })
 }
 
-pub fn openai_stream(chunks: &[String]) -> String {
+/// An OpenAI stream of `chunks`; `padded`, each chunk with an
+/// `obfuscation` string of another length, as OpenAI's are by default.
+pub fn openai_stream(chunks: &[String], padded: bool) -> String {
     let frame = |delta: Value, finish: Value| {
-        format!(
-            "data: {}\n\n",
-            json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": "mock-model",
-                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-        )
+        json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": "mock-model",
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
     };
-    let mut out = frame(json!({"role": "assistant", "content": ""}), Value::Null);
-    for chunk in chunks {
-        out.push_str(&frame(json!({"content": chunk}), Value::Null));
+    let data = |chunk: Value| format!("data: {chunk}\n\n");
+    let mut out = data(frame(
+        json!({"role": "assistant", "content": ""}),
+        Value::Null,
+    ));
+    for (i, chunk) in chunks.iter().enumerate() {
+        let mut chunk = frame(json!({"content": chunk}), Value::Null);
+        if padded {
+            chunk["obfuscation"] = json!("x".repeat(1 + i % 7));
+        }
+        out.push_str(&data(chunk));
     }
-    out.push_str(&frame(json!({}), json!("stop")));
+    out.push_str(&data(frame(json!({}), json!("stop"))));
     out.push_str("data: [DONE]\n\n");
     out
 }
