@@ -6,6 +6,7 @@
 #   bash benches/proxy.sh            # about ten minutes
 #   DURATION=5 bash benches/proxy.sh # shorter
 #   THREADS=1 bash benches/proxy.sh  # fairgate on one serving thread (default: one per core)
+#   FAIRGATE_BIN=/path/to/fairgate bash benches/proxy.sh  # another build (default: this checkout's release build)
 #
 # Reports, per target, the median of ROUNDS rounds (default 3) taken in
 # turn across the targets: closed-loop requests/s at fixed concurrency and
@@ -40,7 +41,7 @@ NGINX_BIN=$(command -v nginx || echo /usr/sbin/nginx)
 start_mock "$MOCK"
 # From a scratch directory, so that results and spills (./data) start empty.
 ROOT=$PWD
-(cd "$WORK" && RUST_LOG=warn exec "$ROOT/target/release/fairgate" serve --listen "$FAIRGATE" --admin-listen "$ADMIN" \
+(cd "$WORK" && RUST_LOG=warn exec "${FAIRGATE_BIN:-$ROOT/target/release/fairgate}" serve --listen "$FAIRGATE" --admin-listen "$ADMIN" \
   --rules "$ROOT/rules" --upstream-openai "http://$MOCK" --threads "${THREADS:-0}" >/dev/null 2>&1) &
 FAIRGATE_PID=$!
 PIDS+=($FAIRGATE_PID)
