@@ -42,21 +42,6 @@ fn is_word_char(c: char) -> bool {
     WORD_CHAR.is_match(c.encode_utf8(&mut [0; 4]))
 }
 
-/// `word` without the apostrophes at its ends (ASCII, so every cut is a
-/// character boundary).
-fn trim_apostrophes(word: &str) -> &str {
-    let bytes = word.as_bytes();
-    let start = bytes
-        .iter()
-        .position(|&b| b != b'\'')
-        .unwrap_or(bytes.len());
-    let end = bytes
-        .iter()
-        .rposition(|&b| b != b'\'')
-        .map_or(start, |i| i + 1);
-    &word[start..end]
-}
-
 /// A text lower-cased once (U+2019 read as an apostrophe), read as words
 /// without copying them: maximal runs of letters, combining marks, decimal
 /// digits and apostrophes, with apostrophes trimmed from both ends and empty
@@ -80,29 +65,19 @@ impl Words {
     /// text is ASCII, and this is a hot path of the workers.
     pub fn iter(&self) -> impl Iterator<Item = &str> {
         let text = self.lower.as_str();
-        let bytes = text.as_bytes();
         let mut at = 0;
         std::iter::from_fn(move || {
-            while at < bytes.len() {
+            while at < text.len() {
                 let start = at;
-                while let Some(&byte) = bytes.get(at) {
-                    if byte.is_ascii_alphanumeric() || byte == b'\'' {
-                        at += 1;
-                    } else if byte.is_ascii() {
-                        break;
-                    } else {
-                        match word_char_len(text, at) {
-                            Some(len) => at += len,
-                            None => break,
-                        }
-                    }
+                while let Some(len) = word_char_len(text, at) {
+                    at += len;
                 }
                 if at == start {
                     // Not a word character: step over it.
-                    at += char_len(bytes[at]);
+                    at += char_len(text.as_bytes()[at]);
                     continue;
                 }
-                let word = trim_apostrophes(&text[start..at]);
+                let word = text[start..at].trim_matches('\'');
                 if !word.is_empty() {
                     return Some(word);
                 }
