@@ -64,12 +64,15 @@ impl Recent {
         if !self.set.insert(key) {
             return false;
         }
-        self.order.push_back(key);
-        if self.order.len() > WINDOW
+        // The oldest leaves before the newest comes, so that the queue never
+        // holds more than WINDOW keys: one over, and it would double its
+        // allocation for the rest of the day.
+        if self.order.len() == WINDOW
             && let Some(oldest) = self.order.pop_front()
         {
             self.set.remove(&oldest);
         }
+        self.order.push_back(key);
         true
     }
 }
@@ -252,6 +255,9 @@ mod tests {
             assert!(recent.insert("exchange", &i.to_string()));
         }
         assert_eq!(recent.set.len(), WINDOW);
+        // Never one key over: the queue's allocation stays at WINDOW keys.
+        assert_eq!(recent.order.len(), WINDOW);
+        assert!(recent.order.capacity() < 2 * WINDOW);
         // The newest are still known, the ten oldest are not.
         assert!(!recent.insert("exchange", &(WINDOW + 9).to_string()));
         assert!(!recent.insert("exchange", "10"));
