@@ -7,13 +7,20 @@
 //! With `MOCK_OBFUSCATION` set, each text chunk ends with an `obfuscation`
 //! member of varying length, as OpenAI's chunks do by default: the bytes
 //! around a chunk's text then differ from chunk to chunk.
+//!
+//! With `MOCK_STREAM_PAUSE_MS=N`, a stream's first half is sent at once and
+//! the rest after N milliseconds, so that many streams can be held open at
+//! the same moment (`benches/memory.sh`).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
+use futures_util::stream;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -42,7 +49,29 @@ fn stream_body() -> String {
     out
 }
 
-async fn reply(req: Request<Incoming>, stream: Bytes) -> Result<Response<Full<Bytes>>, Infallible> {
+type MockBody = UnsyncBoxBody<Bytes, Infallible>;
+
+/// `payload` in two frames, the second `pause` after the first.
+fn paused(payload: Bytes, pause: Duration) -> MockBody {
+    let half = payload.len() / 2;
+    let frames = stream::unfold(Some((payload, true)), move |state| async move {
+        let (mut rest, first) = state?;
+        if first {
+            let head = rest.split_to(half);
+            Some((Ok(Frame::data(head)), Some((rest, false))))
+        } else {
+            tokio::time::sleep(pause).await;
+            Some((Ok(Frame::data(rest)), None))
+        }
+    });
+    StreamBody::new(frames).boxed_unsync()
+}
+
+async fn reply(
+    req: Request<Incoming>,
+    stream: Bytes,
+    pause: Option<Duration>,
+) -> Result<Response<MockBody>, Infallible> {
     let body = req
         .into_body()
         .collect()
@@ -51,14 +80,18 @@ async fn reply(req: Request<Incoming>, stream: Bytes) -> Result<Response<Full<By
         .unwrap_or_default();
     let streaming = body.windows(13).any(|w| w == b"\"stream\":true");
     let (content_type, payload) = if streaming {
-        ("text/event-stream", stream)
+        let payload = match pause {
+            Some(pause) => paused(stream, pause),
+            None => Full::new(stream).boxed_unsync(),
+        };
+        ("text/event-stream", payload)
     } else {
         (
             "application/json",
-            Bytes::from_static(COMPLETION.as_bytes()),
+            Full::new(Bytes::from_static(COMPLETION.as_bytes())).boxed_unsync(),
         )
     };
-    let mut response = Response::new(Full::new(payload));
+    let mut response = Response::new(payload);
     response.headers_mut().insert(
         "content-type",
         hyper::header::HeaderValue::from_static(content_type),
@@ -72,6 +105,10 @@ fn main() -> std::io::Result<()> {
         .find(|a| !a.starts_with("--"))
         .and_then(|a| a.parse().ok())
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 18101)));
+    let pause = std::env::var("MOCK_STREAM_PAUSE_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map(Duration::from_millis);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -83,7 +120,7 @@ fn main() -> std::io::Result<()> {
             let (socket, _) = listener.accept().await?;
             let stream = stream.clone();
             tokio::spawn(async move {
-                let service = service_fn(move |req| reply(req, stream.clone()));
+                let service = service_fn(move |req| reply(req, stream.clone(), pause));
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(socket), service)
                     .await;
