@@ -9,9 +9,9 @@
 #   BINS="/abs/old /abs/new" bash benches/memory.sh  # builds in turn, ROUNDS each
 #
 # Per build and round: the RSS after a warm-up (a 3 s closed loop of
-# requests at 64 connections), the RSS
-# with STREAMS streams open, what one open stream adds, and the peak RSS
-# (VmHWM). Needs oha (cargo install oha); loopback only.
+# requests at 64 connections), the RSS with STREAMS streams open, what one
+# open stream adds, and the peak RSS (VmHWM). Needs oha (cargo install
+# oha); loopback only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
