@@ -29,9 +29,14 @@ field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 # The newest build of bench binary $1.
 bench_bin() { ls -t target/release/deps/"$1"-* | grep -v '\.d$' | head -n 1; }
 
+# Waits until URL $1 answers, for up to $2 tenths of a second (default 100).
+wait_for() {
+  for _ in $(seq "${2:-100}"); do curl -sf -o /dev/null "$1" && return; sleep 0.1; done
+}
+
 # Starts the mock upstream on $1 and waits until it answers.
 start_mock() {
   "$(bench_bin mock_upstream)" "$1" 2>/dev/null &
   PIDS+=($!)
-  for _ in $(seq 100); do curl -sf -o /dev/null "http://$1/v1/models" && break; sleep 0.1; done
+  wait_for "http://$1/v1/models"
 }

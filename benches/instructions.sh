@@ -34,7 +34,8 @@ count() {
     --listen "127.0.0.1:$PORT" --admin-listen "$ADMIN" --rules "$OLDPWD/rules" --upstream-openai "http://$MOCK" \
     >/dev/null 2>"$dir/valgrind.log") &
   local pid=$!
-  for _ in $(seq 600); do curl -sf -o /dev/null "http://$ADMIN/healthz" && break; sleep 0.2; done
+  # Under valgrind the start takes a while.
+  wait_for "http://$ADMIN/healthz" 1200
   if [ "$n" -gt 0 ]; then
     oha --no-tui -n "$n" -c 16 -m POST -H 'content-type: application/json' -D "$body" \
       "http://127.0.0.1:$PORT/v1/chat/completions" >/dev/null 2>&1

@@ -39,7 +39,7 @@ for round in $(seq "$ROUNDS"); do
     (cd "$WORK" && RUST_LOG=warn exec "$bin" serve --listen "$FAIRGATE" --admin-listen "$ADMIN" \
       --rules "$ROOT/rules" --upstream-openai "http://$MOCK" >/dev/null 2>&1) &
     pid=$!
-    for _ in $(seq 100); do curl -sf -o /dev/null "http://$ADMIN/healthz" && break; sleep 0.1; done
+    wait_for "http://$ADMIN/healthz"
     oha_json -z 3s -c 64 -m POST -H 'content-type: application/json' -D "$WORK/body.json" \
       "http://$FAIRGATE/v1/chat/completions" >/dev/null
     sleep 1

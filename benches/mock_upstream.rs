@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures_util::stream;
+use futures_util::{StreamExt, stream};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Either, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
@@ -54,19 +54,14 @@ fn stream_body() -> String {
 type MockBody = Either<Full<Bytes>, UnsyncBoxBody<Bytes, Infallible>>;
 
 /// `payload` in two frames, the second `pause` after the first.
-fn paused(payload: Bytes, pause: Duration) -> MockBody {
-    let half = payload.len() / 2;
-    let frames = stream::unfold(Some((payload, true)), move |state| async move {
-        let (mut rest, first) = state?;
-        if first {
-            let head = rest.split_to(half);
-            Some((Ok(Frame::data(head)), Some((rest, false))))
-        } else {
-            tokio::time::sleep(pause).await;
-            Some((Ok(Frame::data(rest)), None))
-        }
+fn paused(mut payload: Bytes, pause: Duration) -> MockBody {
+    let rest = payload.split_off(payload.len() / 2);
+    let first = stream::once(async move { Ok(Frame::data(payload)) });
+    let second = stream::once(async move {
+        tokio::time::sleep(pause).await;
+        Ok(Frame::data(rest))
     });
-    Either::Right(StreamBody::new(frames).boxed_unsync())
+    Either::Right(StreamBody::new(first.chain(second)).boxed_unsync())
 }
 
 async fn reply(

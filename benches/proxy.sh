@@ -67,9 +67,8 @@ http {
 EOF
 "$NGINX_BIN" -c "$WORK/nginx.conf"
 
-for url in "http://$ADMIN/healthz" "http://$NGINX/v1/models"; do
-  for _ in $(seq 100); do curl -sf -o /dev/null "$url" && break; sleep 0.1; done
-done
+wait_for "http://$ADMIN/healthz"
+wait_for "http://$NGINX/v1/models"
 
 # CPU ticks of a process and its threads: "user system".
 ticks() { awk '{print $14, $15}' "/proc/$1/stat"; }

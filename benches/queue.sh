@@ -34,7 +34,7 @@ YAML
   RUST_LOG=warn FAIRGATE_CONFIG="$WORK/$name/fairgate.yaml" target/release/fairgate serve >/dev/null 2>&1 &
   local pid=$!
   PIDS+=($pid)
-  for _ in $(seq 100); do curl -sf -o /dev/null "http://127.0.0.1:$((port + 1))/healthz" && break; sleep 0.1; done
+  wait_for "http://127.0.0.1:$((port + 1))/healthz"
   local url="http://127.0.0.1:$port/v1/chat/completions"
   local json rps p50 p99
   json=$(oha_json -z "${DURATION}s" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$WORK/body.json" "$url")
