@@ -29,9 +29,12 @@ field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 # The newest build of bench binary $1.
 bench_bin() { ls -t target/release/deps/"$1"-* | grep -v '\.d$' | head -n 1; }
 
-# Waits until URL $1 answers, for up to $2 tenths of a second (default 100).
+# Waits until URL $1 answers, for up to $2 tenths of a second (default
+# 100); fails, saying so, if it never does (a server that did not start).
 wait_for() {
   for _ in $(seq "${2:-100}"); do curl -sf -o /dev/null "$1" && return; sleep 0.1; done
+  echo "$1 did not answer" >&2
+  return 1
 }
 
 # Starts the mock upstream on $1 and waits until it answers.

@@ -39,6 +39,7 @@ for round in $(seq "$ROUNDS"); do
     (cd "$WORK" && RUST_LOG=warn exec "$bin" serve --listen "$FAIRGATE" --admin-listen "$ADMIN" \
       --rules "$ROOT/rules" --upstream-openai "http://$MOCK" >/dev/null 2>&1) &
     pid=$!
+    PIDS+=($pid)
     wait_for "http://$ADMIN/healthz"
     oha_json -z 3s -c 64 -m POST -H 'content-type: application/json' -D "$WORK/body.json" \
       "http://$FAIRGATE/v1/chat/completions" >/dev/null
