@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # What fairgate costs, measured in one run against the same fast mock
-# upstream: direct to the mock, through a bare nginx reverse-proxy hop, and
-# through fairgate with the shipped rules.
+# upstream: direct to the mock, through a bare nginx reverse-proxy hop,
+# through fairgate on a route it passes through unguarded (POST
+# /v1/embeddings, which the mock answers as it does chat completions: the
+# cost of fairgate's HTTP hop alone), and through fairgate with the shipped
+# rules.
 #
-#   bash benches/proxy.sh            # about ten minutes
+#   bash benches/proxy.sh            # about thirteen minutes
 #   DURATION=5 bash benches/proxy.sh # shorter
 #   THREADS=1 bash benches/proxy.sh  # fairgate on one serving thread (default: one per core)
 #   FAIRGATE_BIN=/path/to/fairgate bash benches/proxy.sh  # another build (default: this checkout's release build)
@@ -110,14 +113,16 @@ closed_loop() {
 # noisy moment of this shared machine falls on every target alike; the
 # median of the rounds is reported (and the ratios of each round). Each
 # round appends one value per figure to a space-separated list.
-declare -A ADDR=([direct]=$MOCK [nginx]=$NGINX [fairgate]=$FAIRGATE)
-declare -A TICKS=([direct]=none [nginx]=nginx_ticks [fairgate]=fairgate_ticks)
-declare -A QUEUE=([direct]=none [nginx]=none [fairgate]=queue_ticks)
+TARGETS=(direct nginx passthrough fairgate)
+declare -A URL=([direct]=http://$MOCK/v1/chat/completions [nginx]=http://$NGINX/v1/chat/completions
+  [passthrough]=http://$FAIRGATE/v1/embeddings [fairgate]=http://$FAIRGATE/v1/chat/completions)
+declare -A TICKS=([direct]=none [nginx]=nginx_ticks [passthrough]=fairgate_ticks [fairgate]=fairgate_ticks)
+declare -A QUEUE=([direct]=none [nginx]=none [passthrough]=queue_ticks [fairgate]=queue_ticks)
 declare -A RPS USR SYS QCPU SRPS SUSR SSYS SQCPU P50S P99S T50S T99S
 WINDOWS=()
 for _ in $(seq "$ROUNDS"); do
-  for t in direct nginx fairgate; do
-    url="http://${ADDR[$t]}/v1/chat/completions"
+  for t in "${TARGETS[@]}"; do
+    url=${URL[$t]}
     read -r rps usr sys queue < <(closed_loop "$url" "${TICKS[$t]}" "$WORK/body.json" "${QUEUE[$t]}")
     RPS[$t]+=" $rps" USR[$t]+=" $usr" SYS[$t]+=" $sys" QCPU[$t]+=" $queue"
     read -r rps usr sys queue < <(closed_loop "$url" "${TICKS[$t]}" "$WORK/stream.json" "${QUEUE[$t]}")
@@ -125,17 +130,17 @@ for _ in $(seq "$ROUNDS"); do
   done
   # p50/p99 at a fixed rate. fairgate's own records of these runs give its
   # share of each exchange (proxy_ms: total minus upstream).
-  for t in direct nginx fairgate; do
+  for t in "${TARGETS[@]}"; do
     from=$(now_ms)
     json=$(oha_json -z "${DURATION}s" -q "$RATE" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' \
-      -D "$WORK/body.json" "http://${ADDR[$t]}/v1/chat/completions")
+      -D "$WORK/body.json" "${URL[$t]}")
     if [ "$t" = fairgate ]; then WINDOWS+=("$from-$(now_ms)"); fi
     P50S[$t]+=" $(echo "$json" | field "d['latencyPercentiles']['p50'] * 1000")"
     P99S[$t]+=" $(echo "$json" | field "d['latencyPercentiles']['p99'] * 1000")"
   done
   # Streams at the same fixed rate: time to first byte.
-  for t in direct nginx fairgate; do
-    read -r p50 p99 _ failures < <("$(bench_bin stream_ttfb)" "http://${ADDR[$t]}/v1/chat/completions" \
+  for t in "${TARGETS[@]}"; do
+    read -r p50 p99 _ failures < <("$(bench_bin stream_ttfb)" "${URL[$t]}" \
       "$WORK/stream.json" "$RATE" "$DURATION")
     [ "$failures" = 0 ] || echo "$t: $failures streams failed" >&2
     T50S[$t]+=" $p50" T99S[$t]+=" $p99"
@@ -157,7 +162,7 @@ export WINDOW_LIST="${WINDOWS[*]}"
 # Exports figure $1 of every target as $1_<target>.
 export_figure() {
   local -n figure=$1
-  for t in direct nginx fairgate; do export "$1_$t=${figure[$t]}"; done
+  for t in "${TARGETS[@]}"; do export "$1_$t=${figure[$t]}"; done
 }
 for v in RPS USR SYS QCPU SRPS SUSR SSYS SQCPU P50S P99S T50S T99S; do export_figure "$v"; done
 python3 benches/proxy_report.py

@@ -2,9 +2,10 @@
 and fairgate's own time per exchange read from its results.
 
 Reads the figures from the environment, as the script exports them: for
-each target (direct, nginx, fairgate) and figure, a space-separated list
-with one value per round (RPS_nginx, USR_fairgate, ...), and WINDOW_LIST, the
-spans of epoch milliseconds of fairgate's fixed-rate runs.
+each target (direct, nginx, passthrough, fairgate) and figure, a
+space-separated list with one value per round (RPS_nginx, USR_fairgate,
+...), and WINDOW_LIST, the spans of epoch milliseconds of fairgate's
+fixed-rate runs.
 """
 
 import glob
@@ -12,7 +13,9 @@ import json
 import os
 import statistics
 
-TARGETS = ("direct", "nginx", "fairgate")
+TARGETS = ("direct", "nginx", "passthrough", "fairgate")
+# fairgate on a route it passes through unguarded: its HTTP hop alone.
+LABELS = {"passthrough": "fairgate, unguarded route"}
 
 
 def values(name, target):
@@ -81,7 +84,7 @@ def main():
     print()
     print(f"Medians of {os.environ['ROUNDS']} rounds taken in turn across the targets:")
     print()
-    print(f"| | {' | '.join(TARGETS)} |")
+    print(f"| | {' | '.join(LABELS.get(t, t) for t in TARGETS)} |")
     print("| --- | " + " | ".join("---:" for _ in TARGETS) + " |")
     for label, cell in rows:
         print(f"| {label} | " + " | ".join(cell(t) for t in TARGETS) + " |")
@@ -92,6 +95,7 @@ def main():
 
     show("throughput, fairgate / direct", per_round(values("RPS", "fairgate"), values("RPS", "direct")))
     show("throughput, nginx / direct", per_round(values("RPS", "nginx"), values("RPS", "direct")))
+    show("throughput, fairgate unguarded / direct", per_round(values("RPS", "passthrough"), values("RPS", "direct")))
     # The load generator and the mock share the machine's cores with the
     # proxy, so a proxy's throughput follows from its CPU per request: if
     # the direct loop keeps every core busy, each request costs the load
@@ -107,6 +111,10 @@ def main():
         show(f"  throughput its CPU per request implies on {cores} shared cores, {target}", implied)
     show("CPU per request, fairgate / nginx", per_round(cpu("", "fairgate"), cpu("", "nginx")))
     show("CPU per stream, fairgate / nginx", per_round(cpu("S", "fairgate"), cpu("S", "nginx")))
+    # The floor under those: fairgate's hop with no guard, no record, no
+    # side-queue work.
+    show("CPU per request, fairgate unguarded / nginx", per_round(cpu("", "passthrough"), cpu("", "nginx")))
+    show("CPU per stream, fairgate unguarded / nginx", per_round(cpu("S", "passthrough"), cpu("S", "nginx")))
     # The side queue's thread runs the in-process workers (quality
     # metrics, result lines): work done for the record, not for the hop,
     # which `queue.kind: nats` moves to worker processes.
@@ -115,9 +123,9 @@ def main():
         show(f"CPU per {what} less the side-queue thread, fairgate / nginx", per_round(serving, cpu(prefix, "nginx")))
     for figure, what in (("P99S", f"p99 at {rate} req/s"), ("T99S", f"p99 time to first byte at {rate} streams/s")):
         direct = values(figure, "direct")
-        for target in ("fairgate", "nginx"):
+        for target in ("fairgate", "passthrough", "nginx"):
             added = [p - d for p, d in zip(values(figure, target), direct)]
-            show(f"added {what}, {target}, ms", added)
+            show(f"added {what}, {LABELS.get(target, target)}, ms", added)
     own = own_times()
     if own:
         def quantile(q):
