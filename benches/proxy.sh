@@ -117,7 +117,7 @@ TARGETS=(direct nginx passthrough fairgate)
 declare -A URL=([direct]=http://$MOCK/v1/chat/completions [nginx]=http://$NGINX/v1/chat/completions
   [passthrough]=http://$FAIRGATE/v1/embeddings [fairgate]=http://$FAIRGATE/v1/chat/completions)
 declare -A TICKS=([direct]=none [nginx]=nginx_ticks [passthrough]=fairgate_ticks [fairgate]=fairgate_ticks)
-declare -A QUEUE=([direct]=none [nginx]=none [passthrough]=queue_ticks [fairgate]=queue_ticks)
+declare -A QUEUE=([direct]=none [nginx]=none [passthrough]=none [fairgate]=queue_ticks)
 declare -A RPS USR SYS QCPU SRPS SUSR SSYS SQCPU P50S P99S T50S T99S
 WINDOWS=()
 for _ in $(seq "$ROUNDS"); do
