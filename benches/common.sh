@@ -37,6 +37,9 @@ wait_for() {
   return 1
 }
 
+# Memory figure $1 of process $2 (VmRSS, VmHWM, ...) from /proc, in MB.
+mem_mb() { awk "/^$1:/ {printf \"%.1f\", \$2 / 1024}" "/proc/$2/status"; }
+
 # Starts the mock upstream on $1 and waits until it answers.
 start_mock() {
   "$(bench_bin mock_upstream)" "$1" 2>/dev/null &

@@ -26,7 +26,6 @@ ROOT=$PWD
 BINS=${BINS:-$ROOT/target/release/fairgate}
 
 MOCK_STREAM_PAUSE_MS=$PAUSE_MS start_mock "$MOCK"
-rss() { awk "/$1/ {printf \"%.1f\", \$2 / 1024}" "/proc/$2/status"; }
 streams() {
   oha_json -n "$STREAMS" -c "$STREAMS" -m POST -H 'content-type: application/json' \
     -D "$WORK/stream.json" "http://$FAIRGATE/v1/chat/completions"
@@ -44,16 +43,16 @@ for round in $(seq "$ROUNDS"); do
     oha_json -z 3s -c 64 -m POST -H 'content-type: application/json' -D "$WORK/body.json" \
       "http://$FAIRGATE/v1/chat/completions" >/dev/null
     sleep 1
-    idle=$(rss VmRSS "$pid")
+    idle=$(mem_mb VmRSS "$pid")
     streams >"$WORK/streams.json" &
     load=$!
     # Half the pause: every stream has sent its first half and waits.
     sleep "$(python3 -c "print($PAUSE_MS / 2000)")"
-    open=$(rss VmRSS "$pid")
+    open=$(mem_mb VmRSS "$pid")
     wait "$load"
     ok=$(field "d['statusCodeDistribution'].get('200', 0)" <"$WORK/streams.json")
     [ "$ok" = "$STREAMS" ] || echo "$bin: $ok of $STREAMS streams succeeded" >&2
-    peak=$(rss VmHWM "$pid")
+    peak=$(mem_mb VmHWM "$pid")
     per=$(python3 -c "print(round(($open - $idle) * 1024 / $STREAMS, 1))")
     printf '%-40s %5s %10s %10s %14s %8s\n' "$bin" "$round" "$idle" "$open" "$per" "$peak"
     kill -TERM "$pid"

@@ -151,7 +151,7 @@ done
 # process's over the whole run (VmHWM).
 oha_json -n 5120 -c 256 -m POST -H 'content-type: application/json' -D "$WORK/stream.json" \
   "http://$FAIRGATE/v1/chat/completions" >/dev/null
-PEAK=$(awk '/VmHWM/ {printf "%.1f", $2 / 1024}' "/proc/$FAIRGATE_PID/status")
+PEAK=$(mem_mb VmHWM "$FAIRGATE_PID")
 
 # On SIGTERM fairgate writes out the results it holds.
 kill -TERM "$FAIRGATE_PID"
