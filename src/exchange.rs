@@ -11,9 +11,7 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use serde_json::value::RawValue;
-
-use crate::json::{self, Fields};
+use crate::json::{self, BodyError, Fields, Members, Raw};
 use crate::rules::Scope;
 
 /// The API an endpoint speaks.
@@ -83,7 +81,7 @@ pub struct RequestBody<'a> {
     /// `stream_options.include_usage`.
     pub include_usage: bool,
     /// The `metadata` object, for [`crate::record::ClientMeta`].
-    pub metadata: Option<&'a RawValue>,
+    pub metadata: Option<Raw<'a>>,
     /// System and user messages are the prompt; tool results, function
     /// outputs and documents are context. Assistant turns of the history
     /// are the model's own words and are not scanned again.
@@ -93,7 +91,7 @@ pub struct RequestBody<'a> {
 impl<'a> RequestBody<'a> {
     /// Reads a request body; an error when it is not JSON, or when an
     /// object the guard reads holds one of its keys twice.
-    pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<RequestBody<'a>, serde_json::Error> {
+    pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<RequestBody<'a>, BodyError> {
         let top = Fields::body(body)?;
         let mut texts = Texts::new(body);
         match endpoint {
@@ -150,12 +148,12 @@ pub struct ResponseBody<'a> {
     /// calls, all in [`Scope::Response`].
     pub texts: Vec<Text<'a>>,
     /// The `usage` object.
-    pub usage: Option<&'a RawValue>,
+    pub usage: Option<Raw<'a>>,
 }
 
 impl<'a> ResponseBody<'a> {
     /// Reads a response body; an error as for [`RequestBody::read`].
-    pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<ResponseBody<'a>, serde_json::Error> {
+    pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<ResponseBody<'a>, BodyError> {
         let top = Fields::body(body)?;
         let mut texts = Texts::new(body);
         let scope = Scope::Response;
@@ -213,7 +211,7 @@ impl<'a> Texts<'a> {
     }
 
     /// A string value, if `raw` is one.
-    fn text(&mut self, raw: Option<&'a RawValue>, scope: Scope) {
+    fn text(&mut self, raw: Option<Raw<'a>>, scope: Scope) {
         if let Some(raw) = raw
             && let Some(text) = json::string(Some(raw))
         {
@@ -223,11 +221,7 @@ impl<'a> Texts<'a> {
     }
 
     /// A string, or an array of strings (nested at any depth).
-    fn strings(
-        &mut self,
-        raw: Option<&'a RawValue>,
-        scope: Scope,
-    ) -> Result<(), serde_json::Error> {
+    fn strings(&mut self, raw: Option<Raw<'a>>, scope: Scope) -> Result<(), BodyError> {
         self.text(raw, scope);
         for item in json::items(raw)? {
             self.strings(Some(item), scope)?;
@@ -237,11 +231,7 @@ impl<'a> Texts<'a> {
 
     /// OpenAI message content: a string, or parts of which the strings and
     /// the text blocks count.
-    fn content(
-        &mut self,
-        raw: Option<&'a RawValue>,
-        scope: Scope,
-    ) -> Result<(), serde_json::Error> {
+    fn content(&mut self, raw: Option<Raw<'a>>, scope: Scope) -> Result<(), BodyError> {
         self.text(raw, scope);
         for part in json::items(raw)? {
             self.text(Some(part), scope);
@@ -253,7 +243,7 @@ impl<'a> Texts<'a> {
     /// A content block (Anthropic) or part (OpenAI): text (`text`,
     /// `input_text`, `output_text`) in `scope`; tool results and documents
     /// are context.
-    fn block(&mut self, raw: &'a RawValue, scope: Scope) -> Result<(), serde_json::Error> {
+    fn block(&mut self, raw: Raw<'a>, scope: Scope) -> Result<(), BodyError> {
         let block = Fields::of(Some(raw))?;
         match json::string(block.kind).as_deref() {
             Some("text" | "input_text" | "output_text") => self.text(block.text, scope),
@@ -401,7 +391,7 @@ mod tests {
             let body = body.to_string();
             let read = ResponseBody::read(endpoint, body.as_bytes()).unwrap();
             if endpoint == Endpoint::ChatCompletions {
-                assert_eq!(read.usage.map(RawValue::get), Some(r#"{"total_tokens":3}"#));
+                assert_eq!(read.usage.map(Raw::get), Some(r#"{"total_tokens":3}"#));
             }
             seen.extend(read.texts.into_iter().map(|t| t.text.into_owned()));
         }

@@ -11,10 +11,9 @@ use std::borrow::Cow;
 use http::HeaderMap;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
-use crate::json;
+use crate::json::{self, Members, Raw};
 use crate::risk::{Decision, Risk, Verdict};
 use crate::rules::{Action, Hit, Scope};
 
@@ -202,12 +201,15 @@ impl ClientMeta {
     /// Reads `x-fairgate-session`, `-user`, `-ground-truth` and `-expected`
     /// (URL-encoded text), falling back to the `fairgate_session`, ... keys
     /// of the body's `metadata` object.
-    pub fn read(headers: &HeaderMap, metadata: Option<&RawValue>) -> ClientMeta {
-        let metadata: BodyMeta = metadata
-            .and_then(|m| serde_json::from_str(m.get()).ok())
-            .unwrap_or_default();
-        let field = |header: &str, value: Option<&RawValue>| -> Option<String> {
-            if let Some(value) = headers.get(header) {
+    pub fn read(headers: &HeaderMap, metadata: Option<Raw>) -> ClientMeta {
+        let metadata = BodyMeta::of(metadata).unwrap_or_default();
+        // Most requests carry none of these headers: one look at the names
+        // saves four lookups, each of which would parse the name it is given.
+        let ours = headers
+            .keys()
+            .any(|name| name.as_str().starts_with("x-fairgate-"));
+        let field = |header: &str, value: Option<Raw>| -> Option<String> {
+            if ours && let Some(value) = headers.get(header) {
                 let raw = String::from_utf8_lossy(value.as_bytes());
                 let decoded = percent_encoding::percent_decode_str(&raw.replace('+', " "))
                     .decode_utf8_lossy()
@@ -225,18 +227,14 @@ impl ClientMeta {
     }
 }
 
-/// fairgate's keys of a request body's `metadata` object.
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct BodyMeta<'a> {
-    #[serde(borrow)]
-    fairgate_session: Option<&'a RawValue>,
-    #[serde(borrow)]
-    fairgate_user: Option<&'a RawValue>,
-    #[serde(borrow)]
-    fairgate_ground_truth: Option<&'a RawValue>,
-    #[serde(borrow)]
-    fairgate_expected: Option<&'a RawValue>,
+json::members! {
+    /// fairgate's keys of a request body's `metadata` object.
+    struct BodyMeta {
+        fairgate_session: "fairgate_session",
+        fairgate_user: "fairgate_user",
+        fairgate_ground_truth: "fairgate_ground_truth",
+        fairgate_expected: "fairgate_expected",
+    }
 }
 
 /// `POST /v1/feedback`: what the user did after the exchange.
@@ -307,11 +305,23 @@ mod tests {
             "Save%20%E2%82%AC50+a%20week".parse().unwrap(),
         );
         let metadata = r#"{"fairgate_expected": "no", "fairgate_user": "u-7", "fairgate_ground_truth": "calm", "fairgate_session": 7}"#;
-        let meta = ClientMeta::read(&headers, serde_json::from_str(metadata).ok());
+        let meta = ClientMeta::read(&headers, Raw::parse(metadata).ok());
         assert_eq!(meta.expected.as_deref(), Some("Save €50 a week"));
         assert_eq!(meta.user.as_deref(), Some("u-7"));
         assert_eq!(meta.ground_truth.as_deref(), Some("calm"));
         assert_eq!(meta.session, None);
+
+        // Without fairgate's headers, the body's metadata alone; other
+        // headers do not count.
+        let mut headers = HeaderMap::new();
+        headers.insert("x-request-id", "r-1".parse().unwrap());
+        let meta = ClientMeta::read(&headers, Raw::parse(metadata).ok());
+        assert_eq!(meta.expected.as_deref(), Some("no"));
+        assert_eq!(meta.user.as_deref(), Some("u-7"));
+        // A metadata object with one of fairgate's keys twice is not read.
+        let twice = r#"{"fairgate_user": "a", "fairgate_user": "b"}"#;
+        let meta = ClientMeta::read(&headers, Raw::parse(twice).ok());
+        assert_eq!(meta.user, None);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! without leaking internals.
 
 use bytes::Bytes;
-use http::{HeaderValue, Response, StatusCode, header};
+use http::{HeaderName, HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
 
@@ -225,11 +225,14 @@ pub fn json_response(
 
 /// Adds `x-fairgate-request-id` and, when given, `x-fairgate-verdict`.
 pub fn tag(response: &mut Response<ProxyBody>, request_id: &str, verdict: Option<&str>) {
+    // Names made once: a name given as a string is parsed on every insert.
+    const REQUEST_ID: HeaderName = HeaderName::from_static("x-fairgate-request-id");
+    const VERDICT: HeaderName = HeaderName::from_static("x-fairgate-verdict");
     if let Ok(id) = HeaderValue::from_str(request_id) {
-        response.headers_mut().insert("x-fairgate-request-id", id);
+        response.headers_mut().insert(REQUEST_ID, id);
     }
     if let Some(verdict) = verdict.and_then(|v| HeaderValue::from_str(v).ok()) {
-        response.headers_mut().insert("x-fairgate-verdict", verdict);
+        response.headers_mut().insert(VERDICT, verdict);
     }
 }
 

@@ -22,6 +22,8 @@ use std::ops::Range;
 
 use jiter::{Jiter, JiterError, Peek};
 
+use crate::json::decoded_string;
+
 /// An event that is not JSON, or that holds a key the guard reads twice
 /// in one object.
 #[derive(Debug)]
@@ -330,16 +332,11 @@ impl<'a> Reader<'a> {
             return Ok(None);
         }
         let start = self.jiter.current_index();
-        let decoded = self.jiter.known_str()?;
-        // Without escapes the string is its token's bytes.
-        let raw = &self.data[start + 1..];
-        let value = if raw.starts_with(decoded) {
-            Cow::Borrowed(&raw[..decoded.len()])
-        } else {
-            Cow::Owned(decoded.to_owned())
-        };
-        let token = start..self.jiter.current_index();
-        Ok(Some(Text { value, token }))
+        let (value, end) = decoded_string(&mut self.jiter, self.data)?;
+        Ok(Some(Text {
+            value,
+            token: start..end,
+        }))
     }
 
     /// The next value if it is a non-negative integer.
