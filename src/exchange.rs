@@ -1,17 +1,24 @@
 //! One normalized exchange per API dialect: where the prompt, the context
 //! and the response live in OpenAI and Anthropic request and response bodies.
 //!
-//! Extraction reads a body through the borrowed views of [`crate::json`] and
+//! Extraction reads a body in one pass with [`crate::json::Reader`] and
 //! lists every text with its [`Scope`] and its place in the body, so the
 //! guard can scan each one and rewrite only the redacted ones. Unknown shapes
 //! are skipped, never an error: the body is forwarded as the client wrote
 //! it. The one error besides a body that is not JSON is ambiguity: an object
-//! read on the way to a text that holds a key twice.
+//! read on the way to a text that holds a key it reads twice.
+//!
+//! Where what a value means depends on a member that may come after it (a
+//! message's `role`, a block's `type`), the value is read where it stands
+//! when that member came first, as clients write them, and otherwise
+//! skipped and read again from its place once the object is read.
 
 use std::borrow::Cow;
 use std::ops::Range;
 
-use crate::json::{self, BodyError, Fields, Members, Raw};
+use jiter::Peek;
+
+use crate::json::{BodyError, Reader};
 use crate::rules::Scope;
 
 /// The API an endpoint speaks.
@@ -81,7 +88,7 @@ pub struct RequestBody<'a> {
     /// `stream_options.include_usage`.
     pub include_usage: bool,
     /// The `metadata` object, for [`crate::record::ClientMeta`].
-    pub metadata: Option<Raw<'a>>,
+    pub metadata: Option<&'a str>,
     /// System and user messages are the prompt; tool results, function
     /// outputs and documents are context. Assistant turns of the history
     /// are the model's own words and are not scanned again.
@@ -90,54 +97,60 @@ pub struct RequestBody<'a> {
 
 impl<'a> RequestBody<'a> {
     /// Reads a request body; an error when it is not JSON, or when an
-    /// object the guard reads holds one of its keys twice.
+    /// object the guard reads holds one of the keys it reads twice.
     pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<RequestBody<'a>, BodyError> {
-        let top = Fields::body(body)?;
-        let mut texts = Texts::new(body);
-        match endpoint {
-            Endpoint::ChatCompletions => {
-                for message in Fields::objects(top.messages)? {
-                    let scope = match json::string(message.role).as_deref() {
-                        Some("system" | "developer" | "user") => Scope::Prompt,
-                        Some("tool" | "function") => Scope::Context,
-                        _ => continue,
-                    };
-                    texts.content(message.content, scope)?;
+        let mut reader = Reader::bytes(body)?;
+        let mut read = RequestBody::default();
+        // The system prompt and instructions come first in `texts`,
+        // wherever the body has them.
+        let (mut first, mut rest) = (Texts::default(), Texts::default());
+        if reader.is_object()? {
+            let keys = [
+                "model",
+                "stream",
+                "stream_options",
+                "metadata",
+                "messages",
+                "system",
+                "prompt",
+                "instructions",
+                "input",
+            ];
+            reader.object(keys, |reader, key| match (key, endpoint) {
+                (0, _) => {
+                    read.model = reader.string()?.map(|t| t.value);
+                    Ok(())
                 }
-            }
-            Endpoint::Completions => texts.strings(top.prompt, Scope::Prompt)?,
-            Endpoint::Responses => {
-                texts.text(top.instructions, Scope::Prompt);
-                texts.text(top.input, Scope::Prompt);
-                for item in Fields::objects(top.input)? {
-                    if json::string(item.kind).as_deref() == Some("function_call_output") {
-                        texts.content(item.output, Scope::Context)?;
-                    } else if json::string(item.role).as_deref() != Some("assistant") {
-                        texts.content(item.content, Scope::Prompt)?;
-                    }
+                (1, _) => {
+                    read.stream = reader.boolean()? == Some(true);
+                    Ok(())
                 }
-            }
-            Endpoint::Messages => {
-                texts.content(top.system, Scope::Prompt)?;
-                for message in Fields::objects(top.messages)? {
-                    if json::string(message.role).as_deref() != Some("user") {
-                        continue;
+                (2, _) => {
+                    if reader.is_object()? {
+                        reader.object(["include_usage"], |reader, _| {
+                            read.include_usage = reader.boolean()? == Some(true);
+                            Ok(())
+                        })?;
                     }
-                    texts.text(message.content, Scope::Prompt);
-                    for block in json::items(message.content)? {
-                        texts.block(block, Scope::Prompt)?;
-                    }
+                    Ok(())
                 }
-            }
+                (3, _) => {
+                    read.metadata = reader.object_text()?;
+                    Ok(())
+                }
+                (4, Endpoint::ChatCompletions) => rest.chat_messages(reader),
+                (4, Endpoint::Messages) => rest.anthropic_messages(reader),
+                (5, Endpoint::Messages) => first.content(reader, Scope::Prompt),
+                (6, Endpoint::Completions) => rest.strings(reader, Scope::Prompt),
+                (7, Endpoint::Responses) => first.text(reader, Scope::Prompt),
+                (8, Endpoint::Responses) => rest.responses_input(reader),
+                _ => reader.skip(),
+            })?;
         }
-        let options = Fields::of(top.stream_options)?;
-        Ok(RequestBody {
-            model: json::string(top.model),
-            stream: json::boolean(top.stream) == Some(true),
-            include_usage: json::boolean(options.include_usage) == Some(true),
-            metadata: top.metadata,
-            texts: texts.found,
-        })
+        reader.finish()?;
+        first.found.append(&mut rest.found);
+        read.texts = first.found;
+        Ok(read)
     }
 }
 
@@ -148,119 +161,297 @@ pub struct ResponseBody<'a> {
     /// calls, all in [`Scope::Response`].
     pub texts: Vec<Text<'a>>,
     /// The `usage` object.
-    pub usage: Option<Raw<'a>>,
+    pub usage: Option<&'a str>,
 }
 
 impl<'a> ResponseBody<'a> {
     /// Reads a response body; an error as for [`RequestBody::read`].
     pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<ResponseBody<'a>, BodyError> {
-        let top = Fields::body(body)?;
-        let mut texts = Texts::new(body);
+        let mut reader = Reader::bytes(body)?;
+        let mut read = ResponseBody::default();
+        let mut texts = Texts::default();
         let scope = Scope::Response;
-        match endpoint {
-            Endpoint::ChatCompletions => {
-                for choice in Fields::objects(top.choices)? {
-                    let message = Fields::of(choice.message)?;
-                    texts.text(message.content, scope);
-                    texts.text(message.refusal, scope);
-                    for call in Fields::objects(message.tool_calls)? {
-                        let function = Fields::of(call.function)?;
-                        texts.text(function.arguments, scope);
-                    }
+        if reader.is_object()? {
+            reader.object(["usage", "choices", "output", "content"], |reader, key| {
+                match (key, endpoint) {
+                    (0, _) => read.usage = reader.object_text()?,
+                    (1, Endpoint::ChatCompletions) => texts.objects(reader, |texts, reader| {
+                        reader.object(["message"], |reader, _| texts.message(reader))
+                    })?,
+                    (1, Endpoint::Completions) => texts.objects(reader, |texts, reader| {
+                        reader.object(["text"], |reader, _| texts.text(reader, scope))
+                    })?,
+                    (2, Endpoint::Responses) => texts.objects(reader, |texts, reader| {
+                        reader.object(["arguments", "content"], |reader, key| match key {
+                            0 => texts.text(reader, scope),
+                            _ => texts.objects(reader, |texts, reader| {
+                                reader.object(["text", "refusal"], |reader, _| {
+                                    texts.text(reader, scope)
+                                })
+                            }),
+                        })
+                    })?,
+                    (3, Endpoint::Messages) => texts.objects(reader, |texts, reader| {
+                        reader.object(["text"], |reader, _| texts.text(reader, scope))
+                    })?,
+                    _ => reader.skip()?,
                 }
-            }
-            Endpoint::Completions => {
-                for choice in Fields::objects(top.choices)? {
-                    texts.text(choice.text, scope);
-                }
-            }
-            Endpoint::Responses => {
-                for item in Fields::objects(top.output)? {
-                    texts.text(item.arguments, scope);
-                    for part in Fields::objects(item.content)? {
-                        texts.text(part.text, scope);
-                        texts.text(part.refusal, scope);
-                    }
-                }
-            }
-            Endpoint::Messages => {
-                for block in Fields::objects(top.content)? {
-                    texts.text(block.text, scope);
-                }
-            }
+                Ok(())
+            })?;
         }
-        Ok(ResponseBody {
-            texts: texts.found,
-            usage: top.usage,
-        })
+        reader.finish()?;
+        read.texts = texts.found;
+        Ok(read)
     }
 }
 
 /// The texts found so far in a body.
+#[derive(Default)]
 struct Texts<'a> {
-    body: &'a [u8],
     found: Vec<Text<'a>>,
 }
 
+/// Which way to read a chat message's content: the scope of its role.
+fn role_scope(role: &str) -> Option<Scope> {
+    match role {
+        "system" | "developer" | "user" => Some(Scope::Prompt),
+        "tool" | "function" => Some(Scope::Context),
+        _ => None,
+    }
+}
+
 impl<'a> Texts<'a> {
-    fn new(body: &'a [u8]) -> Texts<'a> {
-        Texts {
-            body,
-            found: Vec::new(),
+    /// A string value, if the next value is one.
+    fn text(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), BodyError> {
+        if let Some(text) = reader.string()? {
+            self.found.push(Text {
+                scope,
+                text: text.value,
+                span: text.token,
+            });
         }
+        Ok(())
     }
 
-    /// A string value, if `raw` is one.
-    fn text(&mut self, raw: Option<Raw<'a>>, scope: Scope) {
-        if let Some(raw) = raw
-            && let Some(text) = json::string(Some(raw))
-        {
-            let span = json::span(self.body, raw);
-            self.found.push(Text { scope, text, span });
+    /// Each item of an array that is an object, by `object` (the reader at
+    /// its start); other items, and a value that is not an array, skipped.
+    fn objects(
+        &mut self,
+        reader: &mut Reader<'a>,
+        mut object: impl FnMut(&mut Self, &mut Reader<'a>) -> Result<(), BodyError>,
+    ) -> Result<(), BodyError> {
+        if reader.is(Peek::Array)? {
+            reader.array(|reader| {
+                if reader.is_object()? {
+                    object(self, reader)?;
+                }
+                Ok(())
+            })?;
         }
+        Ok(())
     }
 
     /// A string, or an array of strings (nested at any depth).
-    fn strings(&mut self, raw: Option<Raw<'a>>, scope: Scope) -> Result<(), BodyError> {
-        self.text(raw, scope);
-        for item in json::items(raw)? {
-            self.strings(Some(item), scope)?;
+    fn strings(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), BodyError> {
+        match reader.jiter.peek()? {
+            Peek::String => self.text(reader, scope),
+            Peek::Array => reader.array(|reader| self.strings(reader, scope)),
+            _ => reader.skip(),
         }
-        Ok(())
     }
 
     /// OpenAI message content: a string, or parts of which the strings and
     /// the text blocks count.
-    fn content(&mut self, raw: Option<Raw<'a>>, scope: Scope) -> Result<(), BodyError> {
-        self.text(raw, scope);
-        for part in json::items(raw)? {
-            self.text(Some(part), scope);
-            self.block(part, scope)?;
+    fn content(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), BodyError> {
+        match reader.jiter.peek()? {
+            Peek::String => self.text(reader, scope),
+            Peek::Array => reader.array(|reader| match reader.jiter.peek()? {
+                Peek::String => self.text(reader, scope),
+                Peek::Object => self.block(reader, scope),
+                _ => reader.skip(),
+            }),
+            _ => reader.skip(),
+        }
+    }
+
+    /// Anthropic content blocks: of an array, the text blocks, tool results
+    /// and documents (strings do not count).
+    fn blocks(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), BodyError> {
+        self.objects(reader, |texts, reader| texts.block(reader, scope))
+    }
+
+    /// A content block (Anthropic) or part (OpenAI), the reader at its
+    /// start: text (`text`, `input_text`, `output_text`) in `scope`; tool
+    /// results and documents are context.
+    fn block(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), BodyError> {
+        let mut kind = None;
+        let mut later = Vec::new();
+        reader.object(["type", "text", "content", "source"], |reader, key| {
+            match (key, &kind) {
+                (0, _) => kind = reader.string()?.map(|t| t.value),
+                (_, Some(kind)) => self.block_member(reader, kind, key, scope)?,
+                (_, None) => later.push((key, reader.span()?)),
+            }
+            Ok(())
+        })?;
+        if let Some(kind) = kind {
+            for (key, span) in later {
+                self.block_member(&mut reader.part(span), &kind, key, scope)?;
+            }
         }
         Ok(())
     }
 
-    /// A content block (Anthropic) or part (OpenAI): text (`text`,
-    /// `input_text`, `output_text`) in `scope`; tool results and documents
-    /// are context.
-    fn block(&mut self, raw: Raw<'a>, scope: Scope) -> Result<(), BodyError> {
-        let block = Fields::of(Some(raw))?;
-        match json::string(block.kind).as_deref() {
-            Some("text" | "input_text" | "output_text") => self.text(block.text, scope),
-            Some("tool_result") => self.content(block.content, Scope::Context)?,
-            Some("document") => {
-                let source = Fields::of(block.source)?;
-                if json::string(source.kind).as_deref() == Some("text") {
-                    self.text(source.data, Scope::Context);
-                } else {
-                    for part in json::items(source.content)? {
-                        self.block(part, Scope::Context)?;
-                    }
+    /// Member `key` of [`Texts::block`]'s keys, of a block of type `kind`.
+    fn block_member(
+        &mut self,
+        reader: &mut Reader<'a>,
+        kind: &str,
+        key: usize,
+        scope: Scope,
+    ) -> Result<(), BodyError> {
+        match (kind, key) {
+            ("text" | "input_text" | "output_text", 1) => self.text(reader, scope),
+            ("tool_result", 2) => self.content(reader, Scope::Context),
+            ("document", 3) => {
+                if reader.is_object()? {
+                    self.document_source(reader)?;
                 }
+                Ok(())
             }
-            _ => {}
+            _ => reader.skip(),
+        }
+    }
+
+    /// A document's `source`, the reader at its start: its `data` when its
+    /// type is `text`, else the blocks of its `content`.
+    fn document_source(&mut self, reader: &mut Reader<'a>) -> Result<(), BodyError> {
+        let mut text = None;
+        let mut later = Vec::new();
+        reader.object(["type", "data", "content"], |reader, key| {
+            match (key, text) {
+                (0, _) => text = Some(reader.string()?.is_some_and(|t| t.value == "text")),
+                (1, Some(true)) => self.text(reader, Scope::Context)?,
+                (2, Some(false)) => self.blocks(reader, Scope::Context)?,
+                (_, Some(_)) => reader.skip()?,
+                (_, None) => later.push((key, reader.span()?)),
+            }
+            Ok(())
+        })?;
+        let text = text.unwrap_or(false);
+        for (key, span) in later {
+            let mut part = reader.part(span);
+            match (key, text) {
+                (1, true) => self.text(&mut part, Scope::Context)?,
+                (2, false) => self.blocks(&mut part, Scope::Context)?,
+                _ => {}
+            }
         }
         Ok(())
+    }
+
+    /// OpenAI chat messages: the content of system, developer and user
+    /// messages is prompt, of tool and function messages context.
+    fn chat_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), BodyError> {
+        self.objects(reader, |texts, reader| {
+            let mut role = None;
+            let mut later = None;
+            reader.object(["role", "content"], |reader, key| {
+                match (key, &role) {
+                    (0, _) => role = Some(reader.string()?.and_then(|t| role_scope(&t.value))),
+                    (_, Some(Some(scope))) => texts.content(reader, *scope)?,
+                    (_, Some(None)) => reader.skip()?,
+                    (_, None) => later = Some(reader.span()?),
+                }
+                Ok(())
+            })?;
+            if let (Some(span), Some(Some(scope))) = (later, role) {
+                texts.content(&mut reader.part(span), scope)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Anthropic messages: the content of user messages, a string or
+    /// blocks, is prompt.
+    fn anthropic_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), BodyError> {
+        let user_content = |texts: &mut Self, reader: &mut Reader<'a>| match reader.jiter.peek()? {
+            Peek::String => texts.text(reader, Scope::Prompt),
+            _ => texts.blocks(reader, Scope::Prompt),
+        };
+        self.objects(reader, |texts, reader| {
+            let mut user = None;
+            let mut later = None;
+            reader.object(["role", "content"], |reader, key| {
+                match (key, user) {
+                    (0, _) => user = Some(reader.string()?.is_some_and(|t| t.value == "user")),
+                    (_, Some(true)) => user_content(texts, reader)?,
+                    (_, Some(false)) => reader.skip()?,
+                    (_, None) => later = Some(reader.span()?),
+                }
+                Ok(())
+            })?;
+            if let (Some(span), Some(true)) = (later, user) {
+                user_content(texts, &mut reader.part(span))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The Responses API's `input`: a string, or items of which function
+    /// call outputs are context and the content of items other than the
+    /// assistant's is prompt.
+    fn responses_input(&mut self, reader: &mut Reader<'a>) -> Result<(), BodyError> {
+        if reader.jiter.peek()? == Peek::String {
+            return self.text(reader, Scope::Prompt);
+        }
+        self.objects(reader, |texts, reader| {
+            let (mut kind, mut role) = (None, None);
+            let (mut output, mut content) = (None, None);
+            reader.object(["type", "role", "output", "content"], |reader, key| {
+                match key {
+                    0 => kind = reader.string()?.map(|t| t.value),
+                    1 => role = reader.string()?.map(|t| t.value),
+                    2 => output = Some(reader.span()?),
+                    _ => content = Some(reader.span()?),
+                }
+                Ok(())
+            })?;
+            let (span, scope) = if kind.as_deref() == Some("function_call_output") {
+                (output, Scope::Context)
+            } else if role.as_deref() != Some("assistant") {
+                (content, Scope::Prompt)
+            } else {
+                (None, Scope::Prompt)
+            };
+            match span {
+                Some(span) => texts.content(&mut reader.part(span), scope),
+                None => Ok(()),
+            }
+        })
+    }
+
+    /// An OpenAI chat completion's message: its content, its refusal and
+    /// the arguments of its tool calls.
+    fn message(&mut self, reader: &mut Reader<'a>) -> Result<(), BodyError> {
+        let scope = Scope::Response;
+        if !reader.is_object()? {
+            return Ok(());
+        }
+        reader.object(
+            ["content", "refusal", "tool_calls"],
+            |reader, key| match key {
+                0 | 1 => self.text(reader, scope),
+                _ => self.objects(reader, |texts, reader| {
+                    reader.object(["function"], |reader, _| {
+                        if reader.is_object()? {
+                            reader.object(["arguments"], |reader, _| texts.text(reader, scope))?;
+                        }
+                        Ok(())
+                    })
+                }),
+            },
+        )
     }
 }
 
@@ -270,18 +461,46 @@ mod tests {
 
     use super::*;
 
+    /// The texts of `body`, read with its keys in sorted order (as `json!`
+    /// writes them: a message's `content` before its `role`, a block's
+    /// `text` before its `type`) and again with `role` and `type` first (as
+    /// clients write them): the same either way.
     fn collect_request(endpoint: Endpoint, body: Value) -> Vec<(Scope, String)> {
-        let body = body.to_string();
-        let read = RequestBody::read(endpoint, body.as_bytes()).unwrap();
-        read.texts
-            .into_iter()
-            .map(|t| {
-                // Each span is the text's JSON string in the body.
-                let quoted: String = serde_json::from_str(&body[t.span.clone()]).unwrap();
-                assert_eq!(quoted, t.text);
-                (t.scope, t.text.into_owned())
-            })
-            .collect()
+        let read = |body: &str| -> Vec<(Scope, String)> {
+            let read = RequestBody::read(endpoint, body.as_bytes()).unwrap();
+            read.texts
+                .into_iter()
+                .map(|t| {
+                    // Each span is the text's JSON string in the body.
+                    let quoted: String = serde_json::from_str(&body[t.span.clone()]).unwrap();
+                    assert_eq!(quoted, t.text);
+                    (t.scope, t.text.into_owned())
+                })
+                .collect()
+        };
+        let sorted = read(&body.to_string());
+        assert_eq!(sorted, read(&kind_first(&body)), "{body}");
+        sorted
+    }
+
+    /// `value` as JSON with each object's `role` and `type` first.
+    fn kind_first(value: &Value) -> String {
+        match value {
+            Value::Object(map) => {
+                let mut keys: Vec<&String> = map.keys().collect();
+                keys.sort_by_key(|k| !matches!(k.as_str(), "role" | "type"));
+                let members: Vec<String> = keys
+                    .iter()
+                    .map(|k| format!("{}:{}", Value::from(k.as_str()), kind_first(&map[*k])))
+                    .collect();
+                format!("{{{}}}", members.join(","))
+            }
+            Value::Array(items) => {
+                let items: Vec<String> = items.iter().map(kind_first).collect();
+                format!("[{}]", items.join(","))
+            }
+            other => other.to_string(),
+        }
     }
 
     #[test]
@@ -391,7 +610,7 @@ mod tests {
             let body = body.to_string();
             let read = ResponseBody::read(endpoint, body.as_bytes()).unwrap();
             if endpoint == Endpoint::ChatCompletions {
-                assert_eq!(read.usage.map(Raw::get), Some(r#"{"total_tokens":3}"#));
+                assert_eq!(read.usage, Some(r#"{"total_tokens":3}"#));
             }
             seen.extend(read.texts.into_iter().map(|t| t.text.into_owned()));
         }

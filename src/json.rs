@@ -1,26 +1,20 @@
-//! Borrowed, lazy views of the JSON bodies the guard reads: no tree is
-//! built for a body. An object is read for the few [`Fields`] the guard
-//! knows, each kept as its JSON text ([`Raw`], a slice of the body) and read
-//! further only when the guard needs it; every other member is skipped
-//! without being copied. Strings without escapes stay borrowed.
+//! Borrowed, one-pass reading of the JSON the guard reads: request and
+//! response bodies ([`crate::exchange`]) and stream events
+//! (`guard::stream::event`). No tree is built: a [`Reader`], over jiter's
+//! pull parser, reads the members the guard needs where they stand and skips
+//! every other value without copying it, while still checking that the
+//! whole text is JSON. Strings without escapes stay borrowed.
 //!
-//! Bodies are read by jiter's pull parser, which skips a value without
-//! building anything: a nested value is skipped once by the level that
-//! holds it and read once by the level that needs it.
+//! A text's place in the body is known (its string token's [`Text::token`]),
+//! so a redaction rewrites only that string ([`splice`]): the rest of the
+//! body goes on byte for byte as the client or upstream wrote it (key
+//! order, number formatting, whitespace).
 //!
-//! (Stream events, whose every text is needed and which are never
-//! rewritten in place, have their own reader: `guard::stream::event`.)
-//!
-//! Because every value is a slice of the body, a text's place in the body is
-//! known ([`span`]), and a redaction rewrites only that string ([`splice`]):
-//! the rest of the body goes on byte for byte as the client or upstream
-//! wrote it (key order, number formatting, whitespace).
-//!
-//! Reading is lenient about types (a field of another type than expected is
-//! skipped, as an absent one) and strict about ambiguity: an object that the
-//! guard reads and that holds one of its keys twice is an error, since two
-//! JSON parsers may disagree on which value counts, and the guard must scan
-//! the one the upstream (or client) will use.
+//! Reading is lenient about types (a member of another type than expected
+//! is skipped, as an absent one) and strict about ambiguity: an object the
+//! guard reads that holds one of the keys it reads twice is an error, since
+//! two JSON parsers may disagree on which value counts, and the guard must
+//! scan the one the upstream (or client) will use.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -28,12 +22,12 @@ use std::ops::Range;
 use bytes::Bytes;
 use jiter::{Jiter, JiterError, Peek};
 
-/// Why a body cannot be read.
+/// Why a text cannot be read.
 #[derive(Debug, thiserror::Error)]
 pub enum BodyError {
     #[error("not JSON: {0}")]
     Invalid(String),
-    /// An object the guard reads holds one of its keys twice.
+    /// An object the guard reads holds one of the keys it reads twice.
     #[error("the key {0:?} is given twice in one object")]
     Ambiguous(String),
 }
@@ -44,235 +38,205 @@ impl From<JiterError> for BodyError {
     }
 }
 
-/// A JSON value as its text, a slice of the body it was read from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Raw<'a>(&'a str);
-
-impl<'a> Raw<'a> {
-    /// `text` if it is one JSON value.
-    pub fn parse(text: &'a str) -> Result<Raw<'a>, BodyError> {
-        let mut jiter = Jiter::new(text.as_bytes());
-        jiter.next_skip()?;
-        jiter.finish()?;
-        Ok(Raw(text.trim()))
-    }
-
-    pub fn get(self) -> &'a str {
-        self.0
-    }
+/// A string read, and where its JSON token lies in the text read.
+#[derive(Debug, Clone)]
+pub struct Text<'a> {
+    pub value: Cow<'a, str>,
+    pub token: Range<usize>,
 }
 
-/// A set of members the guard reads of an object: each is a slot for its
-/// value, found by its key.
-pub trait Members<'a>: Default {
-    fn slot(&mut self, key: &str) -> Option<&mut Option<Raw<'a>>>;
-
-    /// Members given as `null` read as absent; they count as given for
-    /// the check of keys given twice.
-    fn clear_nulls(&mut self);
-
-    /// The members of the object `raw`; none when `raw` is absent or not
-    /// an object. An error when the object holds one of the keys twice.
-    fn of(raw: Option<Raw<'a>>) -> Result<Self, BodyError> {
-        match raw {
-            Some(raw) if raw.0.starts_with('{') => {
-                let mut jiter = Jiter::new(raw.0.as_bytes());
-                jiter.peek()?;
-                read_object(&mut jiter, raw.0)
-            }
-            _ => Ok(Self::default()),
-        }
-    }
-}
-
-/// Reads the object at the parser's place (just peeked) into `M`,
-/// skipping the members it does not read.
-fn read_object<'a, M: Members<'a>>(jiter: &mut Jiter<'a>, text: &'a str) -> Result<M, BodyError> {
-    let mut members = M::default();
-    let mut key = jiter.known_object()?;
-    while let Some(name) = key {
-        let slot = members.slot(name);
-        if slot.as_ref().is_some_and(|slot| slot.is_some()) {
-            return Err(BodyError::Ambiguous(name.to_owned()));
-        }
-        let peek = jiter.peek()?;
-        let start = jiter.current_index();
-        jiter.known_skip(peek)?;
-        if let Some(slot) = slot {
-            *slot = Some(Raw(&text[start..jiter.current_index()]));
-        }
-        key = jiter.next_key()?;
-    }
-    members.clear_nulls();
-    Ok(members)
-}
-
-/// Declares a set of [`Members`]: a struct with one `Option<Raw>` per
-/// member, named as given, read from the key given.
-macro_rules! members {
-    ($(#[$meta:meta])* $vis:vis struct $name:ident { $($(#[$doc:meta])* $field:ident: $key:literal,)* }) => {
-        $(#[$meta])*
-        #[derive(Debug, Default, Clone, Copy)]
-        $vis struct $name<'a> {
-            $($(#[$doc])* pub $field: Option<$crate::json::Raw<'a>>,)*
-        }
-
-        impl<'a> $crate::json::Members<'a> for $name<'a> {
-            fn slot(&mut self, key: &str) -> Option<&mut Option<$crate::json::Raw<'a>>> {
-                match key {
-                    $($key => Some(&mut self.$field),)*
-                    _ => None,
-                }
-            }
-
-            fn clear_nulls(&mut self) {
-                $(if self.$field.is_some_and(|raw| raw.get() == "null") {
-                    self.$field = None;
-                })*
-            }
-        }
-    };
-}
-pub(crate) use members;
-
-members! {
-    /// The members the guard reads at any level of a request or response
-    /// body, each as its JSON text. A member of value `null` is `None`, as
-    /// an absent one. (Stream events have their own, smaller set: the
-    /// fewer the fields, the cheaper each event is to read.)
-    pub struct Fields {
-        // Requests.
-        model: "model",
-        stream: "stream",
-        stream_options: "stream_options",
-        include_usage: "include_usage",
-        metadata: "metadata",
-        messages: "messages",
-        role: "role",
-        system: "system",
-        prompt: "prompt",
-        instructions: "instructions",
-        input: "input",
-        source: "source",
-        data: "data",
-        // Responses.
-        choices: "choices",
-        message: "message",
-        refusal: "refusal",
-        tool_calls: "tool_calls",
-        function: "function",
-        arguments: "arguments",
-        output: "output",
-        usage: "usage",
-        // Any level.
-        kind: "type",
-        content: "content",
-        text: "text",
-    }
-}
-
-impl<'a> Fields<'a> {
-    /// The fields of a whole body, in one pass; none when it is JSON but not
-    /// an object. An error when it is not JSON, or an object with one of the
-    /// keys twice.
-    pub fn body(body: &'a [u8]) -> Result<Fields<'a>, BodyError> {
-        let text = std::str::from_utf8(body).map_err(|e| BodyError::Invalid(e.to_string()))?;
-        let mut jiter = Jiter::new(body);
-        let fields = match jiter.peek()? {
-            Peek::Object => read_object(&mut jiter, text)?,
-            other => {
-                jiter.known_skip(other)?;
-                Fields::default()
-            }
-        };
-        jiter.finish()?;
-        Ok(fields)
-    }
-
-    /// The fields of each item of an array, in one pass (items that are not
-    /// objects have none); no items when `raw` is absent or not an array.
-    pub fn objects(raw: Option<Raw<'a>>) -> Result<Vec<Fields<'a>>, BodyError> {
-        let mut objects = Vec::new();
-        if let Some(raw) = raw.filter(|raw| raw.0.starts_with('[')) {
-            let mut jiter = Jiter::new(raw.0.as_bytes());
-            jiter.peek()?;
-            let mut item = jiter.known_array()?;
-            while let Some(peek) = item {
-                if peek == Peek::Object {
-                    objects.push(read_object(&mut jiter, raw.0)?);
-                } else {
-                    jiter.known_skip(peek)?;
-                    objects.push(Fields::default());
-                }
-                item = jiter.array_step()?;
-            }
-        }
-        Ok(objects)
-    }
-}
-
-/// The string at the parser's place (just peeked as one) in `data`:
-/// borrowed when the data holds it as it reads (no escapes), owned
-/// otherwise; and where its token ends.
-pub fn decoded_string<'a>(
-    jiter: &mut Jiter<'a>,
+/// A pull parser over a JSON text (or a part of one), with the reads the
+/// guard makes. Places ([`Text::token`], spans) count from the start of
+/// the whole text, also in a reader of a part ([`Reader::part`]).
+pub struct Reader<'a> {
     data: &'a str,
-) -> Result<(Cow<'a, str>, usize), JiterError> {
-    let start = jiter.current_index();
-    let decoded = jiter.known_str()?;
-    // Without escapes the string is its token's bytes.
-    let raw = &data[start + 1..];
-    let value = if raw.starts_with(decoded) && raw.as_bytes().get(decoded.len()) == Some(&b'"') {
-        Cow::Borrowed(&raw[..decoded.len()])
-    } else {
-        Cow::Owned(decoded.to_owned())
-    };
-    Ok((value, jiter.current_index()))
+    /// Where `data` starts in the whole text.
+    base: usize,
+    pub jiter: Jiter<'a>,
+    /// Where the strings skipped as members of objects read lie.
+    pub skipped: Vec<Range<usize>>,
 }
 
-/// The string a value holds; `None` when absent or not a string.
-pub fn string(raw: Option<Raw<'_>>) -> Option<Cow<'_, str>> {
-    let raw = raw?.0;
-    if !raw.starts_with('"') {
-        return None;
-    }
-    let mut jiter = Jiter::new(raw.as_bytes());
-    jiter.peek().ok()?;
-    decoded_string(&mut jiter, raw).ok().map(|(value, _)| value)
-}
-
-/// The boolean a value holds; `None` when absent or not a boolean.
-pub fn boolean(raw: Option<Raw<'_>>) -> Option<bool> {
-    match raw?.0 {
-        "true" => Some(true),
-        "false" => Some(false),
-        _ => None,
-    }
-}
-
-/// The items of an array; none when `raw` is absent or not an array.
-pub fn items(raw: Option<Raw<'_>>) -> Result<Vec<Raw<'_>>, BodyError> {
-    let mut items = Vec::new();
-    if let Some(raw) = raw.filter(|raw| raw.0.starts_with('[')) {
-        let mut jiter = Jiter::new(raw.0.as_bytes());
-        jiter.peek()?;
-        let mut item = jiter.known_array()?;
-        while let Some(peek) = item {
-            let start = jiter.current_index();
-            jiter.known_skip(peek)?;
-            items.push(Raw(&raw.0[start..jiter.current_index()]));
-            item = jiter.array_step()?;
+impl<'a> Reader<'a> {
+    pub fn new(data: &'a str) -> Reader<'a> {
+        Reader {
+            data,
+            base: 0,
+            jiter: Jiter::new(data.as_bytes()),
+            skipped: Vec::new(),
         }
     }
-    Ok(items)
-}
 
-/// Where `raw`, a value read from `body`, lies in it.
-pub fn span(body: &[u8], raw: Raw<'_>) -> Range<usize> {
-    // Every view is a slice of the body it was read from, so its address
-    // is inside the body's.
-    let start = (raw.0.as_ptr() as usize).saturating_sub(body.as_ptr() as usize);
-    start..start + raw.0.len()
+    /// A reader of bytes that must be UTF-8 to be JSON.
+    pub fn bytes(data: &'a [u8]) -> Result<Reader<'a>, BodyError> {
+        std::str::from_utf8(data)
+            .map(Reader::new)
+            .map_err(|e| BodyError::Invalid(e.to_string()))
+    }
+
+    /// A reader of the value at `span` of the whole text read by `self`
+    /// (a span an earlier read returned).
+    pub fn part(&self, span: Range<usize>) -> Reader<'a> {
+        let local = span.start - self.base..span.end - self.base;
+        Reader {
+            data: &self.data[local.clone()],
+            base: span.start,
+            jiter: Jiter::new(&self.data.as_bytes()[local]),
+            skipped: Vec::new(),
+        }
+    }
+
+    /// Where the parser is, in the whole text.
+    fn at(&self) -> usize {
+        self.base + self.jiter.current_index()
+    }
+
+    /// Checks that nothing but whitespace follows.
+    pub fn finish(&mut self) -> Result<(), BodyError> {
+        Ok(self.jiter.finish()?)
+    }
+
+    /// Reads an object, the reader at its start: `member` reads the value
+    /// of each of the `keys` (given its position in them); every other
+    /// value is skipped. A key of `keys` twice is an error.
+    pub fn object<const N: usize>(
+        &mut self,
+        keys: [&str; N],
+        mut member: impl FnMut(&mut Self, usize) -> Result<(), BodyError>,
+    ) -> Result<(), BodyError> {
+        let position = |key: &str| keys.iter().position(|known| *known == key);
+        let mut seen = 0u64;
+        // jiter's `known_*` reads expect the parser past any whitespace.
+        self.jiter.peek()?;
+        let mut key = self.jiter.known_object()?;
+        while let Some(name) = key {
+            match position(name) {
+                Some(at) if seen & (1 << at) != 0 => {
+                    return Err(BodyError::Ambiguous(name.to_owned()));
+                }
+                Some(at) => {
+                    seen |= 1 << at;
+                    member(self, at)?;
+                }
+                None => self.skip_member()?,
+            }
+            key = self.jiter.next_key()?;
+        }
+        Ok(())
+    }
+
+    /// Reads an array, the reader at its start: `item` reads each item.
+    pub fn array(
+        &mut self,
+        mut item: impl FnMut(&mut Self) -> Result<(), BodyError>,
+    ) -> Result<(), BodyError> {
+        self.jiter.peek()?;
+        let mut next = self.jiter.known_array()?;
+        while next.is_some() {
+            item(self)?;
+            next = self.jiter.array_step()?;
+        }
+        Ok(())
+    }
+
+    /// Skips a member the guard does not read, noting where it lies when
+    /// it is a string.
+    fn skip_member(&mut self) -> Result<(), BodyError> {
+        let peek = self.jiter.peek()?;
+        let start = self.at();
+        self.jiter.known_skip(peek)?;
+        if peek == Peek::String {
+            self.skipped.push(start..self.at());
+        }
+        Ok(())
+    }
+
+    /// Skips the next value.
+    pub fn skip(&mut self) -> Result<(), BodyError> {
+        self.span().map(drop)
+    }
+
+    /// Skips the next value; where it lies.
+    pub fn span(&mut self) -> Result<Range<usize>, BodyError> {
+        let peek = self.jiter.peek()?;
+        let start = self.at();
+        self.jiter.known_skip(peek)?;
+        Ok(start..self.at())
+    }
+
+    /// Whether the next value is of type `kind`; any other value is skipped.
+    pub fn is(&mut self, kind: Peek) -> Result<bool, BodyError> {
+        let peek = self.jiter.peek()?;
+        if peek == kind {
+            return Ok(true);
+        }
+        self.jiter.known_skip(peek)?;
+        Ok(false)
+    }
+
+    /// Whether the next value is an object; any other value is skipped.
+    pub fn is_object(&mut self) -> Result<bool, BodyError> {
+        self.is(Peek::Object)
+    }
+
+    /// The next value if it is a string: borrowed when the text holds it
+    /// as it reads (no escapes), owned otherwise.
+    pub fn string(&mut self) -> Result<Option<Text<'a>>, BodyError> {
+        if !self.is(Peek::String)? {
+            return Ok(None);
+        }
+        let start = self.jiter.current_index();
+        let decoded = self.jiter.known_str()?;
+        // Without escapes the string is its token's bytes.
+        let raw = &self.data[start + 1..];
+        let value = if raw.starts_with(decoded) {
+            Cow::Borrowed(&raw[..decoded.len()])
+        } else {
+            Cow::Owned(decoded.to_owned())
+        };
+        Ok(Some(Text {
+            value,
+            token: self.base + start..self.at(),
+        }))
+    }
+
+    /// The next value if it is a boolean.
+    pub fn boolean(&mut self) -> Result<Option<bool>, BodyError> {
+        let peek = self.jiter.peek()?;
+        if peek == Peek::True || peek == Peek::False {
+            return Ok(Some(self.jiter.known_bool(peek)?));
+        }
+        self.jiter.known_skip(peek)?;
+        Ok(None)
+    }
+
+    /// The next value if it is a non-negative integer.
+    pub fn u64(&mut self) -> Result<Option<u64>, BodyError> {
+        let peek = self.jiter.peek()?;
+        if !peek.is_num() {
+            self.jiter.known_skip(peek)?;
+            return Ok(None);
+        }
+        let digits = self.jiter.known_number_bytes(peek)?;
+        Ok(std::str::from_utf8(digits)
+            .ok()
+            .and_then(|n| n.parse().ok()))
+    }
+
+    /// Skips the next value; whether it was not `null`.
+    pub fn not_null(&mut self) -> Result<bool, BodyError> {
+        let peek = self.jiter.peek()?;
+        self.jiter.known_skip(peek)?;
+        Ok(peek != Peek::Null)
+    }
+
+    /// The JSON text of the next value if it is an object.
+    pub fn object_text(&mut self) -> Result<Option<&'a str>, BodyError> {
+        let peek = self.jiter.peek()?;
+        let start = self.jiter.current_index();
+        self.jiter.known_skip(peek)?;
+        Ok((peek == Peek::Object).then(|| &self.data[start..self.jiter.current_index()]))
+    }
 }
 
 /// `body` with each span replaced by its new text, written as a JSON
@@ -298,57 +262,101 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fields_are_borrowed_slices_of_the_body() {
-        let body = br#"{"model": "gpt", "skip": {"deep": [1, {"x": "y"}]}, "messages": [{"role": "user", "content": "hi \"you\""}]}"#;
-        let top = Fields::body(body).unwrap();
-        assert_eq!(string(top.model).as_deref(), Some("gpt"));
-        assert!(matches!(string(top.model), Some(Cow::Borrowed("gpt"))));
-        let messages = items(top.messages).unwrap();
-        assert_eq!(messages.len(), 1);
-        let message = Fields::of(Some(messages[0])).unwrap();
-        assert_eq!(string(message.role).as_deref(), Some("user"));
-        let content = message.content.unwrap();
-        assert_eq!(string(Some(content)).as_deref(), Some("hi \"you\""));
-        assert_eq!(&body[span(body, content)], br#""hi \"you\"""#);
-        // Other types read as absent.
-        assert_eq!(string(top.messages), None);
-        assert_eq!(boolean(top.model), None);
-        assert!(items(top.model).unwrap().is_empty());
-        assert!(Fields::of(top.model).unwrap().content.is_none());
-        // So do nulls.
-        let top = Fields::body(br#"{"model": null, "stream": true}"#).unwrap();
-        assert_eq!(top.model, None);
-        assert_eq!(boolean(top.stream), Some(true));
+    fn members_are_read_where_they_stand_and_know_their_tokens() {
+        let body = r#"{"model": "gpt", "skip": {"deep": [1, {"x": "y"}]}, "messages": [{"role": "user", "content": "hi \"you\""}], "id": "c1"}"#;
+        let mut reader = Reader::new(body);
+        let (mut model, mut content) = (None, None);
+        assert!(reader.is_object().unwrap());
+        reader
+            .object(["model", "messages"], |reader, key| {
+                if key == 0 {
+                    model = reader.string()?;
+                    return Ok(());
+                }
+                reader.array(|reader| {
+                    if reader.is_object()? {
+                        reader.object(["content"], |reader, _| {
+                            content = reader.string()?;
+                            Ok(())
+                        })?;
+                    }
+                    Ok(())
+                })
+            })
+            .unwrap();
+        reader.finish().unwrap();
+        let model = model.unwrap();
+        assert!(matches!(model.value, Cow::Borrowed("gpt")));
+        let content = content.unwrap();
+        assert_eq!(content.value, "hi \"you\"");
+        assert_eq!(&body[content.token], r#""hi \"you\"""#);
+        // The skipped strings of the objects read, not of those skipped.
+        let skipped: Vec<&str> = reader.skipped.iter().map(|s| &body[s.clone()]).collect();
+        assert_eq!(skipped, [r#""user""#, r#""c1""#]);
     }
 
     #[test]
-    fn objects_reads_each_item_and_gives_others_none() {
-        let raw = Raw::parse(r#"[{"role": "user"}, 3, "x", {"text": "t"}, []]"#).unwrap();
-        let objects = Fields::objects(Some(raw)).unwrap();
-        assert_eq!(objects.len(), 5);
-        assert_eq!(string(objects[0].role).as_deref(), Some("user"));
-        assert!(objects[1].role.is_none() && objects[2].text.is_none());
-        assert_eq!(string(objects[3].text).as_deref(), Some("t"));
-        assert!(
-            Fields::objects(Some(Raw::parse("{}").unwrap()))
-                .unwrap()
-                .is_empty()
-        );
+    fn a_part_reads_with_the_places_of_the_whole() {
+        let body = r#"{"a": {"b": "x"}}"#;
+        let mut reader = Reader::new(body);
+        assert!(reader.is_object().unwrap());
+        let mut span = None;
+        reader
+            .object(["a"], |reader, _| {
+                span = Some(reader.span()?);
+                Ok(())
+            })
+            .unwrap();
+        let mut part = reader.part(span.unwrap());
+        let mut b = None;
+        assert!(part.is_object().unwrap());
+        part.object(["b"], |reader, _| {
+            b = reader.string()?;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(&body[b.unwrap().token], r#""x""#);
     }
 
     #[test]
-    fn a_key_given_twice_is_an_error() {
-        let body = br#"{"messages": [], "messages": [{"role": "user"}]}"#;
-        assert!(matches!(Fields::body(body), Err(BodyError::Ambiguous(key)) if key == "messages"));
-        let raw = Raw::parse(r#"{"content": "a", "content": "b"}"#).unwrap();
+    fn other_types_read_as_absent() {
+        let mut reader = Reader::new(r#"[1, "s", true, null, {}]"#);
+        let mut strings = Vec::new();
+        reader
+            .array(|reader| {
+                strings.push(reader.string()?.map(|t| t.value.into_owned()));
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(strings, [None, Some("s".into()), None, None, None]);
+        let mut reader = Reader::new("[true, 1, \"true\"]");
+        let mut booleans = Vec::new();
+        reader
+            .array(|reader| {
+                booleans.push(reader.boolean()?);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(booleans, [Some(true), None, None]);
+    }
+
+    #[test]
+    fn a_key_read_twice_is_ambiguous_and_others_may_repeat() {
+        let read = |body: &str| {
+            let mut reader = Reader::new(body);
+            reader.is_object()?;
+            reader.object(["messages"], |reader, _| reader.skip())?;
+            reader.finish()
+        };
         assert!(matches!(
-            Fields::of(Some(raw)),
+            read(r#"{"messages": [], "messages": [{"role": "user"}]}"#),
+            Err(BodyError::Ambiguous(key)) if key == "messages"
+        ));
+        assert!(matches!(
+            read(r#"{"messages": null, "messages": 1}"#),
             Err(BodyError::Ambiguous(_))
         ));
-        // A null counts as given.
-        assert!(Fields::body(br#"{"model": null, "model": "a"}"#).is_err());
-        // Keys the guard does not read may repeat.
-        assert!(Fields::body(br#"{"x": 1, "x": 2}"#).is_ok());
+        assert!(read(r#"{"x": 1, "x": 2}"#).is_ok());
     }
 
     #[test]
@@ -362,28 +370,31 @@ mod tests {
             b"\"\xff\"",
             b"",
         ] {
+            let read = Reader::bytes(body).and_then(|mut reader| {
+                reader.skip()?;
+                reader.finish()
+            });
             assert!(
-                matches!(Fields::body(body), Err(BodyError::Invalid(_))),
+                matches!(read, Err(BodyError::Invalid(_))),
                 "{}",
                 String::from_utf8_lossy(body)
             );
         }
-        assert!(Fields::body(b" [1, {\"a\": 2}] ").is_ok());
     }
 
     #[test]
     fn splice_rewrites_only_the_spans() {
         let body = br#"{"b": 1.50, "a": "my secret", "c": "keep"}"#;
-        members! {
-            struct Keys {
-                a: "a",
-            }
-        }
-        let keys = Keys::of(Some(
-            Raw::parse(std::str::from_utf8(body).unwrap()).unwrap(),
-        ))
-        .unwrap();
-        let edits = [(span(body, keys.a.unwrap()), "my \"[x]\"".to_owned())];
+        let mut reader = Reader::bytes(body).unwrap();
+        let mut a = None;
+        reader.is_object().unwrap();
+        reader
+            .object(["a"], |reader, _| {
+                a = reader.string()?;
+                Ok(())
+            })
+            .unwrap();
+        let edits = [(a.unwrap().token, "my \"[x]\"".to_owned())];
         assert_eq!(
             &splice(body, &edits)[..],
             br#"{"b": 1.50, "a": "my \"[x]\"", "c": "keep"}"#

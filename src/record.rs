@@ -6,14 +6,12 @@
 //! fairgate's own `x-fairgate-*` headers or the body's `metadata.fairgate_*`
 //! keys, never from the request headers as a whole.
 
-use std::borrow::Cow;
-
 use http::HeaderMap;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::json::{self, Members, Raw};
+use crate::json::Reader;
 use crate::risk::{Decision, Risk, Verdict};
 use crate::rules::{Action, Hit, Scope};
 
@@ -201,39 +199,54 @@ impl ClientMeta {
     /// Reads `x-fairgate-session`, `-user`, `-ground-truth` and `-expected`
     /// (URL-encoded text), falling back to the `fairgate_session`, ... keys
     /// of the body's `metadata` object.
-    pub fn read(headers: &HeaderMap, metadata: Option<Raw>) -> ClientMeta {
-        let metadata = BodyMeta::of(metadata).unwrap_or_default();
+    pub fn read(headers: &HeaderMap, metadata: Option<&str>) -> ClientMeta {
+        const KEYS: [&str; 4] = [
+            "fairgate_session",
+            "fairgate_user",
+            "fairgate_ground_truth",
+            "fairgate_expected",
+        ];
+        const HEADERS: [&str; 4] = [
+            "x-fairgate-session",
+            "x-fairgate-user",
+            "x-fairgate-ground-truth",
+            "x-fairgate-expected",
+        ];
+        // The body's strings; none when the object holds a key twice.
+        let mut from_body: [Option<String>; 4] = Default::default();
+        if let Some(metadata) = metadata {
+            let mut reader = Reader::new(metadata);
+            let read = reader.is_object().and_then(|_| {
+                reader.object(KEYS, |reader, key| {
+                    from_body[key] = reader.string()?.map(|t| t.value.into_owned());
+                    Ok(())
+                })
+            });
+            if read.is_err() {
+                from_body = Default::default();
+            }
+        }
         // Most requests carry none of these headers: one look at the names
         // saves four lookups, each of which would parse the name it is given.
         let ours = headers
             .keys()
             .any(|name| name.as_str().starts_with("x-fairgate-"));
-        let field = |header: &str, value: Option<Raw>| -> Option<String> {
-            if ours && let Some(value) = headers.get(header) {
+        let [session, user, ground_truth, expected] = std::array::from_fn(|i| {
+            if ours && let Some(value) = headers.get(HEADERS[i]) {
                 let raw = String::from_utf8_lossy(value.as_bytes());
                 let decoded = percent_encoding::percent_decode_str(&raw.replace('+', " "))
                     .decode_utf8_lossy()
                     .into_owned();
                 return Some(decoded);
             }
-            json::string(value).map(Cow::into_owned)
-        };
+            from_body[i].take()
+        });
         ClientMeta {
-            session: field("x-fairgate-session", metadata.fairgate_session),
-            user: field("x-fairgate-user", metadata.fairgate_user),
-            ground_truth: field("x-fairgate-ground-truth", metadata.fairgate_ground_truth),
-            expected: field("x-fairgate-expected", metadata.fairgate_expected),
+            session,
+            user,
+            ground_truth,
+            expected,
         }
-    }
-}
-
-json::members! {
-    /// fairgate's keys of a request body's `metadata` object.
-    struct BodyMeta {
-        fairgate_session: "fairgate_session",
-        fairgate_user: "fairgate_user",
-        fairgate_ground_truth: "fairgate_ground_truth",
-        fairgate_expected: "fairgate_expected",
     }
 }
 
@@ -305,7 +318,7 @@ mod tests {
             "Save%20%E2%82%AC50+a%20week".parse().unwrap(),
         );
         let metadata = r#"{"fairgate_expected": "no", "fairgate_user": "u-7", "fairgate_ground_truth": "calm", "fairgate_session": 7}"#;
-        let meta = ClientMeta::read(&headers, Raw::parse(metadata).ok());
+        let meta = ClientMeta::read(&headers, Some(metadata));
         assert_eq!(meta.expected.as_deref(), Some("Save €50 a week"));
         assert_eq!(meta.user.as_deref(), Some("u-7"));
         assert_eq!(meta.ground_truth.as_deref(), Some("calm"));
@@ -315,12 +328,12 @@ mod tests {
         // headers do not count.
         let mut headers = HeaderMap::new();
         headers.insert("x-request-id", "r-1".parse().unwrap());
-        let meta = ClientMeta::read(&headers, Raw::parse(metadata).ok());
+        let meta = ClientMeta::read(&headers, Some(metadata));
         assert_eq!(meta.expected.as_deref(), Some("no"));
         assert_eq!(meta.user.as_deref(), Some("u-7"));
         // A metadata object with one of fairgate's keys twice is not read.
         let twice = r#"{"fairgate_user": "a", "fairgate_user": "b"}"#;
-        let meta = ClientMeta::read(&headers, Raw::parse(twice).ok());
+        let meta = ClientMeta::read(&headers, Some(twice));
         assert_eq!(meta.user, None);
     }
 

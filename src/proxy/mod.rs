@@ -841,7 +841,7 @@ async fn guarded(
     let scanned = guard::scan_response(&rules, &body, &read.texts);
     let usage = read
         .usage
-        .and_then(|usage| serde_json::from_str::<Value>(usage.get()).ok());
+        .and_then(|usage| serde_json::from_str::<Value>(usage).ok());
     let mut all: Vec<Hit> = scan.verdict.hits.clone();
     all.extend(scanned.hits);
     let verdict = risk::assess(&state.config.risk, all, &scan.relevance);

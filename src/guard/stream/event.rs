@@ -20,17 +20,24 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
-use jiter::{Jiter, JiterError, Peek};
+use jiter::Peek;
 
-use crate::json::decoded_string;
+pub use crate::json::Text;
+use crate::json::{BodyError, Reader};
 
 /// An event that is not JSON, or that holds a key the guard reads twice
 /// in one object.
 #[derive(Debug)]
 pub struct Malformed;
 
-impl From<JiterError> for Malformed {
-    fn from(_: JiterError) -> Self {
+impl From<BodyError> for Malformed {
+    fn from(_: BodyError) -> Self {
+        Malformed
+    }
+}
+
+impl From<jiter::JiterError> for Malformed {
+    fn from(_: jiter::JiterError) -> Self {
         Malformed
     }
 }
@@ -75,14 +82,6 @@ pub struct Choice<'a> {
     pub text: Option<Text<'a>>,
     /// Whether `finish_reason` is there and not `null`.
     pub finished: bool,
-}
-
-/// A string of the response's text, and where its JSON token lies in the
-/// event's data.
-#[derive(Debug)]
-pub struct Text<'a> {
-    pub value: Cow<'a, str>,
-    pub token: Range<usize>,
 }
 
 impl<'a> Event<'a> {
@@ -146,7 +145,7 @@ impl<'a> Event<'a> {
 impl<'a> Choice<'a> {
     /// The first item of `choices`, when it is an object; the other items
     /// are only checked to be JSON.
-    fn first(reader: &mut Reader<'a>) -> Result<Choice<'a>, Malformed> {
+    fn first(reader: &mut Reader<'a>) -> Result<Choice<'a>, BodyError> {
         let mut choice = Choice::default();
         let peek = reader.jiter.peek()?;
         if peek != Peek::Array {
@@ -179,7 +178,7 @@ impl<'a> Choice<'a> {
 
 impl<'a> Delta<'a> {
     /// Reads a delta object, the reader at its start.
-    fn read(reader: &mut Reader<'a>) -> Result<Delta<'a>, Malformed> {
+    fn read(reader: &mut Reader<'a>) -> Result<Delta<'a>, BodyError> {
         let mut delta = Delta::default();
         reader.object(["type", "text", "content"], |reader, key| {
             let string = reader.string()?;
@@ -265,116 +264,6 @@ impl Shape {
             return None;
         }
         text.filter(|text| !text.is_empty())
-    }
-}
-
-/// A jiter pull parser over an event's data, with the reads the guard
-/// makes.
-struct Reader<'a> {
-    data: &'a str,
-    jiter: Jiter<'a>,
-    /// Where the strings skipped as members of objects read lie.
-    skipped: Vec<Range<usize>>,
-}
-
-impl<'a> Reader<'a> {
-    fn new(data: &'a str) -> Reader<'a> {
-        Reader {
-            data,
-            jiter: Jiter::new(data.as_bytes()),
-            skipped: Vec::new(),
-        }
-    }
-
-    /// Reads an object, the reader at its start: `member` reads the value
-    /// of each of the `keys` (given its position in them); every other
-    /// value is skipped. A key of `keys` twice is malformed.
-    fn object<const N: usize>(
-        &mut self,
-        keys: [&str; N],
-        mut member: impl FnMut(&mut Self, usize) -> Result<(), Malformed>,
-    ) -> Result<(), Malformed> {
-        let position = |key: &str| keys.iter().position(|known| *known == key);
-        let mut seen = 0u32;
-        let mut key = self.jiter.known_object()?.map(position);
-        while let Some(found) = key {
-            match found {
-                Some(at) if seen & (1 << at) != 0 => return Err(Malformed),
-                Some(at) => {
-                    seen |= 1 << at;
-                    member(self, at)?;
-                }
-                None => self.skip_member()?,
-            }
-            key = self.jiter.next_key()?.map(position);
-        }
-        Ok(())
-    }
-
-    /// Skips a member the guard does not read, noting where it lies when
-    /// it is a string.
-    fn skip_member(&mut self) -> Result<(), Malformed> {
-        let peek = self.jiter.peek()?;
-        let start = self.jiter.current_index();
-        self.jiter.known_skip(peek)?;
-        if peek == Peek::String {
-            self.skipped.push(start..self.jiter.current_index());
-        }
-        Ok(())
-    }
-
-    /// The next value if it is a string: borrowed when the data holds it
-    /// as it reads (no escapes), owned otherwise.
-    fn string(&mut self) -> Result<Option<Text<'a>>, Malformed> {
-        let peek = self.jiter.peek()?;
-        if peek != Peek::String {
-            self.jiter.known_skip(peek)?;
-            return Ok(None);
-        }
-        let start = self.jiter.current_index();
-        let (value, end) = decoded_string(&mut self.jiter, self.data)?;
-        Ok(Some(Text {
-            value,
-            token: start..end,
-        }))
-    }
-
-    /// The next value if it is a non-negative integer.
-    fn u64(&mut self) -> Result<Option<u64>, Malformed> {
-        let peek = self.jiter.peek()?;
-        if !peek.is_num() {
-            self.jiter.known_skip(peek)?;
-            return Ok(None);
-        }
-        let digits = self.jiter.known_number_bytes(peek)?;
-        Ok(std::str::from_utf8(digits)
-            .ok()
-            .and_then(|n| n.parse().ok()))
-    }
-
-    /// Whether the next value is an object; any other value is skipped.
-    fn is_object(&mut self) -> Result<bool, Malformed> {
-        let peek = self.jiter.peek()?;
-        if peek == Peek::Object {
-            return Ok(true);
-        }
-        self.jiter.known_skip(peek)?;
-        Ok(false)
-    }
-
-    /// Skips the next value; whether it was not `null`.
-    fn not_null(&mut self) -> Result<bool, Malformed> {
-        let peek = self.jiter.peek()?;
-        self.jiter.known_skip(peek)?;
-        Ok(peek != Peek::Null)
-    }
-
-    /// The JSON text of the next value if it is an object.
-    fn object_text(&mut self) -> Result<Option<&'a str>, Malformed> {
-        let peek = self.jiter.peek()?;
-        let start = self.jiter.current_index();
-        self.jiter.known_skip(peek)?;
-        Ok((peek == Peek::Object).then(|| &self.data[start..self.jiter.current_index()]))
     }
 }
 
