@@ -240,8 +240,11 @@ impl<'a> Reader<'a> {
 }
 
 /// `body` with each span replaced by its new text, written as a JSON
-/// string. Spans are in order and do not overlap.
+/// string. Spans do not overlap; they may come in any order (the texts of
+/// a body are listed system prompt first, wherever it stands).
 pub fn splice(body: &[u8], edits: &[(Range<usize>, String)]) -> Bytes {
+    let mut edits: Vec<&(Range<usize>, String)> = edits.iter().collect();
+    edits.sort_by_key(|(span, _)| span.start);
     let mut out = Vec::with_capacity(body.len() + 64);
     let mut at = 0;
     for (span, text) in edits {
@@ -398,6 +401,12 @@ mod tests {
         assert_eq!(
             &splice(body, &edits)[..],
             br#"{"b": 1.50, "a": "my \"[x]\"", "c": "keep"}"#
+        );
+        // Edits out of order (a system prompt after the messages).
+        let edits = [(35..41, "K".to_owned()), (17..28, "S".to_owned())];
+        assert_eq!(
+            &splice(body, &edits)[..],
+            br#"{"b": 1.50, "a": "S", "c": "K"}"#
         );
     }
 }

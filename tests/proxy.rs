@@ -179,6 +179,22 @@ async fn prompt_pii_is_redacted_before_forwarding() {
             r#""Card [REDACTED:card] é""#
         )
     );
+    // A system prompt after the messages: the texts are listed system
+    // first, and both are rewritten in place.
+    let body = r#"{"model": "claude", "max_tokens": 8, "messages": [{"role": "user", "content": "Card 4111 1111 1111 1111"}], "system": "Known card 5555 5555 5555 4444"}"#;
+    let response = client()
+        .post(proxy.url("/v1/messages"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        mock.requests()[2].body,
+        body.replace("4111 1111 1111 1111", "[REDACTED:card]")
+            .replace("5555 5555 5555 4444", "[REDACTED:card]")
+    );
     proxy.stop().await;
 }
 
