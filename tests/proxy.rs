@@ -164,13 +164,7 @@ async fn prompt_pii_is_redacted_before_forwarding() {
     // go upstream as the client wrote them.
     let body = r#"{ "temperature": 0.50, "model": "m",
   "messages": [{"role": "user", "content": "Card 4111 1111 1111 1111 \u00e9"}], "n": 1e0 }"#;
-    let response = client()
-        .post(proxy.url("/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
+    let response = proxy.post_text("/v1/chat/completions", body).await;
     assert_eq!(response.status(), 200);
     assert_eq!(
         mock.requests()[1].body,
@@ -182,13 +176,7 @@ async fn prompt_pii_is_redacted_before_forwarding() {
     // A system prompt after the messages: the texts are listed system
     // first, and both are rewritten in place.
     let body = r#"{"model": "claude", "max_tokens": 8, "messages": [{"role": "user", "content": "Card 4111 1111 1111 1111"}], "system": "Known card 5555 5555 5555 4444"}"#;
-    let response = client()
-        .post(proxy.url("/v1/messages"))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
+    let response = proxy.post_text("/v1/messages", body).await;
     assert_eq!(response.status(), 200);
     assert_eq!(
         mock.requests()[2].body,

@@ -50,13 +50,9 @@ async fn oversized_body_gets_413_in_each_dialect() {
 #[tokio::test]
 async fn invalid_json_is_rejected_not_forwarded() {
     let (mock, proxy) = start().await;
-    let response = client()
-        .post(proxy.url("/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body("{\"messages\": [")
-        .send()
-        .await
-        .unwrap();
+    let response = proxy
+        .post_text("/v1/chat/completions", "{\"messages\": [")
+        .await;
     assert_eq!(response.status(), 400);
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "invalid_json");
@@ -76,13 +72,7 @@ async fn a_key_given_twice_is_rejected_not_forwarded() {
         ("/v1/chat/completions", openai),
         ("/v1/messages", anthropic),
     ] {
-        let response = client()
-            .post(proxy.url(path))
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .unwrap();
+        let response = proxy.post_text(path, body).await;
         assert_eq!(response.status(), 400);
         let body: Value = response.json().await.unwrap();
         if path == "/v1/messages" {
@@ -95,13 +85,12 @@ async fn a_key_given_twice_is_rejected_not_forwarded() {
     }
     assert!(mock.requests().is_empty());
     // A key the guard does not read may repeat (inside tool schemas, say).
-    let response = client()
-        .post(proxy.url("/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body(r#"{"model": "m", "x": 1, "x": 2, "messages": [{"role": "user", "content": "hi"}]}"#)
-        .send()
-        .await
-        .unwrap();
+    let response = proxy
+        .post_text(
+            "/v1/chat/completions",
+            r#"{"model": "m", "x": 1, "x": 2, "messages": [{"role": "user", "content": "hi"}]}"#,
+        )
+        .await;
     assert_eq!(response.status(), 200);
     proxy.stop().await;
 }

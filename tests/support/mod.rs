@@ -348,6 +348,18 @@ impl Proxy {
             .expect("the proxy answers")
     }
 
+    /// POSTs `body` as written (key order, spacing and all) as JSON to
+    /// `path`; the mock answers its default.
+    pub async fn post_text(&self, path: &str, body: &'static str) -> reqwest::Response {
+        client()
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("the proxy answers")
+    }
+
     /// Sends `n` allowed chat completions (`"{tag} question {i}"`); returns
     /// their request ids.
     pub async fn send_questions(&self, n: usize, tag: &str) -> Vec<String> {
