@@ -18,7 +18,7 @@ use std::ops::Range;
 
 use jiter::Peek;
 
-use crate::json::{BodyError, Reader};
+use crate::json::{ReadError, Reader};
 use crate::rules::Scope;
 
 /// The API an endpoint speaks.
@@ -98,7 +98,7 @@ pub struct RequestBody<'a> {
 impl<'a> RequestBody<'a> {
     /// Reads a request body; an error when it is not JSON, or when an
     /// object the guard reads holds one of the keys it reads twice.
-    pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<RequestBody<'a>, BodyError> {
+    pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<RequestBody<'a>, ReadError> {
         let mut reader = Reader::bytes(body)?;
         let mut read = RequestBody::default();
         // The system prompt and instructions come first in `texts`,
@@ -166,7 +166,7 @@ pub struct ResponseBody<'a> {
 
 impl<'a> ResponseBody<'a> {
     /// Reads a response body; an error as for [`RequestBody::read`].
-    pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<ResponseBody<'a>, BodyError> {
+    pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<ResponseBody<'a>, ReadError> {
         let mut reader = Reader::bytes(body)?;
         let mut read = ResponseBody::default();
         let mut texts = Texts::default();
@@ -222,7 +222,7 @@ fn role_scope(role: &str) -> Option<Scope> {
 
 impl<'a> Texts<'a> {
     /// A string value, if the next value is one.
-    fn text(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), BodyError> {
+    fn text(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
         if let Some(text) = reader.string()? {
             self.found.push(Text {
                 scope,
@@ -238,8 +238,8 @@ impl<'a> Texts<'a> {
     fn objects(
         &mut self,
         reader: &mut Reader<'a>,
-        mut object: impl FnMut(&mut Self, &mut Reader<'a>) -> Result<(), BodyError>,
-    ) -> Result<(), BodyError> {
+        mut object: impl FnMut(&mut Self, &mut Reader<'a>) -> Result<(), ReadError>,
+    ) -> Result<(), ReadError> {
         if reader.is(Peek::Array)? {
             reader.array(|reader| {
                 if reader.is_object()? {
@@ -252,7 +252,7 @@ impl<'a> Texts<'a> {
     }
 
     /// A string, or an array of strings (nested at any depth).
-    fn strings(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), BodyError> {
+    fn strings(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
         match reader.jiter.peek()? {
             Peek::String => self.text(reader, scope),
             Peek::Array => reader.array(|reader| self.strings(reader, scope)),
@@ -262,7 +262,7 @@ impl<'a> Texts<'a> {
 
     /// OpenAI message content: a string, or parts of which the strings and
     /// the text blocks count.
-    fn content(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), BodyError> {
+    fn content(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
         match reader.jiter.peek()? {
             Peek::String => self.text(reader, scope),
             Peek::Array => reader.array(|reader| match reader.jiter.peek()? {
@@ -276,14 +276,14 @@ impl<'a> Texts<'a> {
 
     /// Anthropic content blocks: of an array, the text blocks, tool results
     /// and documents (strings do not count).
-    fn blocks(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), BodyError> {
+    fn blocks(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
         self.objects(reader, |texts, reader| texts.block(reader, scope))
     }
 
     /// A content block (Anthropic) or part (OpenAI), the reader at its
     /// start: text (`text`, `input_text`, `output_text`) in `scope`; tool
     /// results and documents are context.
-    fn block(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), BodyError> {
+    fn block(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
         let mut kind = None;
         let mut later = Vec::new();
         reader.object(["type", "text", "content", "source"], |reader, key| {
@@ -309,7 +309,7 @@ impl<'a> Texts<'a> {
         kind: &str,
         key: usize,
         scope: Scope,
-    ) -> Result<(), BodyError> {
+    ) -> Result<(), ReadError> {
         match (kind, key) {
             ("text" | "input_text" | "output_text", 1) => self.text(reader, scope),
             ("tool_result", 2) => self.content(reader, Scope::Context),
@@ -325,7 +325,7 @@ impl<'a> Texts<'a> {
 
     /// A document's `source`, the reader at its start: its `data` when its
     /// type is `text`, else the blocks of its `content`.
-    fn document_source(&mut self, reader: &mut Reader<'a>) -> Result<(), BodyError> {
+    fn document_source(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         let mut text = None;
         let mut later = Vec::new();
         reader.object(["type", "data", "content"], |reader, key| {
@@ -352,7 +352,7 @@ impl<'a> Texts<'a> {
 
     /// OpenAI chat messages: the content of system, developer and user
     /// messages is prompt, of tool and function messages context.
-    fn chat_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), BodyError> {
+    fn chat_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         self.objects(reader, |texts, reader| {
             let mut role = None;
             let mut later = None;
@@ -374,7 +374,7 @@ impl<'a> Texts<'a> {
 
     /// Anthropic messages: the content of user messages, a string or
     /// blocks, is prompt.
-    fn anthropic_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), BodyError> {
+    fn anthropic_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         let user_content = |texts: &mut Self, reader: &mut Reader<'a>| match reader.jiter.peek()? {
             Peek::String => texts.text(reader, Scope::Prompt),
             _ => texts.blocks(reader, Scope::Prompt),
@@ -401,7 +401,7 @@ impl<'a> Texts<'a> {
     /// The Responses API's `input`: a string, or items of which function
     /// call outputs are context and the content of items other than the
     /// assistant's is prompt.
-    fn responses_input(&mut self, reader: &mut Reader<'a>) -> Result<(), BodyError> {
+    fn responses_input(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         if reader.jiter.peek()? == Peek::String {
             return self.text(reader, Scope::Prompt);
         }
@@ -433,7 +433,7 @@ impl<'a> Texts<'a> {
 
     /// An OpenAI chat completion's message: its content, its refusal and
     /// the arguments of its tool calls.
-    fn message(&mut self, reader: &mut Reader<'a>) -> Result<(), BodyError> {
+    fn message(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         let scope = Scope::Response;
         if !reader.is_object()? {
             return Ok(());

@@ -22,9 +22,9 @@ use std::ops::Range;
 use bytes::Bytes;
 use jiter::{Jiter, JiterError, Peek};
 
-/// Why a text cannot be read.
+/// Why a JSON text cannot be read.
 #[derive(Debug, thiserror::Error)]
-pub enum BodyError {
+pub enum ReadError {
     #[error("not JSON: {0}")]
     Invalid(String),
     /// An object the guard reads holds one of the keys it reads twice.
@@ -32,9 +32,9 @@ pub enum BodyError {
     Ambiguous(String),
 }
 
-impl From<JiterError> for BodyError {
+impl From<JiterError> for ReadError {
     fn from(error: JiterError) -> Self {
-        BodyError::Invalid(error.to_string())
+        ReadError::Invalid(error.to_string())
     }
 }
 
@@ -53,8 +53,9 @@ pub struct Reader<'a> {
     /// Where `data` starts in the whole text.
     base: usize,
     pub jiter: Jiter<'a>,
-    /// Where the strings skipped as members of objects read lie.
-    pub skipped: Vec<Range<usize>>,
+    /// Where the strings skipped as members of objects read lie, when
+    /// noted ([`Reader::noting_skipped`]).
+    pub skipped: Option<Vec<Range<usize>>>,
 }
 
 impl<'a> Reader<'a> {
@@ -63,15 +64,21 @@ impl<'a> Reader<'a> {
             data,
             base: 0,
             jiter: Jiter::new(data.as_bytes()),
-            skipped: Vec::new(),
+            skipped: None,
         }
     }
 
+    /// The reader, noting where the strings it skips as members lie.
+    pub fn noting_skipped(mut self) -> Reader<'a> {
+        self.skipped = Some(Vec::new());
+        self
+    }
+
     /// A reader of bytes that must be UTF-8 to be JSON.
-    pub fn bytes(data: &'a [u8]) -> Result<Reader<'a>, BodyError> {
+    pub fn bytes(data: &'a [u8]) -> Result<Reader<'a>, ReadError> {
         std::str::from_utf8(data)
             .map(Reader::new)
-            .map_err(|e| BodyError::Invalid(e.to_string()))
+            .map_err(|e| ReadError::Invalid(e.to_string()))
     }
 
     /// A reader of the value at `span` of the whole text read by `self`
@@ -82,7 +89,7 @@ impl<'a> Reader<'a> {
             data: &self.data[local.clone()],
             base: span.start,
             jiter: Jiter::new(&self.data.as_bytes()[local]),
-            skipped: Vec::new(),
+            skipped: None,
         }
     }
 
@@ -92,7 +99,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Checks that nothing but whitespace follows.
-    pub fn finish(&mut self) -> Result<(), BodyError> {
+    pub fn finish(&mut self) -> Result<(), ReadError> {
         Ok(self.jiter.finish()?)
     }
 
@@ -102,8 +109,8 @@ impl<'a> Reader<'a> {
     pub fn object<const N: usize>(
         &mut self,
         keys: [&str; N],
-        mut member: impl FnMut(&mut Self, usize) -> Result<(), BodyError>,
-    ) -> Result<(), BodyError> {
+        mut member: impl FnMut(&mut Self, usize) -> Result<(), ReadError>,
+    ) -> Result<(), ReadError> {
         let position = |key: &str| keys.iter().position(|known| *known == key);
         let mut seen = 0u64;
         // jiter's `known_*` reads expect the parser past any whitespace.
@@ -112,7 +119,7 @@ impl<'a> Reader<'a> {
         while let Some(name) = key {
             match position(name) {
                 Some(at) if seen & (1 << at) != 0 => {
-                    return Err(BodyError::Ambiguous(name.to_owned()));
+                    return Err(ReadError::Ambiguous(name.to_owned()));
                 }
                 Some(at) => {
                     seen |= 1 << at;
@@ -128,8 +135,8 @@ impl<'a> Reader<'a> {
     /// Reads an array, the reader at its start: `item` reads each item.
     pub fn array(
         &mut self,
-        mut item: impl FnMut(&mut Self) -> Result<(), BodyError>,
-    ) -> Result<(), BodyError> {
+        mut item: impl FnMut(&mut Self) -> Result<(), ReadError>,
+    ) -> Result<(), ReadError> {
         self.jiter.peek()?;
         let mut next = self.jiter.known_array()?;
         while next.is_some() {
@@ -140,24 +147,26 @@ impl<'a> Reader<'a> {
     }
 
     /// Skips a member the guard does not read, noting where it lies when
-    /// it is a string.
-    fn skip_member(&mut self) -> Result<(), BodyError> {
+    /// it is a string and skipped strings are noted.
+    fn skip_member(&mut self) -> Result<(), ReadError> {
         let peek = self.jiter.peek()?;
         let start = self.at();
         self.jiter.known_skip(peek)?;
-        if peek == Peek::String {
-            self.skipped.push(start..self.at());
+        if peek == Peek::String
+            && let Some(skipped) = &mut self.skipped
+        {
+            skipped.push(start..self.base + self.jiter.current_index());
         }
         Ok(())
     }
 
     /// Skips the next value.
-    pub fn skip(&mut self) -> Result<(), BodyError> {
+    pub fn skip(&mut self) -> Result<(), ReadError> {
         self.span().map(drop)
     }
 
     /// Skips the next value; where it lies.
-    pub fn span(&mut self) -> Result<Range<usize>, BodyError> {
+    pub fn span(&mut self) -> Result<Range<usize>, ReadError> {
         let peek = self.jiter.peek()?;
         let start = self.at();
         self.jiter.known_skip(peek)?;
@@ -165,7 +174,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Whether the next value is of type `kind`; any other value is skipped.
-    pub fn is(&mut self, kind: Peek) -> Result<bool, BodyError> {
+    pub fn is(&mut self, kind: Peek) -> Result<bool, ReadError> {
         let peek = self.jiter.peek()?;
         if peek == kind {
             return Ok(true);
@@ -175,13 +184,13 @@ impl<'a> Reader<'a> {
     }
 
     /// Whether the next value is an object; any other value is skipped.
-    pub fn is_object(&mut self) -> Result<bool, BodyError> {
+    pub fn is_object(&mut self) -> Result<bool, ReadError> {
         self.is(Peek::Object)
     }
 
     /// The next value if it is a string: borrowed when the text holds it
     /// as it reads (no escapes), owned otherwise.
-    pub fn string(&mut self) -> Result<Option<Text<'a>>, BodyError> {
+    pub fn string(&mut self) -> Result<Option<Text<'a>>, ReadError> {
         if !self.is(Peek::String)? {
             return Ok(None);
         }
@@ -201,7 +210,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The next value if it is a boolean.
-    pub fn boolean(&mut self) -> Result<Option<bool>, BodyError> {
+    pub fn boolean(&mut self) -> Result<Option<bool>, ReadError> {
         let peek = self.jiter.peek()?;
         if peek == Peek::True || peek == Peek::False {
             return Ok(Some(self.jiter.known_bool(peek)?));
@@ -211,7 +220,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The next value if it is a non-negative integer.
-    pub fn u64(&mut self) -> Result<Option<u64>, BodyError> {
+    pub fn u64(&mut self) -> Result<Option<u64>, ReadError> {
         let peek = self.jiter.peek()?;
         if !peek.is_num() {
             self.jiter.known_skip(peek)?;
@@ -224,14 +233,14 @@ impl<'a> Reader<'a> {
     }
 
     /// Skips the next value; whether it was not `null`.
-    pub fn not_null(&mut self) -> Result<bool, BodyError> {
+    pub fn not_null(&mut self) -> Result<bool, ReadError> {
         let peek = self.jiter.peek()?;
         self.jiter.known_skip(peek)?;
         Ok(peek != Peek::Null)
     }
 
     /// The JSON text of the next value if it is an object.
-    pub fn object_text(&mut self) -> Result<Option<&'a str>, BodyError> {
+    pub fn object_text(&mut self) -> Result<Option<&'a str>, ReadError> {
         let peek = self.jiter.peek()?;
         let start = self.jiter.current_index();
         self.jiter.known_skip(peek)?;
@@ -267,7 +276,7 @@ mod tests {
     #[test]
     fn members_are_read_where_they_stand_and_know_their_tokens() {
         let body = r#"{"model": "gpt", "skip": {"deep": [1, {"x": "y"}]}, "messages": [{"role": "user", "content": "hi \"you\""}], "id": "c1"}"#;
-        let mut reader = Reader::new(body);
+        let mut reader = Reader::new(body).noting_skipped();
         let (mut model, mut content) = (None, None);
         assert!(reader.is_object().unwrap());
         reader
@@ -294,7 +303,12 @@ mod tests {
         assert_eq!(content.value, "hi \"you\"");
         assert_eq!(&body[content.token], r#""hi \"you\"""#);
         // The skipped strings of the objects read, not of those skipped.
-        let skipped: Vec<&str> = reader.skipped.iter().map(|s| &body[s.clone()]).collect();
+        let skipped: Vec<&str> = reader
+            .skipped
+            .iter()
+            .flatten()
+            .map(|s| &body[s.clone()])
+            .collect();
         assert_eq!(skipped, [r#""user""#, r#""c1""#]);
     }
 
@@ -353,11 +367,11 @@ mod tests {
         };
         assert!(matches!(
             read(r#"{"messages": [], "messages": [{"role": "user"}]}"#),
-            Err(BodyError::Ambiguous(key)) if key == "messages"
+            Err(ReadError::Ambiguous(key)) if key == "messages"
         ));
         assert!(matches!(
             read(r#"{"messages": null, "messages": 1}"#),
-            Err(BodyError::Ambiguous(_))
+            Err(ReadError::Ambiguous(_))
         ));
         assert!(read(r#"{"x": 1, "x": 2}"#).is_ok());
     }
@@ -378,7 +392,7 @@ mod tests {
                 reader.finish()
             });
             assert!(
-                matches!(read, Err(BodyError::Invalid(_))),
+                matches!(read, Err(ReadError::Invalid(_))),
                 "{}",
                 String::from_utf8_lossy(body)
             );

@@ -35,7 +35,7 @@ use crate::config::{Config, OnBlock, StreamMode};
 use crate::exchange::{Dialect, Endpoint, RequestBody, ResponseBody};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
-use crate::json::BodyError;
+use crate::json::ReadError;
 use crate::queue::Queue;
 use crate::queue::pipeline::Pipeline;
 use crate::record::{
@@ -634,7 +634,7 @@ async fn guarded(
     let read = match RequestBody::read(endpoint, &bytes) {
         Ok(read) => read,
         Err(error) => {
-            let failure = if matches!(error, BodyError::Ambiguous(_)) {
+            let failure = if matches!(error, ReadError::Ambiguous(_)) {
                 Failure::AmbiguousJson
             } else {
                 Failure::InvalidJson
@@ -822,7 +822,7 @@ async fn guarded(
         };
     let read = match ResponseBody::read(endpoint, &body) {
         Ok(read) => read,
-        Err(error @ BodyError::Ambiguous(_)) => {
+        Err(error @ ReadError::Ambiguous(_)) => {
             // A key twice: the client's parser may read another value
             // than the guard would scan. Not relayed.
             tracing::warn!(%error, "upstream response holds a key twice");

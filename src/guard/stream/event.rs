@@ -23,15 +23,15 @@ use std::ops::Range;
 use jiter::Peek;
 
 pub use crate::json::Text;
-use crate::json::{BodyError, Reader};
+use crate::json::{ReadError, Reader};
 
 /// An event that is not JSON, or that holds a key the guard reads twice
 /// in one object.
 #[derive(Debug)]
 pub struct Malformed;
 
-impl From<BodyError> for Malformed {
-    fn from(_: BodyError) -> Self {
+impl From<ReadError> for Malformed {
+    fn from(_: ReadError) -> Self {
         Malformed
     }
 }
@@ -88,7 +88,7 @@ impl<'a> Event<'a> {
     /// Reads an event's data. JSON that is not an object has none of the
     /// fields.
     pub fn read(data: &'a str) -> Result<Event<'a>, Malformed> {
-        let mut reader = Reader::new(data);
+        let mut reader = Reader::new(data).noting_skipped();
         let mut event = Event::default();
         if reader.jiter.peek()? == Peek::Object {
             let keys = [
@@ -137,7 +137,7 @@ impl<'a> Event<'a> {
             reader.jiter.next_skip()?;
         }
         reader.jiter.finish()?;
-        event.skipped = reader.skipped;
+        event.skipped = reader.skipped.unwrap_or_default();
         Ok(event)
     }
 }
@@ -145,7 +145,7 @@ impl<'a> Event<'a> {
 impl<'a> Choice<'a> {
     /// The first item of `choices`, when it is an object; the other items
     /// are only checked to be JSON.
-    fn first(reader: &mut Reader<'a>) -> Result<Choice<'a>, BodyError> {
+    fn first(reader: &mut Reader<'a>) -> Result<Choice<'a>, ReadError> {
         let mut choice = Choice::default();
         let peek = reader.jiter.peek()?;
         if peek != Peek::Array {
@@ -178,7 +178,7 @@ impl<'a> Choice<'a> {
 
 impl<'a> Delta<'a> {
     /// Reads a delta object, the reader at its start.
-    fn read(reader: &mut Reader<'a>) -> Result<Delta<'a>, BodyError> {
+    fn read(reader: &mut Reader<'a>) -> Result<Delta<'a>, ReadError> {
         let mut delta = Delta::default();
         reader.object(["type", "text", "content"], |reader, key| {
             let string = reader.string()?;
