@@ -587,6 +587,60 @@ mod tests {
     }
 
     #[test]
+    fn every_cut_of_a_body_is_an_error_never_a_panic() {
+        let request = json!({"model": "m", "system": [{"type": "text", "text": "s"}],
+            "instructions": "i", "prompt": ["p", ["q"]], "input": [
+                {"content": "c", "role": "user"},
+                {"output": "o", "type": "function_call_output"}],
+            "messages": [
+                {"content": [{"text": "t", "type": "text"},
+                    {"content": "r", "type": "tool_result"},
+                    {"source": {"data": "d", "type": "text"}, "type": "document"}],
+                 "role": "user"},
+                {"role": "tool", "content": "xé\"y"}]});
+        let response = json!({"choices": [{"message": {"content": "a", "refusal": "b",
+            "tool_calls": [{"function": {"arguments": "{}"}}]}, "text": "t"}],
+            "output": [{"arguments": "g", "content": [{"text": "h"}]}],
+            "content": [{"text": "k"}], "usage": {"n": 1}});
+        for endpoint in [
+            Endpoint::ChatCompletions,
+            Endpoint::Completions,
+            Endpoint::Responses,
+            Endpoint::Messages,
+        ] {
+            for body in [request.to_string(), kind_first(&request)] {
+                assert!(
+                    !RequestBody::read(endpoint, body.as_bytes())
+                        .unwrap()
+                        .texts
+                        .is_empty()
+                );
+                for cut in 0..body.len() {
+                    let cut = &body.as_bytes()[..cut];
+                    assert!(
+                        RequestBody::read(endpoint, cut).is_err(),
+                        "{endpoint:?} {cut:?}"
+                    );
+                }
+            }
+            let body = response.to_string();
+            assert!(
+                !ResponseBody::read(endpoint, body.as_bytes())
+                    .unwrap()
+                    .texts
+                    .is_empty()
+            );
+            for cut in 0..body.len() {
+                let cut = &body.as_bytes()[..cut];
+                assert!(
+                    ResponseBody::read(endpoint, cut).is_err(),
+                    "{endpoint:?} {cut:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn response_texts_of_each_endpoint() {
         let mut seen = Vec::new();
         for (endpoint, body) in [
