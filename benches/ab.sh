@@ -22,20 +22,11 @@ NEW=${NEW:-$PWD/target/release/fairgate}
 HZ=$(getconf CLK_TCK)
 start_mock "$MOCK"
 
-# Starts build $1 on port $2 (admin on the next port), from a scratch
-# directory of its own; sets STARTED to its pid.
-start() {
-  mkdir -p "$WORK/$2"
-  (cd "$WORK/$2" && RUST_LOG=warn exec "$1" serve --listen "127.0.0.1:$2" --admin-listen "127.0.0.1:$(($2 + 1))" \
-    --rules "$OLDPWD/rules" --upstream-openai "http://$MOCK" >/dev/null 2>&1) &
-  STARTED=$!
-  PIDS+=("$STARTED")
-  wait_for "http://127.0.0.1:$(($2 + 1))/healthz"
-}
-start "$OLD" 18122
-OLD_PID=$STARTED
-start "$NEW" 18124
-NEW_PID=$STARTED
+# Each build from a scratch directory of its own.
+start_fairgate "$OLD" 127.0.0.1:18122 127.0.0.1:18123 "$WORK/old"
+OLD_PID=$FAIRGATE_PID
+start_fairgate "$NEW" 127.0.0.1:18124 127.0.0.1:18125 "$WORK/new"
+NEW_PID=$FAIRGATE_PID
 
 # CPU microseconds per request of process $1 over a closed loop on port $2.
 cpu_per_request() {

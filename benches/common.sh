@@ -40,6 +40,21 @@ wait_for() {
 # Memory figure $1 of process $2 (VmRSS, VmHWM, ...) from /proc, in MB.
 mem_mb() { awk "/^$1:/ {printf \"%.1f\", \$2 / 1024}" "/proc/$2/status"; }
 
+# Starts fairgate build $1 serving on $2, its admin listener on $3, from
+# directory $4 (whose ./data takes its results and spills), on the shipped
+# rules with the mock ($MOCK) as its OpenAI upstream, and any further
+# arguments; waits until it answers and sets FAIRGATE_PID.
+start_fairgate() {
+  local bin=$1 listen=$2 admin=$3 dir=$4 rules=$PWD/rules
+  shift 4
+  mkdir -p "$dir"
+  (cd "$dir" && RUST_LOG=warn exec "$bin" serve --listen "$listen" --admin-listen "$admin" \
+    --rules "$rules" --upstream-openai "http://$MOCK" "$@" >/dev/null 2>&1) &
+  FAIRGATE_PID=$!
+  PIDS+=("$FAIRGATE_PID")
+  wait_for "http://$admin/healthz"
+}
+
 # Starts the mock upstream on $1 and waits until it answers.
 start_mock() {
   "$(bench_bin mock_upstream)" "$1" 2>/dev/null &

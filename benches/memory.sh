@@ -35,11 +35,8 @@ printf '%-40s %5s %10s %10s %14s %8s\n' build round "idle MB" "open MB" "KB per 
 for round in $(seq "$ROUNDS"); do
   for bin in $BINS; do
     rm -rf "$WORK/data"
-    (cd "$WORK" && RUST_LOG=warn exec "$bin" serve --listen "$FAIRGATE" --admin-listen "$ADMIN" \
-      --rules "$ROOT/rules" --upstream-openai "http://$MOCK" >/dev/null 2>&1) &
-    pid=$!
-    PIDS+=($pid)
-    wait_for "http://$ADMIN/healthz"
+    start_fairgate "$bin" "$FAIRGATE" "$ADMIN" "$WORK"
+    pid=$FAIRGATE_PID
     oha_json -z 3s -c 64 -m POST -H 'content-type: application/json' -D "$WORK/body.json" \
       "http://$FAIRGATE/v1/chat/completions" >/dev/null
     sleep 1

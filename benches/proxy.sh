@@ -43,11 +43,7 @@ NGINX_BIN=$(command -v nginx || echo /usr/sbin/nginx)
 
 start_mock "$MOCK"
 # From a scratch directory, so that results and spills (./data) start empty.
-ROOT=$PWD
-(cd "$WORK" && RUST_LOG=warn exec "${FAIRGATE_BIN:-$ROOT/target/release/fairgate}" serve --listen "$FAIRGATE" --admin-listen "$ADMIN" \
-  --rules "$ROOT/rules" --upstream-openai "http://$MOCK" --threads "${THREADS:-0}" >/dev/null 2>&1) &
-FAIRGATE_PID=$!
-PIDS+=($FAIRGATE_PID)
+start_fairgate "${FAIRGATE_BIN:-$PWD/target/release/fairgate}" "$FAIRGATE" "$ADMIN" "$WORK" --threads "${THREADS:-0}"
 
 cat >"$WORK/nginx.conf" <<EOF
 worker_processes 1;
@@ -70,7 +66,6 @@ http {
 EOF
 "$NGINX_BIN" -c "$WORK/nginx.conf"
 
-wait_for "http://$ADMIN/healthz"
 wait_for "http://$NGINX/v1/models"
 
 # CPU ticks of a process and its threads: "user system".
