@@ -11,7 +11,8 @@
 //! Where what a value means depends on a member that may come after it (a
 //! message's `role`, a block's `type`), the value is read where it stands
 //! when that member came first, as clients write them, and otherwise
-//! skipped and read again from its place once the object is read.
+//! skipped and read again from its place once the object is read
+//! ([`Reader::decided_object`]).
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -284,117 +285,65 @@ impl<'a> Texts<'a> {
     /// start: text (`text`, `input_text`, `output_text`) in `scope`; tool
     /// results and documents are context.
     fn block(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
-        let mut kind = None;
-        let mut later = Vec::new();
-        reader.object(["type", "text", "content", "source"], |reader, key| {
-            match (key, &kind) {
-                (0, _) => kind = reader.string()?.map(|t| t.value),
-                (_, Some(kind)) => self.block_member(reader, kind, key, scope)?,
-                (_, None) => later.push((key, reader.span()?)),
-            }
-            Ok(())
-        })?;
-        if let Some(kind) = kind {
-            for (key, span) in later {
-                self.block_member(&mut reader.part(span), &kind, key, scope)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Member `key` of [`Texts::block`]'s keys, of a block of type `kind`.
-    fn block_member(
-        &mut self,
-        reader: &mut Reader<'a>,
-        kind: &str,
-        key: usize,
-        scope: Scope,
-    ) -> Result<(), ReadError> {
-        match (kind, key) {
-            ("text" | "input_text" | "output_text", 1) => self.text(reader, scope),
-            ("tool_result", 2) => self.content(reader, Scope::Context),
-            ("document", 3) => {
-                if reader.is_object()? {
-                    self.document_source(reader)?;
+        reader.decided_object(
+            ["type", "text", "content", "source"],
+            |reader| Ok(reader.string()?.map(|t| t.value)),
+            |reader, kind, key| match (kind.as_deref(), key) {
+                (Some("text" | "input_text" | "output_text"), 1) => self.text(reader, scope),
+                (Some("tool_result"), 2) => self.content(reader, Scope::Context),
+                (Some("document"), 3) => {
+                    if reader.is_object()? {
+                        self.document_source(reader)?;
+                    }
+                    Ok(())
                 }
-                Ok(())
-            }
-            _ => reader.skip(),
-        }
+                _ => reader.skip(),
+            },
+        )
     }
 
     /// A document's `source`, the reader at its start: its `data` when its
     /// type is `text`, else the blocks of its `content`.
     fn document_source(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
-        let mut text = None;
-        let mut later = Vec::new();
-        reader.object(["type", "data", "content"], |reader, key| {
-            match (key, text) {
-                (0, _) => text = Some(reader.string()?.is_some_and(|t| t.value == "text")),
-                (1, Some(true)) => self.text(reader, Scope::Context)?,
-                (2, Some(false)) => self.blocks(reader, Scope::Context)?,
-                (_, Some(_)) => reader.skip()?,
-                (_, None) => later.push((key, reader.span()?)),
-            }
-            Ok(())
-        })?;
-        let text = text.unwrap_or(false);
-        for (key, span) in later {
-            let mut part = reader.part(span);
-            match (key, text) {
-                (1, true) => self.text(&mut part, Scope::Context)?,
-                (2, false) => self.blocks(&mut part, Scope::Context)?,
-                _ => {}
-            }
-        }
-        Ok(())
+        reader.decided_object(
+            ["type", "data", "content"],
+            |reader| Ok(reader.string()?.is_some_and(|t| t.value == "text")),
+            |reader, &text, key| match (key, text) {
+                (1, true) => self.text(reader, Scope::Context),
+                (2, false) => self.blocks(reader, Scope::Context),
+                _ => reader.skip(),
+            },
+        )
     }
 
     /// OpenAI chat messages: the content of system, developer and user
     /// messages is prompt, of tool and function messages context.
     fn chat_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         self.objects(reader, |texts, reader| {
-            let mut role = None;
-            let mut later = None;
-            reader.object(["role", "content"], |reader, key| {
-                match (key, &role) {
-                    (0, _) => role = Some(reader.string()?.and_then(|t| role_scope(&t.value))),
-                    (_, Some(Some(scope))) => texts.content(reader, *scope)?,
-                    (_, Some(None)) => reader.skip()?,
-                    (_, None) => later = Some(reader.span()?),
-                }
-                Ok(())
-            })?;
-            if let (Some(span), Some(Some(scope))) = (later, role) {
-                texts.content(&mut reader.part(span), scope)?;
-            }
-            Ok(())
+            reader.decided_object(
+                ["role", "content"],
+                |reader| Ok(reader.string()?.and_then(|t| role_scope(&t.value))),
+                |reader, scope, _| match scope {
+                    Some(scope) => texts.content(reader, *scope),
+                    None => reader.skip(),
+                },
+            )
         })
     }
 
     /// Anthropic messages: the content of user messages, a string or
     /// blocks, is prompt.
     fn anthropic_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
-        let user_content = |texts: &mut Self, reader: &mut Reader<'a>| match reader.jiter.peek()? {
-            Peek::String => texts.text(reader, Scope::Prompt),
-            _ => texts.blocks(reader, Scope::Prompt),
-        };
         self.objects(reader, |texts, reader| {
-            let mut user = None;
-            let mut later = None;
-            reader.object(["role", "content"], |reader, key| {
-                match (key, user) {
-                    (0, _) => user = Some(reader.string()?.is_some_and(|t| t.value == "user")),
-                    (_, Some(true)) => user_content(texts, reader)?,
-                    (_, Some(false)) => reader.skip()?,
-                    (_, None) => later = Some(reader.span()?),
-                }
-                Ok(())
-            })?;
-            if let (Some(span), Some(true)) = (later, user) {
-                user_content(texts, &mut reader.part(span))?;
-            }
-            Ok(())
+            reader.decided_object(
+                ["role", "content"],
+                |reader| Ok(reader.string()?.is_some_and(|t| t.value == "user")),
+                |reader, &user, _| match reader.jiter.peek()? {
+                    Peek::String if user => texts.text(reader, Scope::Prompt),
+                    _ if user => texts.blocks(reader, Scope::Prompt),
+                    _ => reader.skip(),
+                },
+            )
         })
     }
 

@@ -132,6 +132,36 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
+    /// Reads an object, the reader at its start, whose member `keys[0]`
+    /// decides how its other members of `keys` are read: `decide` reads
+    /// that member's value, and `member` each other member (given its
+    /// position in `keys`) with the decision, `T::default()` when the
+    /// object has no deciding member. Clients write the deciding member
+    /// first; members before it are skipped and read again from their
+    /// place once the object is read.
+    pub fn decided_object<T: Default, const N: usize>(
+        &mut self,
+        keys: [&str; N],
+        mut decide: impl FnMut(&mut Self) -> Result<T, ReadError>,
+        mut member: impl FnMut(&mut Self, &T, usize) -> Result<(), ReadError>,
+    ) -> Result<(), ReadError> {
+        let mut decided = None;
+        let mut later = Vec::new();
+        self.object(keys, |reader, key| {
+            match (key, &decided) {
+                (0, _) => decided = Some(decide(reader)?),
+                (_, Some(decided)) => member(reader, decided, key)?,
+                (_, None) => later.push((key, reader.span()?)),
+            }
+            Ok(())
+        })?;
+        let decided = decided.unwrap_or_default();
+        for (key, span) in later {
+            member(&mut self.part(span), &decided, key)?;
+        }
+        Ok(())
+    }
+
     /// Reads an array, the reader at its start: `item` reads each item.
     pub fn array(
         &mut self,
@@ -333,6 +363,46 @@ mod tests {
         })
         .unwrap();
         assert_eq!(&body[b.unwrap().token], r#""x""#);
+    }
+
+    #[test]
+    fn a_deciding_member_applies_wherever_it_stands_and_defaults_when_absent() {
+        let read = |body: &str| {
+            let mut reader = Reader::new(body);
+            let mut read = Vec::new();
+            assert!(reader.is_object().unwrap());
+            reader
+                .decided_object(
+                    ["kind", "a", "b"],
+                    |reader| Ok(reader.string()?.map(|t| t.value.into_owned())),
+                    |reader, kind: &Option<String>, key| {
+                        let text = reader.string()?.map(|t| t.value.into_owned());
+                        read.push((kind.clone(), key, text, reader.at()));
+                        Ok(())
+                    },
+                )
+                .unwrap();
+            reader.finish().unwrap();
+            read
+        };
+        // Where a string token ends in `body`, as places in the whole text.
+        let end = |body: &str, token: &str| body.find(token).unwrap() + token.len();
+        let k = || Some("k".to_owned());
+        let body = r#"{"a": "x", "kind": "k", "b": "y"}"#;
+        assert_eq!(
+            read(body),
+            // "b" is read where it stands; "a", before the kind, after the
+            // object, from its place.
+            [
+                (k(), 2, Some("y".into()), end(body, r#""y""#)),
+                (k(), 1, Some("x".into()), end(body, r#""x""#))
+            ]
+        );
+        let body = r#"{"a": "x"}"#;
+        assert_eq!(
+            read(body),
+            [(None, 1, Some("x".into()), end(body, r#""x""#))]
+        );
     }
 
     #[test]
