@@ -220,4 +220,200 @@ mod tests {
             [(0..20, Scope::Context)]
         );
     }
+
+    /// A small deterministic generator, so that a failure can be replayed.
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((self.0 >> 33) as usize) % n
+        }
+
+        fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+            &items[self.below(items.len())]
+        }
+    }
+
+    /// `value` as JSON text with the members of each object in random order
+    /// and each character of a string, at random, escaped (`\uXXXX`, a
+    /// surrogate pair beyond the BMP, `\/`) or as it is.
+    fn write_randomly(value: &serde_json::Value, rng: &mut Lcg, out: &mut String) {
+        use serde_json::Value;
+        match value {
+            Value::Object(map) => {
+                let mut members: Vec<_> = map.iter().collect();
+                for i in (1..members.len()).rev() {
+                    members.swap(i, rng.below(i + 1));
+                }
+                out.push('{');
+                for (i, (key, member)) in members.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&Value::from(key.as_str()).to_string());
+                    out.push(':');
+                    write_randomly(member, rng, out);
+                }
+                out.push('}');
+            }
+            Value::Array(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    write_randomly(item, rng, out);
+                }
+                out.push(']');
+            }
+            Value::String(text) => {
+                out.push('"');
+                for c in text.chars() {
+                    match (c, rng.below(4)) {
+                        ('/', 0) => out.push_str("\\/"),
+                        (_, 0) => {
+                            let mut units = [0; 2];
+                            for unit in c.encode_utf16(&mut units) {
+                                out.push_str(&format!("\\u{unit:04x}"));
+                            }
+                        }
+                        ('"' | '\\', _) => {
+                            out.push('\\');
+                            out.push(c);
+                        }
+                        ('\n', _) => out.push_str("\\n"),
+                        _ => out.push(c),
+                    }
+                }
+                out.push('"');
+            }
+            other => out.push_str(&other.to_string()),
+        }
+    }
+
+    /// Random request and response bodies of every endpoint, with personal
+    /// data and keys here and there, written with escapes and members in
+    /// random order: the guard never panics; a body it redacted is JSON that
+    /// reads back to as many texts, each as it was or with a placeholder;
+    /// and scanning it again finds nothing left to redact.
+    #[test]
+    fn redacted_bodies_read_back_with_nothing_left_to_redact() {
+        use crate::exchange::{Endpoint, RequestBody, ResponseBody};
+        use serde_json::{Value, json};
+        use std::path::Path;
+
+        let rules = RuleSet::load_dir(Path::new("rules"), &crate::rules::CompileOptions::default())
+            .unwrap();
+        let risk = RiskConfig::default();
+        let tags = vec!["context".to_owned()];
+        let snippets = [
+            "How should I start saving?",
+            "Café, naïve résumé; 😀 and ✓",
+            "a \"quote\", a back\\slash and a\nnew line",
+            "my card is 4111 1111 1111 1111",
+            "4111111111111111",
+            "write to jane.doe+bank@example.co.uk today",
+            "IBAN: DE89370400440532013000",
+            "call 415-555-0134",
+            "my key is sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z",
+            "<context>card 5500-0000-0000-0004</context>",
+            "<context>nothing here</context> then j.smith@mail.example.com",
+        ];
+        let mut rng = Lcg(11);
+        let t = |rng: &mut Lcg| -> Value {
+            let parts: Vec<&str> = (0..1 + rng.below(3))
+                .map(|_| *rng.pick(&snippets))
+                .collect();
+            Value::from(parts.join(" "))
+        };
+        // The texts of a redacted body against the original's: as many, each
+        // as it was or with a placeholder.
+        let read_back =
+            |old: &[crate::exchange::Text], new: &[crate::exchange::Text], context: &str| {
+                assert_eq!(new.len(), old.len(), "{context}");
+                for (old, new) in old.iter().zip(new) {
+                    assert!(
+                        old.text == new.text || new.text.contains("[REDACTED:"),
+                        "{context}"
+                    );
+                }
+            };
+        let mut redacted_seen = 0;
+        for round in 0..400 {
+            let endpoint = *rng.pick(&[
+                Endpoint::ChatCompletions,
+                Endpoint::Completions,
+                Endpoint::Responses,
+                Endpoint::Messages,
+            ]);
+            let request = match endpoint {
+                Endpoint::ChatCompletions => json!({"model": "m", "messages": [
+                    {"role": "system", "content": t(&mut rng)},
+                    {"role": "user", "content": [{"type": "text", "text": t(&mut rng)},
+                        {"type": "text", "text": t(&mut rng)}]},
+                    {"role": "tool", "tool_call_id": "1", "content": t(&mut rng)}]}),
+                Endpoint::Completions => {
+                    json!({"model": "m", "prompt": [t(&mut rng), t(&mut rng)]})
+                }
+                Endpoint::Responses => json!({"model": "m", "instructions": t(&mut rng), "input": [
+                    {"role": "user", "content": t(&mut rng)},
+                    {"type": "function_call_output", "call_id": "1", "output": t(&mut rng)}]}),
+                Endpoint::Messages => json!({"model": "m", "max_tokens": 9,
+                    "system": [{"type": "text", "text": t(&mut rng)}], "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": t(&mut rng)},
+                        {"type": "tool_result", "tool_use_id": "1", "content": t(&mut rng)},
+                        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": t(&mut rng)}}]}]}),
+            };
+            let response = match endpoint {
+                Endpoint::ChatCompletions => json!({"choices": [{"index": 0, "message":
+                    {"role": "assistant", "content": t(&mut rng)}, "finish_reason": "stop"}]}),
+                Endpoint::Completions => json!({"choices": [{"text": t(&mut rng)}]}),
+                Endpoint::Responses => json!({"output": [{"type": "message", "content":
+                    [{"type": "output_text", "text": t(&mut rng)}]}]}),
+                Endpoint::Messages => json!({"type": "message", "content":
+                    [{"type": "text", "text": t(&mut rng)}], "stop_reason": "end_turn"}),
+            };
+            let (mut request_text, mut response_text) = (String::new(), String::new());
+            write_randomly(&request, &mut rng, &mut request_text);
+            write_randomly(&response, &mut rng, &mut response_text);
+            let context = format!("round {round}, {endpoint:?}:\n{request_text}\n{response_text}");
+
+            let read = RequestBody::read(endpoint, request_text.as_bytes()).expect(&context);
+            let scan = scan_request(&rules, &risk, &tags, request_text.as_bytes(), &read.texts);
+            if let Some(redacted) = scan.redacted {
+                redacted_seen += 1;
+                assert!(
+                    serde_json::from_slice::<Value>(&redacted).is_ok(),
+                    "{context}"
+                );
+                let again = RequestBody::read(endpoint, &redacted).expect(&context);
+                read_back(&read.texts, &again.texts, &context);
+                let rescan = scan_request(&rules, &risk, &tags, &redacted, &again.texts);
+                assert!(rescan.redacted.is_none(), "{context}");
+            }
+
+            let read = ResponseBody::read(endpoint, response_text.as_bytes()).expect(&context);
+            let scan = scan_response(&rules, response_text.as_bytes(), &read.texts);
+            if let Some(redacted) = scan.redacted {
+                redacted_seen += 1;
+                assert!(
+                    serde_json::from_slice::<Value>(&redacted).is_ok(),
+                    "{context}"
+                );
+                let again = ResponseBody::read(endpoint, &redacted).expect(&context);
+                read_back(&read.texts, &again.texts, &context);
+                assert!(
+                    scan_response(&rules, &redacted, &again.texts)
+                        .redacted
+                        .is_none(),
+                    "{context}"
+                );
+            }
+        }
+        assert!(redacted_seen > 100, "{redacted_seen}");
+    }
 }
