@@ -50,6 +50,8 @@ pub mod risk;
 pub mod rules;
 pub mod sink;
 pub mod telemetry;
+#[cfg(test)]
+mod testing;
 pub mod text;
 pub mod watch;
 pub mod worker;

@@ -191,6 +191,7 @@ pub fn rule_ids(hits: &[Hit]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Lcg;
 
     #[test]
     fn tagged_parts_of_a_prompt_are_context() {
@@ -219,23 +220,6 @@ mod tests {
             split_context("<context>x</context>", Scope::Context, &tags),
             [(0..20, Scope::Context)]
         );
-    }
-
-    /// A small deterministic generator, so that a failure can be replayed.
-    struct Lcg(u64);
-
-    impl Lcg {
-        fn below(&mut self, n: usize) -> usize {
-            self.0 = self
-                .0
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((self.0 >> 33) as usize) % n
-        }
-
-        fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-            &items[self.below(items.len())]
-        }
     }
 
     /// `value` as JSON text with the members of each object in random order

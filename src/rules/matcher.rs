@@ -625,16 +625,9 @@ mod tests {
             .match_kind(MatchKind::Standard)
             .build(literals)
             .unwrap();
-        let mut seed = 7u64;
+        let mut rng = crate::testing::Lcg(7);
         for len in [0, 5, 127, 128, 129, 200, 1023, 1024, 2000, 4099] {
-            let text: Vec<u8> = (0..len)
-                .map(|_| {
-                    seed = seed
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    b"abcz "[(seed >> 33) as usize % 5]
-                })
-                .collect();
+            let text: Vec<u8> = (0..len).map(|_| *rng.pick(b"abcz ")).collect();
             let mut expected: Vec<(usize, usize)> = reference
                 .find_overlapping_iter(&text[..])
                 .map(|m| (m.pattern().as_usize(), m.start()))

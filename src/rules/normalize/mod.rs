@@ -260,12 +260,9 @@ mod tests {
             seed ^= seed >> 7;
             seed ^= seed << 17;
             let len = (seed % 40) as usize;
-            let mut x = seed;
+            let mut rng = crate::testing::Lcg(seed);
             for _ in 0..len {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                text.push_str(pieces[(x >> 33) as usize % pieces.len()]);
+                text.push_str(rng.pick::<&str>(&pieces));
             }
             assert_eq!(
                 normalize(&text),
