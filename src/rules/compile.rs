@@ -53,7 +53,7 @@ impl Default for CompileOptions {
 #[derive(Default)]
 pub(crate) struct ScopePatterns {
     pub keywords: Vec<(String, usize)>,
-    pub regexes: Vec<PatternSpec>,
+    pub regexes: Vec<Arc<PatternSpec>>,
 }
 
 pub(super) fn compile(
@@ -67,6 +67,7 @@ pub(super) fn compile(
     let mut ids: HashMap<Arc<str>, (PathBuf, Option<usize>)> = HashMap::new();
     let mut pack_names: HashMap<String, PathBuf> = HashMap::new();
     let mut version = Fnv::new();
+    let mut unless = HashMap::new();
 
     for pack in &packs {
         version.write(
@@ -99,6 +100,7 @@ pub(super) fn compile(
                 index: *index,
                 id: raw.id.clone(),
                 errors: &mut errors,
+                unless: &mut unless,
             };
             let Some((rule, patterns)) = compile_rule(&mut cx, raw, &pack.header.defaults) else {
                 continue;
@@ -113,17 +115,23 @@ pub(super) fn compile(
             }
             ids.insert(rule.id.clone(), (rule.file.clone(), rule.line));
             let rule_index = rules.len();
+            // One compiled regex serves every scope of the rule.
+            let regexes: Vec<Arc<PatternSpec>> = patterns
+                .regexes
+                .into_iter()
+                .map(|spec| {
+                    Arc::new(PatternSpec {
+                        rule: rule_index,
+                        ..spec
+                    })
+                })
+                .collect();
             for scope in &rule.scopes {
                 let target = &mut scopes[*scope as usize];
                 target
                     .keywords
                     .extend(patterns.keywords.iter().map(|k| (k.clone(), rule_index)));
-                target
-                    .regexes
-                    .extend(patterns.regexes.iter().map(|r| PatternSpec {
-                        rule: rule_index,
-                        ..r.clone()
-                    }));
+                target.regexes.extend(regexes.iter().cloned());
             }
             rules.push(rule);
         }
@@ -168,6 +176,9 @@ struct RuleContext<'a> {
     index: usize,
     id: String,
     errors: &'a mut Vec<LoadError>,
+    /// The `unless` regexes compiled so far, by pattern: rules often share
+    /// one list (a YAML anchor), and each compiled copy costs some 200 KB.
+    unless: &'a mut HashMap<String, regex::Regex>,
 }
 
 impl RuleContext<'_> {
@@ -330,15 +341,24 @@ fn compile_rule(
             return None;
         }
         let alternation = format!(r"\b(?:{})\b", u.patterns.join("|"));
+        if let Some(regex) = cx.unless.get(&alternation) {
+            return Some(Unless {
+                regex: regex.clone(),
+                before: u.before,
+            });
+        }
         match RegexBuilder::new(&alternation)
             .case_insensitive(true)
             .size_limit(MAX_REGEX_SIZE)
             .build()
         {
-            Ok(regex) => Some(Unless {
-                regex,
-                before: u.before,
-            }),
+            Ok(regex) => {
+                cx.unless.insert(alternation, regex.clone());
+                Some(Unless {
+                    regex,
+                    before: u.before,
+                })
+            }
             Err(e) => {
                 cx.error(
                     ".unless.patterns",
@@ -401,17 +421,6 @@ fn compile_regex(pattern: &str, view: View) -> Result<PatternSpec, String> {
         return Err("empty regex".into());
     }
     let case_insensitive = view == View::Normalized;
-    let regex = meta::Regex::builder()
-        .syntax(syntax::Config::new().case_insensitive(case_insensitive))
-        .configure(meta::Config::new().nfa_size_limit(Some(MAX_REGEX_SIZE)))
-        .build(pattern)
-        .map_err(|e| match (e.size_limit(), e.syntax_error()) {
-            (Some(limit), _) => {
-                format!("regex {pattern:?} is too large: it compiles to more than {limit} bytes; simplify it")
-            }
-            (None, Some(syntax)) => format!("invalid regex {pattern:?}: {}", one_line(&syntax.to_string())),
-            (None, None) => format!("invalid regex {pattern:?}: {}", one_line(&e.to_string())),
-        })?;
     // The trigger literals are read from the pattern as written: with case
     // folding every letter would double the literals. The normalized view is
     // lower case, so its literals are lower-cased instead.
@@ -422,12 +431,30 @@ fn compile_regex(pattern: &str, view: View) -> Result<PatternSpec, String> {
     if hir.properties().minimum_len() == Some(0) {
         return Err(format!("regex {pattern:?} can match the empty string"));
     }
+    let trigger = trigger(&hir, case_insensitive);
+    // A triggered regex only runs anchored, where a prefilter has no use;
+    // not building one saves its memory (an automaton for a list of words).
+    let regex = meta::Regex::builder()
+        .syntax(syntax::Config::new().case_insensitive(case_insensitive))
+        .configure(
+            meta::Config::new()
+                .nfa_size_limit(Some(MAX_REGEX_SIZE))
+                .auto_prefilter(trigger.is_none()),
+        )
+        .build(pattern)
+        .map_err(|e| match (e.size_limit(), e.syntax_error()) {
+            (Some(limit), _) => {
+                format!("regex {pattern:?} is too large: it compiles to more than {limit} bytes; simplify it")
+            }
+            (None, Some(syntax)) => format!("invalid regex {pattern:?}: {}", one_line(&syntax.to_string())),
+            (None, None) => format!("invalid regex {pattern:?}: {}", one_line(&e.to_string())),
+        })?;
     Ok(PatternSpec {
         pattern: pattern.to_owned(),
         regex,
         view,
         max_len: hir.properties().maximum_len(),
-        trigger: trigger(&hir, case_insensitive),
+        trigger,
         rule: 0,
     })
 }

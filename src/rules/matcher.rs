@@ -29,6 +29,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 use aho_corasick::automaton::Automaton;
 use aho_corasick::dfa::DFA as LiteralDfa;
@@ -79,8 +80,8 @@ impl Trigger {
     }
 }
 
-/// A compiled regex of one rule.
-#[derive(Debug, Clone)]
+/// A compiled regex of one rule, shared by the matchers of its scopes.
+#[derive(Debug)]
 pub(crate) struct PatternSpec {
     pub pattern: String,
     pub regex: meta::Regex,
@@ -154,7 +155,7 @@ struct ViewMatcher {
     /// The longest literal in `literals`, in bytes.
     longest_literal: usize,
     targets: Vec<Target>,
-    regexes: Vec<PatternSpec>,
+    regexes: Vec<Arc<PatternSpec>>,
     /// The regexes without a trigger, as one set, with their indexes.
     untriggered: Option<(RegexSet, Vec<usize>)>,
 }
@@ -167,7 +168,7 @@ struct Candidate {
 }
 
 impl ViewMatcher {
-    fn build(keywords: &[(String, usize)], regexes: Vec<PatternSpec>) -> Result<Self, String> {
+    fn build(keywords: &[(String, usize)], regexes: Vec<Arc<PatternSpec>>) -> Result<Self, String> {
         let mut table = LiteralTable::default();
         for (keyword, rule) in keywords {
             let entry = table.entry(keyword.as_bytes());
@@ -341,8 +342,8 @@ impl ScopeMatcher {
     }
 
     pub fn build(patterns: &ScopePatterns, options: &CompileOptions) -> Result<Self, String> {
-        let cap = |s: &PatternSpec| s.max_len.unwrap_or(options.unbounded_match_cap);
-        let (normalized, raw): (Vec<PatternSpec>, Vec<PatternSpec>) = patterns
+        let cap = |s: &Arc<PatternSpec>| s.max_len.unwrap_or(options.unbounded_match_cap);
+        let (normalized, raw): (Vec<Arc<PatternSpec>>, Vec<Arc<PatternSpec>>) = patterns
             .regexes
             .iter()
             .cloned()
