@@ -209,42 +209,48 @@ fn serve(config: Config) -> anyhow::Result<()> {
         n => n,
     };
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let serving = {
+    // Signals, the rule watcher and reloads run on a small runtime of their
+    // own thread. The main thread serves: it compiled the rules, and the
+    // allocator keeps the memory that compilation freed in this thread's
+    // heap, where serving reuses it rather than taking more.
+    let control = {
         let state = state.clone();
-        std::thread::spawn(move || {
-            fairgate::proxy::serve_on_threads(state, listener, admin, threads, stopped)
-        })
+        std::thread::Builder::new()
+            .name("fairgate-control".into())
+            .spawn(move || -> anyhow::Result<()> {
+                let control = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                control.block_on(async {
+                    let _watcher = if state.config.rules.watch {
+                        Some(fairgate::watch::watch_rules(state.clone())?)
+                    } else {
+                        None
+                    };
+                    #[cfg(unix)]
+                    fairgate::watch::reload_on_sighup(state.clone())?;
+                    tracing::info!(
+                        listen = %state.config.listen,
+                        admin = %state.config.admin.listen,
+                        threads,
+                        rules = state.rules.snapshot().rules().len(),
+                        "fairgate serving"
+                    );
+                    shutdown_signal().await;
+                    let _ = stop.send(true);
+                    anyhow::Ok(())
+                })
+            })?
     };
-    // Signals, the rule watcher and reloads run on their own small runtime.
-    let control = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    control.block_on(async {
-        let _watcher = if state.config.rules.watch {
-            Some(fairgate::watch::watch_rules(state.clone())?)
-        } else {
-            None
-        };
-        #[cfg(unix)]
-        fairgate::watch::reload_on_sighup(state.clone())?;
-        tracing::info!(
-            listen = %state.config.listen,
-            admin = %state.config.admin.listen,
-            threads,
-            rules = state.rules.snapshot().rules().len(),
-            "fairgate serving"
-        );
-        shutdown_signal().await;
-        let _ = stop.send(true);
-        anyhow::Ok(())
-    })?;
-    let served = serving
-        .join()
-        .map_err(|_| anyhow::anyhow!("the serving thread panicked"))?;
+    // Returns once `stop` is sent, or dropped by a control thread that failed.
+    let served = fairgate::proxy::serve_on_threads(state, listener, admin, threads, stopped);
     // Every exchange has ended: flush the side queue.
     pipeline.stop();
     tracing::info!("side queue flushed");
-    served
+    served?;
+    control
+        .join()
+        .map_err(|_| anyhow::anyhow!("the control thread panicked"))?
 }
 
 fn init_logging() {

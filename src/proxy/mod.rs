@@ -225,43 +225,41 @@ pub fn serve_on_threads(
 ) -> anyhow::Result<()> {
     listener.set_nonblocking(true)?;
     admin.set_nonblocking(true)?;
-    let mut handles = Vec::new();
     let addr = listener.local_addr()?;
-    for i in 0..threads.max(1) {
-        let listener = match i {
-            0 => listener.try_clone()?,
-            _ => bind_shared(addr).or_else(|_| listener.try_clone())?,
-        };
-        let admin = if i == 0 {
-            Some(admin.try_clone()?)
-        } else {
-            None
-        };
-        let state = state.clone();
-        let mut shutdown = shutdown.clone();
+    let serve = move |listener: std::net::TcpListener,
+                      admin: Option<std::net::TcpListener>,
+                      state: Arc<State>,
+                      mut shutdown: tokio::sync::watch::Receiver<bool>|
+          -> anyhow::Result<()> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        runtime.block_on(async move {
+            let listener = TcpListener::from_std(listener)?;
+            let admin = admin.map(TcpListener::from_std).transpose()?;
+            run(state, listener, admin, async move {
+                let _ = shutdown.wait_for(|stop| *stop).await;
+            })
+            .await
+        })
+    };
+    let mut handles = Vec::new();
+    for i in 1..threads.max(1) {
+        let listener = bind_shared(addr).or_else(|_| listener.try_clone())?;
+        let (state, shutdown) = (state.clone(), shutdown.clone());
         let thread = std::thread::Builder::new()
             .name(format!("fairgate-{i}"))
-            .spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()?;
-                runtime.block_on(async move {
-                    let listener = TcpListener::from_std(listener)?;
-                    let admin = admin.map(TcpListener::from_std).transpose()?;
-                    run(state, listener, admin, async move {
-                        let _ = shutdown.wait_for(|stop| *stop).await;
-                    })
-                    .await
-                })
-            })?;
+            .spawn(move || serve(listener, None, state, shutdown))?;
         handles.push(thread);
     }
+    // The first serving thread is the calling one.
+    let served = serve(listener, Some(admin), state, shutdown);
     for handle in handles {
         handle
             .join()
             .map_err(|_| anyhow::anyhow!("a serving thread panicked"))??;
     }
-    Ok(())
+    served
 }
 
 /// Serves the proxy on `listener` and, when given, the admin endpoints on
