@@ -726,13 +726,10 @@ impl Fnv {
 mod tests {
     use std::path::Path;
 
-    use regex_automata::dfa::{Automaton, StartKind, dense};
-
     use super::*;
 
-    /// The sets from the whole pattern's full DFA, as `prefix_bytes` found
-    /// them before it walked a lazy DFA of the leading part only; empty
-    /// when that DFA is over its size limit.
+    /// The sets of the whole pattern, rather than of its leading part;
+    /// empty when its automaton is too large.
     fn whole_pattern_sets(hir: &Hir, case_insensitive: bool) -> Vec<[bool; 256]> {
         let depth = hir.properties().minimum_len().unwrap_or(0).min(4);
         if depth == 0 {
@@ -742,41 +739,7 @@ mod tests {
         if case_insensitive {
             whole = case_folded(&whole);
         }
-        let nfa = thompson::Compiler::new().build_from_hir(&whole).unwrap();
-        let Ok(dfa) = dense::Builder::new()
-            .configure(
-                dense::Config::new()
-                    .start_kind(StartKind::Anchored)
-                    .dfa_size_limit(Some(1 << 20))
-                    .determinize_size_limit(Some(1 << 20)),
-            )
-            .build_from_nfa(&nfa)
-        else {
-            return Vec::new();
-        };
-        let start = dfa
-            .start_state(&start::Config::new().anchored(Anchored::Yes))
-            .unwrap();
-        let mut frontier = vec![start];
-        let mut sets = Vec::new();
-        for _ in 0..depth {
-            let mut set = [false; 256];
-            let mut next = Vec::new();
-            for &state in &frontier {
-                for b in 0..=255u8 {
-                    let to = dfa.next_state(state, b);
-                    if !dfa.is_dead_state(to) && !dfa.is_quit_state(to) {
-                        set[usize::from(b)] = true;
-                        if !next.contains(&to) {
-                            next.push(to);
-                        }
-                    }
-                }
-            }
-            sets.push(set);
-            frontier = next;
-        }
-        sets
+        first_byte_sets(&whole, depth).unwrap_or_default()
     }
 
     #[test]
@@ -816,8 +779,8 @@ mod tests {
                     prefix_bytes(&hir, case_insensitive),
                     whole_pattern_sets(&hir, case_insensitive),
                 );
-                // An empty `old`: the whole pattern's DFA was over its size
-                // limit, and matches of the pattern went unchecked.
+                // An empty `old`: the whole pattern's automaton is too large
+                // (before, such patterns had no table).
                 assert!(
                     new == old || old.is_empty() && !new.is_empty(),
                     "{pattern:?}, case-insensitive {case_insensitive}"
