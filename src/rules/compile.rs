@@ -780,7 +780,7 @@ mod tests {
                     whole_pattern_sets(&hir, case_insensitive),
                 );
                 // An empty `old`: the whole pattern's automaton is too large
-                // (before, such patterns had no table).
+                // to walk, while its leading part's is not.
                 assert!(
                     new == old || old.is_empty() && !new.is_empty(),
                     "{pattern:?}, case-insensitive {case_insensitive}"
