@@ -543,17 +543,32 @@ fn trigger(hir: &Hir, lowercase: bool) -> Option<Trigger> {
 /// only: the same sets, for a fraction of the work (the whole pattern's DFA,
 /// case folding included, took about 85% of compiling the shipped packs).
 fn prefix_bytes(hir: &Hir, case_insensitive: bool) -> Vec<[bool; 256]> {
+    prefix_bytes_of_part(hir, case_insensitive, leading)
+}
+
+/// [`prefix_bytes`], with the DFA built for `part(pattern, depth)` of the
+/// pattern (look-arounds dropped) and `depth` first bytes.
+fn prefix_bytes_of_part(
+    hir: &Hir,
+    case_insensitive: bool,
+    part: impl Fn(&Hir, usize) -> Hir,
+) -> Vec<[bool; 256]> {
     const DEPTH: usize = 4;
-    let depth = hir.properties().minimum_len().unwrap_or(0).min(DEPTH);
+    let depth = min_len(hir).min(DEPTH);
     if depth == 0 {
         return Vec::new();
     }
-    let mut lead = leading(&without_looks(hir), depth);
+    let mut part = part(&without_looks(hir), depth);
     if case_insensitive {
         // Re-parse is not possible from a HIR; fold the classes instead.
-        lead = case_folded(&lead);
+        part = case_folded(&part);
     }
-    first_byte_sets(&lead, depth).unwrap_or_default()
+    first_byte_sets(&part, depth).unwrap_or_default()
+}
+
+/// The length of the shortest match of `hir` (0 when nothing matches).
+fn min_len(hir: &Hir) -> usize {
+    hir.properties().minimum_len().unwrap_or(0)
 }
 
 /// The sets of [`prefix_bytes`] for the first `depth` bytes of `hir`, which
@@ -608,7 +623,6 @@ fn first_byte_sets(hir: &Hir, depth: usize) -> Option<Vec<[bool; 256]>> {
 /// reach `need`. Each part cut off matches something, so every leading
 /// match goes on to a match of `hir`, and no first bytes are lost or added.
 fn leading(hir: &Hir, need: usize) -> Hir {
-    let min_len = |hir: &Hir| hir.properties().minimum_len().unwrap_or(0);
     match hir.kind() {
         HirKind::Capture(capture) => leading(&capture.sub, need),
         HirKind::Concat(subs) => {
@@ -728,20 +742,6 @@ mod tests {
 
     use super::*;
 
-    /// The sets of the whole pattern, rather than of its leading part;
-    /// empty when its automaton is too large.
-    fn whole_pattern_sets(hir: &Hir, case_insensitive: bool) -> Vec<[bool; 256]> {
-        let depth = hir.properties().minimum_len().unwrap_or(0).min(4);
-        if depth == 0 {
-            return Vec::new();
-        }
-        let mut whole = without_looks(hir);
-        if case_insensitive {
-            whole = case_folded(&whole);
-        }
-        first_byte_sets(&whole, depth).unwrap_or_default()
-    }
-
     #[test]
     fn leading_parts_have_the_first_bytes_of_the_whole_pattern() {
         let mut patterns: Vec<String> = [
@@ -775,14 +775,12 @@ mod tests {
         for pattern in &patterns {
             let hir = regex_syntax::Parser::new().parse(pattern).unwrap();
             for case_insensitive in [false, true] {
-                let (new, old) = (
-                    prefix_bytes(&hir, case_insensitive),
-                    whole_pattern_sets(&hir, case_insensitive),
-                );
-                // An empty `old`: the whole pattern's automaton is too large
-                // to walk, while its leading part's is not.
+                let lead = prefix_bytes(&hir, case_insensitive);
+                let whole = prefix_bytes_of_part(&hir, case_insensitive, |whole, _| whole.clone());
+                // An empty `whole`: the whole pattern's automaton is too
+                // large to walk, while its leading part's is not.
                 assert!(
-                    new == old || old.is_empty() && !new.is_empty(),
+                    lead == whole || whole.is_empty() && !lead.is_empty(),
                     "{pattern:?}, case-insensitive {case_insensitive}"
                 );
             }
