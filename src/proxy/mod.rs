@@ -148,12 +148,20 @@ impl State {
         )
     }
 
+    /// `fg-<microseconds, low 48 bits>-<sequence>`, both in hex. Written
+    /// digit by digit: `format!` took about 1,200 instructions of an
+    /// exchange's 132,000, this about a tenth of that.
     fn request_id(&self) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         let t = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_micros());
-        format!("fg-{:x}-{n:x}", t & 0xffff_ffff_ffff)
+        let mut id = String::with_capacity(32);
+        id.push_str("fg-");
+        push_hex(&mut id, (t & 0xffff_ffff_ffff) as u64);
+        id.push('-');
+        push_hex(&mut id, n);
+        id
     }
 
     /// Compiles the rule directory off the request path and swaps it in if
@@ -421,6 +429,16 @@ async fn forward(
             }
             Err(failure)
         }
+    }
+}
+
+/// Appends `value` in lower-case hex, without leading zeros.
+fn push_hex(out: &mut String, value: u64) {
+    let digits = (64 - value.leading_zeros()).div_ceil(4).max(1);
+    for i in (0..digits).rev() {
+        out.push(char::from(
+            b"0123456789abcdef"[(value >> (4 * i)) as usize & 0xf],
+        ));
     }
 }
 
@@ -1012,4 +1030,18 @@ fn guarded_stream(
     out.headers_mut().remove(header::CONTENT_ENCODING);
     respond::tag(&mut out, &request_id, Some(scan.verdict.decision.as_str()));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::push_hex;
+
+    #[test]
+    fn hex_is_written_as_format_writes_it() {
+        for value in [0, 1, 0xf, 0x10, 0xabc, 0xffff_ffff_ffff, u64::MAX] {
+            let mut out = String::from("x");
+            push_hex(&mut out, value);
+            assert_eq!(out, format!("x{value:x}"));
+        }
+    }
 }

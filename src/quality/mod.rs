@@ -197,7 +197,7 @@ impl Metrics {
         MetricResult::scored(
             "politeness",
             score,
-            format!("{} politeness markers", found.len()),
+            counted(found.len(), " politeness markers"),
             json!({ "markers": found }),
         )
     }
@@ -401,12 +401,20 @@ fn recall_of(response: &[&str], expected: Option<&str>) -> MetricResult {
 }
 
 /// Characters (Unicode scalar values) of the answer.
+/// `"<n><what>"`, such as "124 characters": a reason of every exchange,
+/// without `format!`'s machinery (about 500 instructions each).
+fn counted(n: usize, what: &str) -> String {
+    let mut reason = n.to_string();
+    reason.push_str(what);
+    reason
+}
+
 pub fn answer_length(response: &str) -> MetricResult {
     let n = response.chars().count();
     MetricResult::scored(
         "answer_length",
         n as f64,
-        format!("{n} characters"),
+        counted(n, " characters"),
         Value::Null,
     )
 }

@@ -133,6 +133,7 @@ fn length_counts_scalar_values() {
     assert_eq!(answer_length("café €5").score, Some(7.0));
     assert_eq!(answer_length("e\u{301}").score, Some(2.0));
     assert_eq!(answer_length("").score, Some(0.0));
+    assert_eq!(answer_length("café €5").reason, "7 characters");
 }
 
 #[test]
@@ -141,6 +142,10 @@ fn politeness_counts_whole_word_markers() {
     let politeness = |text: &str| m.politeness(text);
     assert_eq!(politeness("Here is the plan.").score, Some(0.0));
     assert_eq!(politeness("Thanks for asking.").score, Some(0.5));
+    assert_eq!(
+        politeness("Thanks for asking.").reason,
+        "1 politeness markers"
+    );
     assert_eq!(
         politeness("Please note, thank you, I hope this helps").score,
         Some(1.0)
