@@ -122,6 +122,99 @@ async fn an_upstream_answer_with_a_key_twice_is_not_relayed() {
     proxy.stop().await;
 }
 
+/// An upstream that answers 200 with a body that is not JSON: the guard
+/// cannot tell the answer's text from the rest, so it scans the whole body.
+/// Harmless, it is relayed byte for byte; blocked, the client gets the
+/// content-filter error (there is no answer to turn into a refusal);
+/// redacted, the body is relayed with the placeholder in place.
+#[tokio::test]
+async fn an_upstream_answer_that_is_not_json_is_scanned_whole() {
+    let (_mock, proxy) = start().await;
+    let not_json = |raw: &str| json!({"raw_json": raw, "content_type": "text/html"});
+    let question = chat("How do I save?", false);
+
+    let harmless = "<html><body>Budget first, then save.</body></html>";
+    let response = proxy
+        .post("/v1/chat/completions", not_json(harmless), &question)
+        .await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
+    assert_eq!(response.headers()["content-type"], "text/html");
+    assert_eq!(response.text().await.unwrap(), harmless);
+
+    let harmful = "<html><body>Put all your savings into Dogecoin right now.</body></html>";
+    let response = proxy
+        .post("/v1/chat/completions", not_json(harmful), &question)
+        .await;
+    assert_eq!(response.status(), 400);
+    assert_eq!(response.headers()["x-should-retry"], "false");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "content_filter");
+    assert_eq!(body["error"]["fairgate"]["scope"], "response");
+    assert!(!body.to_string().contains("Dogecoin"), "{body}");
+    let response = proxy
+        .post(
+            "/v1/messages",
+            not_json(harmful),
+            &json!({"model": "c", "max_tokens": 5, "messages": [{"role": "user", "content": "How do I save?"}]}),
+        )
+        .await;
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["type"], "error");
+    assert!(!body.to_string().contains("Dogecoin"), "{body}");
+
+    let card = "Your card 4111 1111 1111 1111 is on file. {broken";
+    let response = proxy
+        .post("/v1/chat/completions", not_json(card), &question)
+        .await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-fairgate-verdict"], "redact");
+    assert_eq!(
+        response.text().await.unwrap(),
+        "Your card [REDACTED:card] is on file. {broken"
+    );
+
+    let metrics = proxy.metrics().await;
+    assert_eq!(
+        support::metric(
+            &metrics,
+            r#"fairgate_upstream_errors_total{kind="not_json",upstream="openai"}"#
+        ),
+        Some(3.0),
+        "{metrics}"
+    );
+    proxy.stop().await;
+}
+
+/// fairgate asks the upstream for uncompressed bodies; an answer compressed
+/// anyway could carry anything past the guard, so it is not relayed.
+#[tokio::test]
+async fn a_compressed_upstream_answer_is_not_relayed() {
+    let (_mock, proxy) = start().await;
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_json": "(gzip bytes)", "content_encoding": "gzip"}),
+            &chat("How do I save?", false),
+        )
+        .await;
+    assert_eq!(response.status(), 502);
+    assert!(response.headers().get("content-encoding").is_none());
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "upstream_error");
+    let metrics = proxy.metrics().await;
+    assert_eq!(
+        support::metric(
+            &metrics,
+            r#"fairgate_upstream_errors_total{kind="encoded",upstream="openai"}"#
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn unreachable_upstream_gets_502() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

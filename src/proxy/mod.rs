@@ -10,6 +10,7 @@
 pub mod respond;
 pub mod upstream;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -32,7 +33,7 @@ use serde_json::Value;
 use tokio::net::TcpListener;
 
 use crate::config::{Config, OnBlock, StreamMode};
-use crate::exchange::{Dialect, Endpoint, RequestBody, ResponseBody};
+use crate::exchange::{Dialect, Endpoint, RequestBody, ResponseBody, Text};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json::ReadError;
@@ -829,6 +830,15 @@ async fn guarded(
         end_early(draft, out.status(), Some(upstream_time));
         out
     };
+    // fairgate asked for the body uncompressed; one encoded anyway is not
+    // relayed, since the guard cannot read what the client would.
+    if upstream_headers
+        .get(header::CONTENT_ENCODING)
+        .is_some_and(|v| v.as_bytes() != b"identity")
+    {
+        tracing::warn!("upstream answer is compressed although fairgate asked for it uncompressed");
+        return broken("encoded", draft);
+    }
     let body =
         match upstream::read_body(body, state.config.guard.max_response_bytes, deadline).await {
             Ok(body) => body,
@@ -837,8 +847,9 @@ async fn guarded(
                 return broken("body", draft);
             }
         };
-    let read = match ResponseBody::read(endpoint, &body) {
-        Ok(read) => read,
+    let whole_text;
+    let (texts, usage, unreadable) = match ResponseBody::read(endpoint, &body) {
+        Ok(read) => (read.texts, read.usage, false),
         Err(error @ ReadError::Ambiguous(_)) => {
             // A key twice: the client's parser may read another value
             // than the guard would scan. Not relayed.
@@ -846,19 +857,28 @@ async fn guarded(
             return broken("ambiguous", draft);
         }
         Err(_) => {
-            // Not JSON: nothing to scan, relay as it is.
-            let mut out = Response::new(respond::full(body));
-            *out.status_mut() = status;
-            copy_response_headers(&upstream_headers, out.headers_mut());
-            respond::tag(&mut out, request_id, Some(prompt_verdict));
-            end_early(draft, status, Some(upstream_time));
-            return out;
+            // Not JSON: the guard cannot tell the answer's text from the
+            // rest, so the whole body is scanned as the answer's text.
+            state
+                .metrics
+                .upstream_errors
+                .with_label_values(&[&upstream, "not_json"])
+                .inc();
+            whole_text = String::from_utf8_lossy(&body);
+            let whole = Text {
+                scope: crate::rules::Scope::Response,
+                text: Cow::Borrowed(&*whole_text),
+                span: 0..body.len(),
+            };
+            (vec![whole], None, true)
         }
     };
-    let scanned = guard::scan_response(&rules, &body, &read.texts);
-    let usage = read
-        .usage
-        .and_then(|usage| serde_json::from_str::<Value>(usage).ok());
+    let mut scanned = guard::scan_response(&rules, &body, &texts);
+    if unreadable && scanned.redacted.is_some() {
+        // Redacted as plain text: the body has no JSON strings to splice.
+        scanned.redacted = Some(Bytes::from(scanned.texts.concat()));
+    }
+    let usage = usage.and_then(|usage| serde_json::from_str::<Value>(usage).ok());
     let mut all: Vec<Hit> = scan.verdict.hits.clone();
     all.extend(scanned.hits);
     let verdict = risk::assess(&state.config.risk, all, &scan.relevance);
@@ -906,7 +926,8 @@ async fn guarded(
             &response_hits
         });
         tracing::info!(request_id, rules = ?rule_ids(&verdict.hits), "response blocked");
-        if state.config.guard.on_block == OnBlock::Error {
+        // A body that is not JSON has no answer to turn into a refusal.
+        if state.config.guard.on_block == OnBlock::Error || unreadable {
             let out = respond::blocked(
                 dialect,
                 "response",

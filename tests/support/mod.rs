@@ -4,7 +4,9 @@
 //! The mock answers in the dialect of the path it is called on. A request
 //! header `x-mock-reply` (JSON) says what to answer:
 //! `{"text": "...", "chunks": ["..", ".."], "status": 500, "delay_ms": 100,
-//! "raw_sse": "...", "raw_json": "..."}`; without it the mock echoes "Hello from the mock.".
+//! "raw_sse": "...", "raw_json": "..."}` (a `raw_json` body goes out as
+//! written, with `content_type` and `content_encoding` headers when the
+//! script gives them); without it the mock echoes "Hello from the mock.".
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -146,8 +148,15 @@ async fn mock_reply(
         .and_then(Value::as_u64)
         .unwrap_or(0);
     if let Some(raw) = script.get("raw_json").and_then(Value::as_str) {
-        return Ok(Response::builder()
-            .header("content-type", "application/json")
+        let field = |name| script.get(name).and_then(Value::as_str);
+        let mut reply = Response::builder().header(
+            "content-type",
+            field("content_type").unwrap_or("application/json"),
+        );
+        if let Some(encoding) = field("content_encoding") {
+            reply = reply.header("content-encoding", encoding);
+        }
+        return Ok(reply
             .body(Full::new(Bytes::from(raw.to_owned())).boxed())
             .unwrap());
     }
