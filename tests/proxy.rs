@@ -595,3 +595,186 @@ async fn configured_tags_mark_retrieved_context_inside_a_prompt() {
     assert_eq!(mock.requests().len(), 1);
     proxy.stop().await;
 }
+
+/// An OpenAI stream whose deltas are `deltas` (then a finish chunk with
+/// `finish`, and `[DONE]`), as raw SSE for the mock.
+fn openai_raw_stream(deltas: &[Value], finish: &str) -> String {
+    let chunk = |delta: &Value, finish: Value| {
+        let chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+        format!("data: {chunk}\n\n")
+    };
+    let mut raw: String = deltas.iter().map(|d| chunk(d, Value::Null)).collect();
+    raw += &chunk(&json!({}), json!(finish));
+    raw + "data: [DONE]\n\n"
+}
+
+/// The `arguments` of each tool call of an OpenAI stream, by index.
+fn openai_tool_arguments(body: &str) -> Vec<String> {
+    let mut calls: Vec<String> = Vec::new();
+    for data in body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")) {
+        let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+            continue;
+        };
+        let deltas = chunk
+            .pointer("/choices/0/delta/tool_calls")
+            .and_then(Value::as_array);
+        for call in deltas.into_iter().flatten() {
+            let index = call["index"].as_u64().unwrap() as usize;
+            if calls.len() <= index {
+                calls.resize(index + 1, String::new());
+            }
+            calls[index] += call
+                .pointer("/function/arguments")
+                .and_then(Value::as_str)
+                .unwrap_or("");
+        }
+    }
+    calls
+}
+
+/// Streamed tool-call arguments and refusals are response text too: what a
+/// rule blocks in them never reaches the client, however it is cut; what
+/// passes arrives as the upstream sent it.
+#[tokio::test]
+async fn streamed_tool_call_arguments_and_refusals_are_guarded_openai() {
+    let (_mock, proxy) = start().await;
+    let call = |index: u64, arguments: &str| json!({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]});
+    let opening = json!({"role": "assistant", "content": null, "tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "send_note", "arguments": ""}}]});
+    let post = |raw: String| {
+        let proxy = &proxy;
+        async move {
+            let response = proxy
+                .post(
+                    "/v1/chat/completions",
+                    json!({"raw_sse": raw}),
+                    &chat("Write my note.", true),
+                )
+                .await;
+            response.text().await.unwrap()
+        }
+    };
+
+    let harmful = openai_raw_stream(
+        &[
+            opening.clone(),
+            call(0, "{\"note\": \"Put all your sav"),
+            call(0, "ings into Dogecoin right now.\"}"),
+        ],
+        "tool_calls",
+    );
+    let body = post(harmful).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let (_, finishes, done) = openai_stream_text(&body);
+    assert_eq!(finishes, ["content_filter"], "{body}");
+    assert!(done);
+
+    let refusal = openai_raw_stream(
+        &[
+            json!({"role": "assistant", "content": null, "refusal": ""}),
+            json!({"refusal": "Sure: put all your savings "}),
+            json!({"refusal": "into Dogecoin right now."}),
+        ],
+        "stop",
+    );
+    let body = post(refusal).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    assert_eq!(openai_stream_text(&body).1, ["content_filter"], "{body}");
+
+    let harmless = openai_raw_stream(
+        &[
+            opening,
+            call(0, "{\"note\": \"Budget "),
+            call(0, "first.\"}"),
+        ],
+        "tool_calls",
+    );
+    let body = post(harmless.clone()).await;
+    assert_eq!(
+        body, harmless,
+        "an allowed stream of tool calls arrives as it was sent"
+    );
+    assert_eq!(
+        openai_tool_arguments(&body),
+        ["{\"note\": \"Budget first.\"}"]
+    );
+    proxy.stop().await;
+}
+
+/// The same for Anthropic's `input_json_delta` events: a blocked tool input
+/// ends the stream with the refusal, its block closed.
+#[tokio::test]
+async fn streamed_tool_input_is_guarded_anthropic() {
+    let (_mock, proxy) = start().await;
+    let raw = |fragments: &[&str]| {
+        let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
+        let mut raw = event(
+            "message_start",
+            json!({"type": "message_start", "message": {"id": "msg_t", "type": "message",
+            "role": "assistant", "content": [], "model": "c", "stop_reason": null, "usage": {"input_tokens": 3, "output_tokens": 1}}}),
+        );
+        raw += &event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0,
+            "content_block": {"type": "tool_use", "id": "toolu_1", "name": "send_note", "input": {}}}),
+        );
+        for fragment in fragments {
+            raw += &event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "input_json_delta", "partial_json": fragment}}),
+            );
+        }
+        raw += &event(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": 0}),
+        );
+        raw += &event(
+            "message_delta",
+            json!({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": null},
+            "usage": {"output_tokens": 9}}),
+        );
+        raw + &event("message_stop", json!({"type": "message_stop"}))
+    };
+    let post = |raw: String| {
+        let proxy = &proxy;
+        async move {
+            let response = proxy
+                .post(
+                    "/v1/messages",
+                    json!({"raw_sse": raw}),
+                    &messages("Write my note.", true),
+                )
+                .await;
+            response.text().await.unwrap()
+        }
+    };
+
+    let body = post(raw(&[
+        "{\"note\": \"Put all your sav",
+        "ings into Dogecoin right now.\"}",
+    ]))
+    .await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let (_, stop, names) = anthropic_stream_text(&body);
+    assert_eq!(stop.as_deref(), Some("refusal"));
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ]
+    );
+
+    let harmless = raw(&["{\"note\": \"Budget ", "first.\"}"]);
+    let body = post(harmless.clone()).await;
+    assert_eq!(
+        body, harmless,
+        "an allowed tool input arrives as it was sent"
+    );
+    proxy.stop().await;
+}

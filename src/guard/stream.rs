@@ -30,7 +30,14 @@
 //! * **`monitor`**: every event passes through untouched as it arrives;
 //!   hits are counted and recorded only. *Cost*: none; guarantees nothing.
 //!
-//! Events other than text (roles, tool calls, usage, pings) pass through in
+//! Text the guard cannot re-frame (tool-call arguments and refusals,
+//! OpenAI; a tool's `input_json_delta`, Anthropic) is response text too.
+//! In `holdback` its events are held whole, unsent, until the content
+//! block or the response ends: then that text is scanned in full and the
+//! events go out as they came, or the stream ends blocked. A client cannot
+//! use a tool call before its arguments are complete, so this costs it
+//! nothing. Arguments cannot be redacted piece by piece, so a `redact` hit
+//! in them blocks. Other events (roles, usage, pings) pass through in
 //! order. A malformed event ends the stream cleanly after what was already
 //! checked, and is counted.
 
@@ -294,10 +301,19 @@ enum Kind {
         text: String,
         block: u64,
     },
-    /// A text block ends (Anthropic `content_block_stop`).
+    /// Text the guard cannot re-frame, in an event it holds whole: a
+    /// refusal, tool-call arguments, a tool's input. `finished` when the
+    /// event also ends the response.
+    Held {
+        text: String,
+        finished: bool,
+    },
+    /// A content block ends (Anthropic `content_block_stop`).
     BlockEnd,
-    /// A text block starts (Anthropic `content_block_start`).
-    BlockStart,
+    /// A content block starts (Anthropic `content_block_start`).
+    BlockStart {
+        block: u64,
+    },
     /// The response is complete: a finish reason, `message_delta`.
     Final,
     /// The very last event: `[DONE]`, `message_stop`.
@@ -319,6 +335,14 @@ pub struct Guard {
     checked: usize,
     /// Response hits found so far, with offsets into `acc`.
     hits: Vec<Hit>,
+    /// The text of the [`Kind::Held`] events so far; a line break between
+    /// content blocks.
+    held_text: String,
+    /// The hits of `held_text` at its last scan, and how much it saw.
+    held_hits: Vec<Hit>,
+    held_checked: usize,
+    /// Holdback: the [`Kind::Held`] events not yet sent.
+    held_frames: Vec<Bytes>,
     /// The first OpenAI chunk with text, the template for re-framed chunks.
     template: Option<Value>,
     /// A text chunk of the template, serialized, cut where its text goes:
@@ -359,6 +383,10 @@ impl Guard {
             released: 0,
             checked: 0,
             hits: Vec::new(),
+            held_text: String::new(),
+            held_hits: Vec::new(),
+            held_checked: 0,
+            held_frames: Vec::new(),
             template: None,
             text_frame_parts: None,
             block: 0,
@@ -396,6 +424,7 @@ impl Guard {
         match self.setup.mode {
             StreamMode::Monitor => {
                 self.scan_window(0);
+                self.scan_held();
                 Vec::new()
             }
             StreamMode::Buffer => self.replay_or_block(),
@@ -404,15 +433,18 @@ impl Guard {
     }
 
     fn outcome(&self, first_byte: Option<Duration>, guard_time: Duration) -> StreamOutcome {
-        let mut hits = self.setup.request_hits.clone();
-        hits.extend(self.hits.iter().cloned());
-        let mut verdict = risk::assess(&self.setup.risk, hits, &self.setup.relevance);
+        let mut verdict = risk::assess(&self.setup.risk, self.all_hits(), &self.setup.relevance);
         if self.blocked {
             verdict.decision = Decision::Block;
         }
+        let mut text = self.redacted(0, self.acc.len());
+        if !self.held_text.is_empty() {
+            text.push('\n');
+            text.push_str(&self.held_text);
+        }
         StreamOutcome {
             verdict,
-            text: self.redacted(0, self.acc.len()),
+            text,
             usage: self.usage.clone(),
             guard_time,
             malformed: self.malformed,
@@ -486,10 +518,27 @@ impl Guard {
                 Some("response.completed" | "response.incomplete" | "response.failed") => {
                     Kind::Final
                 }
+                Some("response.function_call_arguments.delta" | "response.refusal.delta") => {
+                    Kind::Held {
+                        text: event
+                            .delta_text
+                            .as_ref()
+                            .map(|t| t.value.to_string())
+                            .unwrap_or_default(),
+                        finished: false,
+                    }
+                }
                 _ => Kind::Other,
             };
         }
         let choice = &event.choice;
+        if let Some(held) = choice.delta.held_text() {
+            let content = choice.delta.content.as_ref().map_or("", |t| &t.value);
+            return Kind::Held {
+                text: format!("{content}{held}"),
+                finished: choice.finished,
+            };
+        }
         let text = match self.setup.endpoint {
             Endpoint::Completions => &choice.text,
             _ => &choice.delta.content,
@@ -521,12 +570,18 @@ impl Guard {
                         text: String::new(),
                         block: event.index.unwrap_or(0),
                     },
-                    _ => Kind::Other,
+                    _ => match delta.held_text() {
+                        Some(text) => Kind::Held {
+                            text,
+                            finished: false,
+                        },
+                        None => Kind::Other,
+                    },
                 }
             }
-            Some("content_block_start") if event.block_kind.as_deref() == Some("text") => {
-                Kind::BlockStart
-            }
+            Some("content_block_start") => Kind::BlockStart {
+                block: event.index.unwrap_or(0),
+            },
             Some("content_block_stop") => Kind::BlockEnd,
             Some("message_delta") => Kind::Final,
             Some("message_stop") => Kind::Done,
@@ -548,10 +603,13 @@ impl Guard {
     fn monitor(&mut self, event: SseEvent, kind: Kind) -> Vec<Bytes> {
         match kind {
             Kind::Text { text, .. } => self.acc.push_str(&text),
+            Kind::Held { text, .. } => self.held_text.push_str(&text),
+            Kind::BlockStart { .. } => self.separate_held(),
             Kind::Malformed => self.malformed = true,
             Kind::Done => {
                 self.finished = true;
                 self.scan_window(0);
+                self.scan_held();
             }
             _ => {}
         }
@@ -567,8 +625,13 @@ impl Guard {
                     .push((event, Some((start, self.acc.len(), block))));
                 Vec::new()
             }
-            Kind::BlockStart => {
+            Kind::BlockStart { .. } => {
                 self.separate_block();
+                self.held.push((event, None));
+                Vec::new()
+            }
+            Kind::Held { text, .. } => {
+                self.held_text.push_str(&text);
                 self.held.push((event, None));
                 Vec::new()
             }
@@ -602,9 +665,21 @@ impl Guard {
                 }
                 self.check(false)
             }
-            Kind::BlockStart => {
+            Kind::BlockStart { block } => {
                 self.separate_block();
+                if self.dialect == Dialect::Anthropic {
+                    self.block = block;
+                    self.block_open = true;
+                }
                 vec![event.raw]
+            }
+            Kind::Held { text, finished } => {
+                self.held_text.push_str(&text);
+                self.held_frames.push(event.raw);
+                if finished {
+                    return self.check(true);
+                }
+                Vec::new()
             }
             Kind::BlockEnd | Kind::Final | Kind::Done => {
                 let mut frames = self.check(true);
@@ -634,6 +709,7 @@ impl Guard {
     /// between them. The break is never sent: a block is released in full at
     /// its end, before the next one starts.
     fn separate_block(&mut self) {
+        self.separate_held();
         if !self.acc.is_empty() {
             self.acc.push('\n');
             if self.released == self.acc.len() - 1 {
@@ -642,12 +718,23 @@ impl Guard {
         }
     }
 
+    /// The held text of two content blocks never runs together.
+    fn separate_held(&mut self) {
+        if !self.held_text.is_empty() && !self.held_text.ends_with('\n') {
+            self.held_text.push('\n');
+        }
+    }
+
     /// Scans the unreleased text (and enough before it); blocks, or
-    /// releases what is safe (everything, when `final_check`).
+    /// releases what is safe. When `final_check`, that is all the text,
+    /// and the held events too once their text is scanned.
     fn check(&mut self, final_check: bool) -> Vec<Bytes> {
         self.checked = self.acc.len();
         let window_start = self.window_start();
         let view = self.scan_window(window_start);
+        if final_check {
+            self.scan_held();
+        }
         if self.should_block() {
             return self.block();
         }
@@ -657,7 +744,29 @@ impl Guard {
             let view = view.unwrap_or_else(|| Normalized::new(&self.acc[window_start..]));
             self.safe_end(window_start, &view)
         };
-        self.release(safe)
+        let mut frames = self.release(safe);
+        if final_check {
+            frames.append(&mut self.held_frames);
+        }
+        frames
+    }
+
+    /// Scans the held text whole, when it grew since the last scan: it is
+    /// short (arguments, refusals), and its events wait for this scan.
+    fn scan_held(&mut self) {
+        if self.held_checked == self.held_text.len() {
+            return;
+        }
+        self.held_checked = self.held_text.len();
+        self.held_hits = self.setup.rules.scan(Scope::Response, &self.held_text);
+    }
+
+    /// The request's hits and the response's so far.
+    fn all_hits(&self) -> Vec<Hit> {
+        let mut all = self.setup.request_hits.clone();
+        all.extend(self.hits.iter().cloned());
+        all.extend(self.held_hits.iter().cloned());
+        all
     }
 
     /// Where the scan window starts: far enough before the released point
@@ -697,13 +806,19 @@ impl Guard {
         view
     }
 
+    /// Whether a hit blocks, or the total risk does. Held text cannot be
+    /// redacted piece by piece, so a redaction in it blocks too.
     fn should_block(&self) -> bool {
-        if self.hits.iter().any(|h| h.action == Action::Block) {
+        if self.hits.iter().any(|h| h.action == Action::Block)
+            || self
+                .held_hits
+                .iter()
+                .any(|h| matches!(h.action, Action::Block | Action::Redact))
+        {
             return true;
         }
-        let mut all = self.setup.request_hits.clone();
-        all.extend(self.hits.iter().cloned());
-        risk::assess(&self.setup.risk, all, &self.setup.relevance).decision == Decision::Block
+        risk::assess(&self.setup.risk, self.all_hits(), &self.setup.relevance).decision
+            == Decision::Block
     }
 
     /// The end of the text that can be released now.
@@ -881,6 +996,7 @@ impl Guard {
     /// Buffer mode at the end: the whole response is known.
     fn replay_or_block(&mut self) -> Vec<Bytes> {
         self.scan_window(0);
+        self.scan_held();
         if self.should_block() {
             return self.block();
         }
@@ -991,7 +1107,8 @@ mod tests {
         match guard.classify(&event) {
             Kind::Text { text, block } => format!("text {text:?} {block}"),
             Kind::BlockEnd => "block end".into(),
-            Kind::BlockStart => "block start".into(),
+            Kind::Held { text, finished } => format!("held {text:?} {finished}"),
+            Kind::BlockStart { block } => format!("block start {block}"),
             Kind::Final => "final".into(),
             Kind::Done => "done".into(),
             Kind::Other => "other".into(),
@@ -1156,18 +1273,54 @@ mod tests {
             ),
             (
                 Endpoint::Messages,
-                r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{"}}"#,
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{\"a"}}"#,
+                r#"held "{\"a" false"#,
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"thinking_delta","thinking":"hm"}}"#,
                 "other",
             ),
             (
                 Endpoint::Messages,
                 r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
-                "block start",
+                "block start 0",
             ),
             (
                 Endpoint::Messages,
                 r#"{"type":"content_block_start","index":1,"content_block":{"type":"tool_use"}}"#,
+                "block start 1",
+            ),
+            // Tool-call arguments (of every call) and refusals are held.
+            (
+                chat,
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"a"}},{"index":1,"id":"x","function":{"name":"f","arguments":"b"}}]}}]}"#,
+                r#"held "{\"ab" false"#,
+            ),
+            (
+                chat,
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":""}}]},"finish_reason":"tool_calls"}]}"#,
+                r#"held "" true"#,
+            ),
+            (
+                chat,
+                r#"{"choices":[{"delta":{"content":"a ","refusal":"no"}}]}"#,
+                r#"held "a no" false"#,
+            ),
+            (
+                chat,
+                r#"{"choices":[{"delta":{"role":"assistant","content":"","refusal":null}}]}"#,
                 "other",
+            ),
+            (
+                chat,
+                r#"{"choices":[{"delta":{"tool_calls":[7,{"function":3}]}}]}"#,
+                "other",
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.function_call_arguments.delta","delta":"{\"q"}"#,
+                r#"held "{\"q" false"#,
             ),
             (
                 Endpoint::Messages,
@@ -1186,6 +1339,76 @@ mod tests {
         for (endpoint, data, expected) in cases {
             assert_eq!(kind(endpoint, data), expected, "{data}");
         }
+    }
+
+    /// Tool-call arguments go out only once their whole text is scanned:
+    /// as they came when it passes; never, when it blocks or would be
+    /// redacted (a card number cannot be redacted across fragments).
+    #[test]
+    fn held_events_wait_for_the_scan_of_their_whole_text() {
+        let event =
+            |data: Value| parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
+        let call = |arguments: &str| {
+            event(
+                json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]}, "finish_reason": null}]}),
+            )
+        };
+        let finish =
+            event(json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}));
+        let done = parse_event(Bytes::from_static(b"data: [DONE]\n\n")).unwrap();
+        let run = |mode, events: &[&SseEvent]| {
+            let mut guard = Guard::new(setup(Endpoint::ChatCompletions, mode));
+            let mut sent = Vec::new();
+            for (i, &event) in events.iter().enumerate() {
+                let frames = guard.on_event(event.clone());
+                if i < 2 {
+                    assert!(
+                        frames.is_empty(),
+                        "{mode:?}: an event went out before its text was scanned"
+                    );
+                }
+                sent.extend(frames);
+            }
+            (sent, guard)
+        };
+        let (a, b) = (call("{\"city\": \"Pa"), call("ris\"}"));
+        let (card_a, card_b) = (call("{\"card\": \"4111 1111 "), call("1111 1111\"}"));
+        for mode in [StreamMode::Holdback, StreamMode::Buffer] {
+            let (sent, _) = run(mode, &[&a, &b, &finish, &done]);
+            let raw: Vec<Bytes> = [&a, &b, &finish, &done]
+                .iter()
+                .map(|e| e.raw.clone())
+                .collect();
+            assert_eq!(sent, raw, "{mode:?}");
+
+            let (sent, guard) = run(mode, &[&card_a, &card_b, &finish, &done]);
+            let sent: String = sent.iter().map(|f| String::from_utf8_lossy(f)).collect();
+            assert!(!sent.contains("4111"), "{mode:?}: {sent}");
+            assert!(
+                sent.contains("\"finish_reason\":\"content_filter\""),
+                "{mode:?}: {sent}"
+            );
+            assert!(guard.blocked);
+        }
+        // Monitor mode passes them on at once, and counts what it finds.
+        let mut guard = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Monitor));
+        for event in [&card_a, &card_b, &finish, &done] {
+            assert_eq!(
+                guard.on_event(event.clone()),
+                std::slice::from_ref(&event.raw)
+            );
+        }
+        let outcome = guard.outcome(None, Duration::ZERO);
+        assert!(
+            outcome
+                .verdict
+                .hits
+                .iter()
+                .any(|h| &*h.rule == "pii.card_number"),
+            "{:?}",
+            outcome.verdict.hits
+        );
+        assert!(outcome.text.contains("4111 1111 1111 1111"));
     }
 
     #[test]

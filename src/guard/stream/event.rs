@@ -54,8 +54,6 @@ pub struct Event<'a> {
     pub delta: Delta<'a>,
     /// `delta` when it is a string (Responses API).
     pub delta_text: Option<Text<'a>>,
-    /// `content_block.type` (Anthropic).
-    pub block_kind: Option<Cow<'a, str>>,
     /// The first of `choices` (OpenAI).
     pub choice: Choice<'a>,
     /// The JSON text of `usage`, or else of `message.usage` or
@@ -66,12 +64,17 @@ pub struct Event<'a> {
     pub skipped: Vec<Range<usize>>,
 }
 
-/// A delta object: Anthropic's `type` and `text`, OpenAI's `content`.
+/// A delta object: Anthropic's `type`, `text` and `partial_json` (a
+/// tool's input), OpenAI's `content`, `refusal` and the `arguments` of
+/// each of its `tool_calls`.
 #[derive(Debug, Default)]
 pub struct Delta<'a> {
     pub kind: Option<Cow<'a, str>>,
     pub text: Option<Text<'a>>,
     pub content: Option<Text<'a>>,
+    pub refusal: Option<Text<'a>>,
+    pub partial_json: Option<Text<'a>>,
+    pub arguments: Vec<Text<'a>>,
 }
 
 /// An OpenAI choice.
@@ -92,14 +95,7 @@ impl<'a> Event<'a> {
         let mut event = Event::default();
         if reader.jiter.peek()? == Peek::Object {
             let keys = [
-                "type",
-                "index",
-                "delta",
-                "content_block",
-                "choices",
-                "usage",
-                "message",
-                "response",
+                "type", "index", "delta", "choices", "usage", "message", "response",
             ];
             let mut inner_usage = None;
             reader.object(keys, |reader, key| {
@@ -111,16 +107,8 @@ impl<'a> Event<'a> {
                         Peek::Object => event.delta = Delta::read(reader)?,
                         other => reader.jiter.known_skip(other)?,
                     },
-                    3 => {
-                        if reader.is_object()? {
-                            reader.object(["type"], |reader, _| {
-                                event.block_kind = reader.string()?.map(|s| s.value);
-                                Ok(())
-                            })?;
-                        }
-                    }
-                    4 => event.choice = Choice::first(reader)?,
-                    5 => event.usage = reader.object_text()?,
+                    3 => event.choice = Choice::first(reader)?,
+                    4 => event.usage = reader.object_text()?,
                     _ => {
                         if reader.is_object()? {
                             reader.object(["usage"], |reader, _| {
@@ -180,16 +168,65 @@ impl<'a> Delta<'a> {
     /// Reads a delta object, the reader at its start.
     fn read(reader: &mut Reader<'a>) -> Result<Delta<'a>, ReadError> {
         let mut delta = Delta::default();
-        reader.object(["type", "text", "content"], |reader, key| {
-            let string = reader.string()?;
-            match key {
-                0 => delta.kind = string.map(|s| s.value),
-                1 => delta.text = string,
-                _ => delta.content = string,
+        let keys = [
+            "type",
+            "text",
+            "content",
+            "refusal",
+            "partial_json",
+            "tool_calls",
+        ];
+        reader
+            .object(keys, |reader, key| {
+                if key == 5 {
+                    return delta.read_tool_calls(reader);
+                }
+                let string = reader.string()?;
+                match key {
+                    0 => delta.kind = string.map(|s| s.value),
+                    1 => delta.text = string,
+                    2 => delta.content = string,
+                    3 => delta.refusal = string,
+                    _ => delta.partial_json = string,
+                }
+                Ok(())
+            })
+            .map(|()| delta)
+    }
+
+    /// The `function.arguments` of each item of `tool_calls`, in order.
+    fn read_tool_calls(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        if !reader.is(Peek::Array)? {
+            return Ok(());
+        }
+        reader.array(|reader| {
+            if !reader.is_object()? {
+                return Ok(());
             }
-            Ok(())
-        })?;
-        Ok(delta)
+            reader.object(["function"], |reader, _| {
+                if !reader.is_object()? {
+                    return Ok(());
+                }
+                reader.object(["arguments"], |reader, _| {
+                    self.arguments.extend(reader.string()?);
+                    Ok(())
+                })
+            })
+        })
+    }
+
+    /// The text of a delta that the guard cannot re-frame and so holds
+    /// whole: a refusal, tool-call arguments, a tool's input.
+    pub fn held_text(&self) -> Option<String> {
+        let mut parts = self
+            .refusal
+            .iter()
+            .chain(&self.partial_json)
+            .chain(&self.arguments)
+            .map(|t| &*t.value)
+            .peekable();
+        parts.peek()?;
+        Some(parts.collect())
     }
 }
 
