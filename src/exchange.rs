@@ -535,6 +535,35 @@ mod tests {
         }
     }
 
+    /// A body nested a hundred thousand deep, where the guard reads it or
+    /// where it skips it, is an error or read: never a stack overflow,
+    /// which would take the whole proxy down.
+    #[test]
+    fn deep_nesting_is_an_error_not_a_stack_overflow() {
+        use crate::json::MAX_DEPTH;
+        let deep = |depth: usize| format!("{}\"x\"{}", "[".repeat(depth), "]".repeat(depth));
+        let prompt = |depth| format!(r#"{{"model": "m", "prompt": {}}}"#, deep(depth));
+        // The prompt sits one level down, in the body's object.
+        let within = prompt(MAX_DEPTH - 1);
+        let read = RequestBody::read(Endpoint::Completions, within.as_bytes());
+        assert_eq!(read.unwrap().texts[0].text, "x");
+        for depth in [MAX_DEPTH, 100_000] {
+            let body = prompt(depth);
+            let read = RequestBody::read(Endpoint::Completions, body.as_bytes());
+            assert!(matches!(read, Err(ReadError::Invalid(_))), "{depth}");
+        }
+        let skipped = format!(
+            r#"{{"model": "m", "x": {}, "messages": []}}"#,
+            deep(100_000)
+        );
+        let _ = RequestBody::read(Endpoint::ChatCompletions, skipped.as_bytes());
+        let response = format!(
+            r#"{{"content": [{{"type": "tool_use", "input": {}}}]}}"#,
+            deep(100_000)
+        );
+        let _ = ResponseBody::read(Endpoint::Messages, response.as_bytes());
+    }
+
     #[test]
     fn every_cut_of_a_body_is_an_error_never_a_panic() {
         let request = json!({"model": "m", "system": [{"type": "text", "text": "s"}],

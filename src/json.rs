@@ -56,7 +56,15 @@ pub struct Reader<'a> {
     /// Where the strings skipped as members of objects read lie, when
     /// noted ([`Reader::noting_skipped`]).
     pub skipped: Option<Vec<Range<usize>>>,
+    /// The objects and arrays being read, one in another.
+    depth: usize,
 }
+
+/// How deep objects and arrays the guard reads may nest. Each level is a
+/// call deeper on the stack: a body nested a hundred thousand deep would
+/// overflow it and take the whole process down. The bodies of the APIs
+/// nest a few levels.
+pub const MAX_DEPTH: usize = 64;
 
 impl<'a> Reader<'a> {
     pub fn new(data: &'a str) -> Reader<'a> {
@@ -65,6 +73,7 @@ impl<'a> Reader<'a> {
             base: 0,
             jiter: Jiter::new(data.as_bytes()),
             skipped: None,
+            depth: 0,
         }
     }
 
@@ -90,7 +99,24 @@ impl<'a> Reader<'a> {
             base: span.start,
             jiter: Jiter::new(&self.data.as_bytes()[local]),
             skipped: None,
+            depth: self.depth,
         }
+    }
+
+    /// Goes one object or array deeper: `read` reads it.
+    fn nested(
+        &mut self,
+        read: impl FnOnce(&mut Self) -> Result<(), ReadError>,
+    ) -> Result<(), ReadError> {
+        if self.depth == MAX_DEPTH {
+            return Err(ReadError::Invalid(format!(
+                "objects and arrays nested deeper than {MAX_DEPTH} levels"
+            )));
+        }
+        self.depth += 1;
+        let read = read(self);
+        self.depth -= 1;
+        read
     }
 
     /// Where the parser is, in the whole text.
@@ -113,23 +139,25 @@ impl<'a> Reader<'a> {
     ) -> Result<(), ReadError> {
         let position = |key: &str| keys.iter().position(|known| *known == key);
         let mut seen = 0u64;
-        // jiter's `known_*` reads expect the parser past any whitespace.
-        self.jiter.peek()?;
-        let mut key = self.jiter.known_object()?;
-        while let Some(name) = key {
-            match position(name) {
-                Some(at) if seen & (1 << at) != 0 => {
-                    return Err(ReadError::Ambiguous(name.to_owned()));
+        self.nested(|reader| {
+            // jiter's `known_*` reads expect the parser past any whitespace.
+            reader.jiter.peek()?;
+            let mut key = reader.jiter.known_object()?;
+            while let Some(name) = key {
+                match position(name) {
+                    Some(at) if seen & (1 << at) != 0 => {
+                        return Err(ReadError::Ambiguous(name.to_owned()));
+                    }
+                    Some(at) => {
+                        seen |= 1 << at;
+                        member(reader, at)?;
+                    }
+                    None => reader.skip_member()?,
                 }
-                Some(at) => {
-                    seen |= 1 << at;
-                    member(self, at)?;
-                }
-                None => self.skip_member()?,
+                key = reader.jiter.next_key()?;
             }
-            key = self.jiter.next_key()?;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Reads an object, the reader at its start, whose member `keys[0]`
@@ -167,13 +195,15 @@ impl<'a> Reader<'a> {
         &mut self,
         mut item: impl FnMut(&mut Self) -> Result<(), ReadError>,
     ) -> Result<(), ReadError> {
-        self.jiter.peek()?;
-        let mut next = self.jiter.known_array()?;
-        while next.is_some() {
-            item(self)?;
-            next = self.jiter.array_step()?;
-        }
-        Ok(())
+        self.nested(|reader| {
+            reader.jiter.peek()?;
+            let mut next = reader.jiter.known_array()?;
+            while next.is_some() {
+                item(reader)?;
+                next = reader.jiter.array_step()?;
+            }
+            Ok(())
+        })
     }
 
     /// Skips a member the guard does not read, noting where it lies when

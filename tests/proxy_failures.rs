@@ -215,6 +215,39 @@ async fn a_compressed_upstream_answer_is_not_relayed() {
     proxy.stop().await;
 }
 
+/// A prompt nested a hundred thousand arrays deep had overflowed the stack
+/// of the serving thread and aborted the whole proxy.
+#[tokio::test]
+async fn a_deeply_nested_body_gets_400_and_the_proxy_serves_on() {
+    let (mock, proxy) = start().await;
+    let depth = 100_000;
+    let body = format!(
+        r#"{{"model": "m", "prompt": {}"x"{}}}"#,
+        "[".repeat(depth),
+        "]".repeat(depth)
+    );
+    let response = client()
+        .post(proxy.url("/v1/completions"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_json");
+    assert!(mock.requests().is_empty());
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({}),
+            &chat("How do I save?", false),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn unreachable_upstream_gets_502() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
