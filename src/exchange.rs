@@ -193,7 +193,10 @@ impl<'a> ResponseBody<'a> {
                         })
                     })?,
                     (3, Endpoint::Messages) => texts.objects(reader, |texts, reader| {
-                        reader.object(["text"], |reader, _| texts.text(reader, scope))
+                        reader.object(["text", "input"], |reader, key| match key {
+                            0 => texts.text(reader, scope),
+                            _ => texts.every_string(reader, scope),
+                        })
                     })?,
                     _ => reader.skip()?,
                 }
@@ -250,6 +253,17 @@ impl<'a> Texts<'a> {
             })?;
         }
         Ok(())
+    }
+
+    /// Every string in a value, at any depth (a tool's input): a key
+    /// given twice is read both times, so no parser reads one unscanned.
+    fn every_string(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
+        match reader.jiter.peek()? {
+            Peek::String => self.text(reader, scope),
+            Peek::Array => reader.array(|reader| self.every_string(reader, scope)),
+            Peek::Object => reader.members(|reader| self.every_string(reader, scope)),
+            _ => reader.skip(),
+        }
     }
 
     /// A string, or an array of strings (nested at any depth).
@@ -614,7 +628,7 @@ mod tests {
             ),
             (
                 Endpoint::Messages,
-                json!({"content": [{"type": "text", "text": "claude says"}, {"type": "tool_use", "input": {}}]}),
+                json!({"content": [{"type": "text", "text": "claude says"}, {"type": "tool_use", "input": {"note": "in", "n": 2, "to": ["a", {"b": "deep"}]}}]}),
             ),
             (
                 Endpoint::Responses,
@@ -634,7 +648,16 @@ mod tests {
         }
         assert_eq!(
             seen,
-            ["hello", "{\"a\":1}", "claude says", "resp", "completed"]
+            [
+                "hello",
+                "{\"a\":1}",
+                "claude says",
+                "in",
+                "a",
+                "deep",
+                "resp",
+                "completed"
+            ]
         );
     }
 }

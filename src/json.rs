@@ -190,6 +190,23 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
+    /// Reads an object, the reader at its start, whatever its keys:
+    /// `member` reads each value.
+    pub fn members(
+        &mut self,
+        mut member: impl FnMut(&mut Self) -> Result<(), ReadError>,
+    ) -> Result<(), ReadError> {
+        self.nested(|reader| {
+            reader.jiter.peek()?;
+            let mut key = reader.jiter.known_object()?;
+            while key.is_some() {
+                member(reader)?;
+                key = reader.jiter.next_key()?;
+            }
+            Ok(())
+        })
+    }
+
     /// Reads an array, the reader at its start: `item` reads each item.
     pub fn array(
         &mut self,

@@ -778,3 +778,51 @@ async fn streamed_tool_input_is_guarded_anthropic() {
     );
     proxy.stop().await;
 }
+
+/// A tool's input in a whole Anthropic answer is response text as well:
+/// every string in it, at any depth, is scanned and redacted in place.
+#[tokio::test]
+async fn tool_input_is_guarded_anthropic() {
+    let (_mock, proxy) = start().await;
+    let answer = |input: Value| {
+        json!({"id": "msg_t", "type": "message", "role": "assistant", "model": "c",
+            "content": [{"type": "text", "text": "Saving your note."},
+                        {"type": "tool_use", "id": "toolu_1", "name": "send_note", "input": input}],
+            "stop_reason": "tool_use", "stop_sequence": null, "usage": {"input_tokens": 3, "output_tokens": 9}})
+        .to_string()
+    };
+    let post = |raw: String| {
+        let proxy = &proxy;
+        async move {
+            let response = proxy
+                .post(
+                    "/v1/messages",
+                    json!({"raw_json": raw}),
+                    &messages("Write my note.", false),
+                )
+                .await;
+            let verdict = response.headers()["x-fairgate-verdict"]
+                .to_str()
+                .unwrap()
+                .to_owned();
+            (verdict, response.json::<Value>().await.unwrap())
+        }
+    };
+
+    let (verdict, body) = post(answer(
+        json!({"to": ["me", {"note": "Put all your savings into Dogecoin right now."}]}),
+    ))
+    .await;
+    assert_eq!(verdict, "block");
+    assert_eq!(body["stop_reason"], "refusal");
+    assert!(!body.to_string().contains("Dogecoin"), "{body}");
+
+    let (verdict, body) = post(answer(json!({"note": "Card 4111 1111 1111 1111 on file."}))).await;
+    assert_eq!(verdict, "redact");
+    assert_eq!(
+        body["content"][1]["input"]["note"],
+        "Card [REDACTED:card] on file."
+    );
+    assert_eq!(body["stop_reason"], "tool_use");
+    proxy.stop().await;
+}
