@@ -596,6 +596,13 @@ async fn configured_tags_mark_retrieved_context_inside_a_prompt() {
     proxy.stop().await;
 }
 
+/// What the client gets of `request` to `path` when the upstream streams
+/// `raw` (SSE, as written).
+async fn relay_stream(proxy: &support::Proxy, path: &str, raw: String, request: &Value) -> String {
+    let response = proxy.post(path, json!({"raw_sse": raw}), request).await;
+    response.text().await.unwrap()
+}
+
 /// An OpenAI stream whose deltas are `deltas` (then a finish chunk with
 /// `finish`, and `[DONE]`), as raw SSE for the mock.
 fn openai_raw_stream(deltas: &[Value], finish: &str) -> String {
@@ -642,19 +649,8 @@ async fn streamed_tool_call_arguments_and_refusals_are_guarded_openai() {
     let call = |index: u64, arguments: &str| json!({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]});
     let opening = json!({"role": "assistant", "content": null, "tool_calls": [
         {"index": 0, "id": "call_1", "type": "function", "function": {"name": "send_note", "arguments": ""}}]});
-    let post = |raw: String| {
-        let proxy = &proxy;
-        async move {
-            let response = proxy
-                .post(
-                    "/v1/chat/completions",
-                    json!({"raw_sse": raw}),
-                    &chat("Write my note.", true),
-                )
-                .await;
-            response.text().await.unwrap()
-        }
-    };
+    let question = chat("Write my note.", true);
+    let post = |raw: String| relay_stream(&proxy, "/v1/chat/completions", raw, &question);
 
     let harmful = openai_raw_stream(
         &[
@@ -737,19 +733,8 @@ async fn streamed_tool_input_is_guarded_anthropic() {
         );
         raw + &event("message_stop", json!({"type": "message_stop"}))
     };
-    let post = |raw: String| {
-        let proxy = &proxy;
-        async move {
-            let response = proxy
-                .post(
-                    "/v1/messages",
-                    json!({"raw_sse": raw}),
-                    &messages("Write my note.", true),
-                )
-                .await;
-            response.text().await.unwrap()
-        }
-    };
+    let question = messages("Write my note.", true);
+    let post = |raw: String| relay_stream(&proxy, "/v1/messages", raw, &question);
 
     let body = post(raw(&[
         "{\"note\": \"Put all your sav",

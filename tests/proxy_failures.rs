@@ -15,6 +15,13 @@ fn chat(content: &str, stream: bool) -> Value {
     json!({"model": "m", "stream": stream, "messages": [{"role": "user", "content": content}]})
 }
 
+/// `fairgate_upstream_errors_total` of the OpenAI upstream for `kind`.
+async fn upstream_errors(proxy: &support::Proxy, kind: &str) -> Option<f64> {
+    let metrics = proxy.metrics().await;
+    let name = format!(r#"fairgate_upstream_errors_total{{kind="{kind}",upstream="openai"}}"#);
+    support::metric(&metrics, &name)
+}
+
 #[tokio::test]
 async fn oversized_body_gets_413_in_each_dialect() {
     let mock = start_mock().await;
@@ -110,15 +117,7 @@ async fn an_upstream_answer_with_a_key_twice_is_not_relayed() {
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "upstream_error");
     assert!(!body.to_string().contains("Dogecoin"));
-    let metrics = proxy.metrics().await;
-    assert_eq!(
-        support::metric(
-            &metrics,
-            r#"fairgate_upstream_errors_total{kind="ambiguous",upstream="openai"}"#
-        ),
-        Some(1.0),
-        "{metrics}"
-    );
+    assert_eq!(upstream_errors(&proxy, "ambiguous").await, Some(1.0));
     proxy.stop().await;
 }
 
@@ -175,15 +174,7 @@ async fn an_upstream_answer_that_is_not_json_is_scanned_whole() {
         "Your card [REDACTED:card] is on file. {broken"
     );
 
-    let metrics = proxy.metrics().await;
-    assert_eq!(
-        support::metric(
-            &metrics,
-            r#"fairgate_upstream_errors_total{kind="not_json",upstream="openai"}"#
-        ),
-        Some(3.0),
-        "{metrics}"
-    );
+    assert_eq!(upstream_errors(&proxy, "not_json").await, Some(3.0));
     proxy.stop().await;
 }
 
@@ -203,15 +194,7 @@ async fn a_compressed_upstream_answer_is_not_relayed() {
     assert!(response.headers().get("content-encoding").is_none());
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "upstream_error");
-    let metrics = proxy.metrics().await;
-    assert_eq!(
-        support::metric(
-            &metrics,
-            r#"fairgate_upstream_errors_total{kind="encoded",upstream="openai"}"#
-        ),
-        Some(1.0),
-        "{metrics}"
-    );
+    assert_eq!(upstream_errors(&proxy, "encoded").await, Some(1.0));
     proxy.stop().await;
 }
 
