@@ -1314,6 +1314,11 @@ mod tests {
             ),
             (
                 chat,
+                r#"{"choices":[{"delta":{"content":"hi","refusal":""}}]}"#,
+                r#"text "hi" 0"#,
+            ),
+            (
+                chat,
                 r#"{"choices":[{"delta":{"tool_calls":[7,{"function":3}]}}]}"#,
                 "other",
             ),

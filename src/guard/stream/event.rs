@@ -216,17 +216,19 @@ impl<'a> Delta<'a> {
     }
 
     /// The text of a delta that the guard cannot re-frame and so holds
-    /// whole: a refusal, tool-call arguments, a tool's input.
+    /// whole: a refusal, tool-call arguments (a call's opening, with none
+    /// yet, too), a tool's input. An empty refusal, which some servers
+    /// send beside every piece of text, holds nothing.
     pub fn held_text(&self) -> Option<String> {
-        let mut parts = self
-            .refusal
-            .iter()
+        let refusal = self.refusal.as_ref().filter(|t| !t.value.is_empty());
+        if refusal.is_none() && self.partial_json.is_none() && self.arguments.is_empty() {
+            return None;
+        }
+        let parts = refusal
+            .into_iter()
             .chain(&self.partial_json)
-            .chain(&self.arguments)
-            .map(|t| &*t.value)
-            .peekable();
-        parts.peek()?;
-        Some(parts.collect())
+            .chain(&self.arguments);
+        Some(parts.map(|t| &*t.value).collect())
     }
 }
 
