@@ -195,7 +195,7 @@ impl<'a> ResponseBody<'a> {
                     (3, Endpoint::Messages) => texts.objects(reader, |texts, reader| {
                         reader.object(["text", "input"], |reader, key| match key {
                             0 => texts.text(reader, scope),
-                            _ => texts.every_string(reader, scope),
+                            _ => texts.strings(reader, scope),
                         })
                     })?,
                     _ => reader.skip()?,
@@ -255,22 +255,14 @@ impl<'a> Texts<'a> {
         Ok(())
     }
 
-    /// Every string in a value, at any depth (a tool's input): a key
-    /// given twice is read both times, so no parser reads one unscanned.
-    fn every_string(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
-        match reader.jiter.peek()? {
-            Peek::String => self.text(reader, scope),
-            Peek::Array => reader.array(|reader| self.every_string(reader, scope)),
-            Peek::Object => reader.members(|reader| self.every_string(reader, scope)),
-            _ => reader.skip(),
-        }
-    }
-
-    /// A string, or an array of strings (nested at any depth).
+    /// Every string in a value, at any depth: a completion's prompt (a
+    /// string, or strings in arrays), a tool's input. A key given twice is
+    /// read both times, so no parser reads one unscanned.
     fn strings(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
         match reader.jiter.peek()? {
             Peek::String => self.text(reader, scope),
             Peek::Array => reader.array(|reader| self.strings(reader, scope)),
+            Peek::Object => reader.members(|reader| self.strings(reader, scope)),
             _ => reader.skip(),
         }
     }

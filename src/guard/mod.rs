@@ -166,6 +166,25 @@ pub fn scan_response(rules: &RuleSet, body: &[u8], response_texts: &[Text]) -> R
     }
 }
 
+/// Scans a response body that is not JSON as one text: the guard cannot
+/// tell the answer from the rest. Redacted as plain text, since there are
+/// no JSON strings to splice.
+pub fn scan_plain_response(rules: &RuleSet, body: &[u8]) -> ResponseScan {
+    let text = String::from_utf8_lossy(body);
+    let hits = rules.scan(Scope::Response, &text);
+    let redacting = hits.iter().any(|h| h.action == Action::Redact);
+    let text = if redacting {
+        redact(&text, &hits)
+    } else {
+        text.into_owned()
+    };
+    ResponseScan {
+        redacted: redacting.then(|| Bytes::from(text.clone())),
+        texts: vec![text],
+        hits,
+    }
+}
+
 /// The message shown for a block: the first blocking rule's, else the
 /// generic one for a total over the threshold.
 pub fn block_message(hits: &[Hit]) -> String {

@@ -10,7 +10,6 @@
 pub mod respond;
 pub mod upstream;
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -33,7 +32,7 @@ use serde_json::Value;
 use tokio::net::TcpListener;
 
 use crate::config::{Config, OnBlock, StreamMode};
-use crate::exchange::{Dialect, Endpoint, RequestBody, ResponseBody, Text};
+use crate::exchange::{Dialect, Endpoint, RequestBody, ResponseBody};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json::ReadError;
@@ -847,9 +846,12 @@ async fn guarded(
                 return broken("body", draft);
             }
         };
-    let whole_text;
-    let (texts, usage, unreadable) = match ResponseBody::read(endpoint, &body) {
-        Ok(read) => (read.texts, read.usage, false),
+    let (scanned, usage, unreadable) = match ResponseBody::read(endpoint, &body) {
+        Ok(read) => (
+            guard::scan_response(&rules, &body, &read.texts),
+            read.usage,
+            false,
+        ),
         Err(error @ ReadError::Ambiguous(_)) => {
             // A key twice: the client's parser may read another value
             // than the guard would scan. Not relayed.
@@ -857,27 +859,15 @@ async fn guarded(
             return broken("ambiguous", draft);
         }
         Err(_) => {
-            // Not JSON: the guard cannot tell the answer's text from the
-            // rest, so the whole body is scanned as the answer's text.
+            // Not JSON: the whole body is scanned as the answer's text.
             state
                 .metrics
                 .upstream_errors
                 .with_label_values(&[&upstream, "not_json"])
                 .inc();
-            whole_text = String::from_utf8_lossy(&body);
-            let whole = Text {
-                scope: crate::rules::Scope::Response,
-                text: Cow::Borrowed(&*whole_text),
-                span: 0..body.len(),
-            };
-            (vec![whole], None, true)
+            (guard::scan_plain_response(&rules, &body), None, true)
         }
     };
-    let mut scanned = guard::scan_response(&rules, &body, &texts);
-    if unreadable && scanned.redacted.is_some() {
-        // Redacted as plain text: the body has no JSON strings to splice.
-        scanned.redacted = Some(Bytes::from(scanned.texts.concat()));
-    }
     let usage = usage.and_then(|usage| serde_json::from_str::<Value>(usage).ok());
     let mut all: Vec<Hit> = scan.verdict.hits.clone();
     all.extend(scanned.hits);
