@@ -26,7 +26,7 @@
 //!   whole response is scanned; then the stream is replayed (redacted) or
 //!   replaced by the block ending. Guarantees the same, and also that the
 //!   client never sees a partial answer; *cost*: time to first token becomes
-//!   the whole generation time. The Responses API's streams always use it.
+//!   the whole generation time.
 //! * **`monitor`**: every event passes through untouched as it arrives;
 //!   hits are counted and recorded only. *Cost*: none; guarantees nothing.
 //!
@@ -38,8 +38,19 @@
 //! use a tool call before its arguments are complete, so this costs it
 //! nothing. Arguments cannot be redacted piece by piece, so a `redact` hit
 //! in them blocks. Other events (roles, usage, pings) pass through in
-//! order. A malformed event ends the stream cleanly after what was already
-//! checked, and is counted.
+//! order, but behind held events still unsent. A malformed event ends the
+//! stream cleanly after what was already checked, and is counted.
+//!
+//! The Responses API's events repeat text: a part's `.done` event, the
+//! finished output item and `response.completed` hold it whole. In
+//! `holdback` a text part's end is its `response.output_text.done` (all
+//! of the part's text is checked and released before it goes out) and an
+//! output item's end is its `response.output_item.done`; redacted text is
+//! replaced wherever an event repeats it. Since re-framing merges text
+//! events and a block adds one, the events' `sequence_number`s are
+//! rewritten in the order sent. A blocked stream ends with
+//! `response.incomplete` whose `incomplete_details.reason` is
+//! `content_filter`, for the response the stream began with.
 
 mod event;
 
@@ -345,6 +356,14 @@ pub struct Guard {
     held_frames: Vec<Bytes>,
     /// The first OpenAI chunk with text, the template for re-framed chunks.
     template: Option<Value>,
+    /// Responses API: the first text event of each content part, the
+    /// template for its re-framed text; the response of
+    /// `response.created`, for a blocked stream's last event; the parts
+    /// started; the `sequence_number` of the next event sent.
+    part_templates: Vec<(u64, Value)>,
+    response_template: Option<Value>,
+    parts: u64,
+    next_number: Option<u64>,
     /// A text chunk of the template, serialized, cut where its text goes:
     /// re-framed text is written between the two, with no JSON tree built.
     text_frame_parts: Option<(String, String)>,
@@ -370,12 +389,6 @@ pub struct Guard {
 impl Guard {
     pub fn new(setup: StreamSetup) -> Guard {
         let dialect = setup.endpoint.dialect();
-        let mut setup = setup;
-        if setup.endpoint == Endpoint::Responses && setup.mode == StreamMode::Holdback {
-            // Re-framing Responses API events is not supported: buffering is
-            // the safe way to guard them.
-            setup.mode = StreamMode::Buffer;
-        }
         Guard {
             setup,
             dialect,
@@ -388,6 +401,10 @@ impl Guard {
             held_checked: 0,
             held_frames: Vec::new(),
             template: None,
+            part_templates: Vec::new(),
+            response_template: None,
+            parts: 0,
+            next_number: None,
             text_frame_parts: None,
             block: 0,
             block_open: false,
@@ -408,11 +425,12 @@ impl Guard {
             return Vec::new();
         }
         let kind = self.classify(&event);
-        match self.setup.mode {
+        let frames = match self.setup.mode {
             StreamMode::Monitor => self.monitor(event, kind),
             StreamMode::Buffer => self.buffer(event, kind),
             StreamMode::Holdback => self.holdback(event, kind),
-        }
+        };
+        self.outgoing(frames)
     }
 
     /// The upstream ended (or failed) without a final event.
@@ -421,7 +439,7 @@ impl Guard {
             return Vec::new();
         }
         self.finished = true;
-        match self.setup.mode {
+        let frames = match self.setup.mode {
             StreamMode::Monitor => {
                 self.scan_window(0);
                 self.scan_held();
@@ -429,7 +447,60 @@ impl Guard {
             }
             StreamMode::Buffer => self.replay_or_block(),
             StreamMode::Holdback => self.check(true),
+        };
+        self.outgoing(frames)
+    }
+
+    /// The frames as the client gets them. Responses API events are
+    /// numbered in the order sent, and redacted text is replaced wherever
+    /// an event repeats it (see the module's doc); monitor mode changes
+    /// nothing.
+    fn outgoing(&mut self, frames: Vec<Bytes>) -> Vec<Bytes> {
+        if self.setup.endpoint != Endpoint::Responses || self.setup.mode == StreamMode::Monitor {
+            return frames;
         }
+        frames
+            .into_iter()
+            .map(|frame| self.renumbered(frame))
+            .collect()
+    }
+
+    fn renumbered(&mut self, frame: Bytes) -> Bytes {
+        let Some(SseEvent {
+            event,
+            data: Some(data),
+            ..
+        }) = parse_event(frame.clone())
+        else {
+            return frame;
+        };
+        let mut rewritten = None;
+        let redactions: Vec<(&str, &str)> = self
+            .hits
+            .iter()
+            .filter(|hit| hit.action == Action::Redact)
+            .map(|hit| (&self.acc[hit.start..hit.end], &*hit.placeholder))
+            .collect();
+        if !redactions.is_empty()
+            && let Ok(mut json) = serde_json::from_str::<Value>(&data)
+            && redact_strings(&mut json, &redactions)
+        {
+            rewritten = Some(json.to_string());
+        }
+        let data = rewritten.as_deref().unwrap_or(&data);
+        let Some((number, span)) = event::sequence_number(data) else {
+            return match rewritten {
+                Some(data) => sse_text(event.as_deref(), &data),
+                None => frame,
+            };
+        };
+        let next = self.next_number.unwrap_or(number);
+        self.next_number = Some(next + 1);
+        if next == number && rewritten.is_none() {
+            return frame;
+        }
+        let data = format!("{}{next}{}", &data[..span.start], &data[span.end..]);
+        sse_text(event.as_deref(), &data)
     }
 
     fn outcome(&self, first_byte: Option<Duration>, guard_time: Duration) -> StreamOutcome {
@@ -497,8 +568,11 @@ impl Guard {
 
     /// A text event: its kind, and its shape for the events that follow.
     fn text(&mut self, event: &Event, text: &Text, block: u64, data: &str) -> Kind {
-        let shape = Shape::of(data, text.token.clone(), &event.skipped, block);
-        self.shape = Some(shape);
+        // Each Responses API event has another `sequence_number`: no two
+        // have one shape.
+        if self.setup.endpoint != Endpoint::Responses {
+            self.shape = Some(Shape::of(data, text.token.clone(), &event.skipped, block));
+        }
         Kind::Text {
             text: text.value.clone().into_owned(),
             block,
@@ -507,29 +581,7 @@ impl Guard {
 
     fn classify_openai(&mut self, event: &Event, data: &str) -> Kind {
         if self.setup.endpoint == Endpoint::Responses {
-            return match event.kind.as_deref() {
-                Some("response.output_text.delta") => match &event.delta_text {
-                    Some(text) => self.text(event, text, 0, data),
-                    None => Kind::Text {
-                        text: String::new(),
-                        block: 0,
-                    },
-                },
-                Some("response.completed" | "response.incomplete" | "response.failed") => {
-                    Kind::Final
-                }
-                Some("response.function_call_arguments.delta" | "response.refusal.delta") => {
-                    Kind::Held {
-                        text: event
-                            .delta_text
-                            .as_ref()
-                            .map(|t| t.value.to_string())
-                            .unwrap_or_default(),
-                        finished: false,
-                    }
-                }
-                _ => Kind::Other,
-            };
+            return self.classify_responses(event, data);
         }
         let choice = &event.choice;
         if let Some(held) = choice.delta.held_text() {
@@ -556,6 +608,56 @@ impl Guard {
             self.set_template(json);
         }
         kind
+    }
+
+    fn classify_responses(&mut self, event: &Event, data: &str) -> Kind {
+        let part = self.parts;
+        match event.kind.as_deref() {
+            Some("response.output_text.delta") => {
+                let Some(text) = &event.delta_text else {
+                    return Kind::Text {
+                        text: String::new(),
+                        block: part,
+                    };
+                };
+                if !self.part_templates.iter().any(|(p, _)| *p == part)
+                    && let Ok(json) = serde_json::from_str::<Value>(data)
+                {
+                    self.part_templates.push((part, json));
+                }
+                self.text(event, text, part, data)
+            }
+            Some("response.content_part.added") => {
+                self.parts += 1;
+                Kind::BlockStart { block: self.parts }
+            }
+            Some("response.output_text.done" | "response.output_item.done") => Kind::BlockEnd,
+            Some("response.function_call_arguments.delta" | "response.refusal.delta") => {
+                Kind::Held {
+                    text: event
+                        .delta_text
+                        .as_ref()
+                        .map(|t| t.value.to_string())
+                        .unwrap_or_default(),
+                    finished: false,
+                }
+            }
+            // They repeat the text of the deltas held before them.
+            Some("response.function_call_arguments.done" | "response.refusal.done") => Kind::Held {
+                text: String::new(),
+                finished: false,
+            },
+            Some("response.completed" | "response.incomplete" | "response.failed") => Kind::Final,
+            Some("response.created" | "response.in_progress" | "response.queued") => {
+                if let Ok(mut json) = serde_json::from_str::<Value>(data)
+                    && let Some(response) = json.get_mut("response").filter(|r| r.is_object())
+                {
+                    self.response_template = Some(response.take());
+                }
+                Kind::Other
+            }
+            _ => Kind::Other,
+        }
     }
 
     fn classify_anthropic(&mut self, event: &Event, data: &str) -> Kind {
@@ -655,10 +757,8 @@ impl Guard {
     fn holdback(&mut self, event: SseEvent, kind: Kind) -> Vec<Bytes> {
         match kind {
             Kind::Text { text, block } => {
-                if self.dialect == Dialect::Anthropic {
-                    self.block = block;
-                    self.block_open = true;
-                }
+                self.block = block;
+                self.block_open = true;
                 self.acc.push_str(&text);
                 if self.acc.len() - self.checked < CHECK_STEP {
                     return Vec::new();
@@ -667,11 +767,9 @@ impl Guard {
             }
             Kind::BlockStart { block } => {
                 self.separate_block();
-                if self.dialect == Dialect::Anthropic {
-                    self.block = block;
-                    self.block_open = true;
-                }
-                vec![event.raw]
+                self.block = block;
+                self.block_open = true;
+                self.after_held(event.raw)
             }
             Kind::Held { text, finished } => {
                 self.held_text.push_str(&text);
@@ -701,8 +799,17 @@ impl Guard {
                 self.finished = true;
                 frames
             }
-            Kind::Other => vec![event.raw],
+            Kind::Other => self.after_held(event.raw),
         }
+    }
+
+    /// An event sent in order: after the held events, when there are any.
+    fn after_held(&mut self, frame: Bytes) -> Vec<Bytes> {
+        if self.held_frames.is_empty() {
+            return vec![frame];
+        }
+        self.held_frames.push(frame);
+        Vec::new()
     }
 
     /// Anthropic content blocks are scanned as one text with a line break
@@ -881,6 +988,20 @@ impl Guard {
     }
 
     fn text_frame(&self, text: &str, block: u64) -> Bytes {
+        if self.setup.endpoint == Endpoint::Responses {
+            let template = self.part_templates.iter().find(|(p, _)| *p == block);
+            let mut frame = match template {
+                Some((_, Value::Object(template))) => template.clone(),
+                _ => Map::new(),
+            };
+            frame.insert("type".into(), json!("response.output_text.delta"));
+            frame.insert("delta".into(), json!(text));
+            if frame.contains_key("logprobs") {
+                // The template's belong to its own text.
+                frame.insert("logprobs".into(), json!([]));
+            }
+            return sse(Some("response.output_text.delta"), &Value::Object(frame));
+        }
         match self.dialect {
             Dialect::Anthropic => sse(
                 Some("content_block_delta"),
@@ -926,6 +1047,9 @@ impl Guard {
     fn block(&mut self) -> Vec<Bytes> {
         self.blocked = true;
         self.finished = true;
+        if self.setup.endpoint == Endpoint::Responses {
+            return vec![self.responses_ending()];
+        }
         match self.dialect {
             Dialect::Anthropic => {
                 let mut frames = Vec::new();
@@ -956,6 +1080,28 @@ impl Guard {
                 Bytes::from_static(b"data: [DONE]\n\n"),
             ],
         }
+    }
+
+    /// A blocked Responses API stream's last event: the response it began
+    /// with, incomplete for `content_filter`, with no output.
+    fn responses_ending(&self) -> Bytes {
+        let mut response = match &self.response_template {
+            Some(Value::Object(response)) => response.clone(),
+            _ => Map::new(),
+        };
+        response.insert("status".into(), json!("incomplete"));
+        response.insert(
+            "incomplete_details".into(),
+            json!({"reason": "content_filter"}),
+        );
+        response.insert("output".into(), json!([]));
+        if let Some(usage) = &self.usage {
+            response.insert("usage".into(), usage.clone());
+        }
+        sse(
+            Some("response.incomplete"),
+            &json!({"type": "response.incomplete", "sequence_number": 0, "response": response}),
+        )
     }
 
     /// OpenAI's usage chunk: no choices, the upstream's usage (null if it
@@ -1032,16 +1178,48 @@ impl Guard {
 }
 
 fn sse(event: Option<&str>, data: &Value) -> Bytes {
-    let mut out = String::new();
+    sse_text(event, &data.to_string())
+}
+
+/// An event of `data`, one `data:` line per line of it.
+fn sse_text(event: Option<&str>, data: &str) -> Bytes {
+    let mut out = String::with_capacity(data.len() + 32);
     if let Some(event) = event {
         out.push_str("event: ");
         out.push_str(event);
         out.push('\n');
     }
-    out.push_str("data: ");
-    out.push_str(&data.to_string());
-    out.push_str("\n\n");
+    for line in data.split('\n') {
+        out.push_str("data: ");
+        out.push_str(line);
+        out.push('\n');
+    }
+    out.push('\n');
     Bytes::from(out)
+}
+
+/// Replaces, in every string of `json`, each redacted text by its
+/// placeholder; whether any was there.
+fn redact_strings(json: &mut Value, redactions: &[(&str, &str)]) -> bool {
+    match json {
+        Value::String(string) => {
+            let mut found = false;
+            for (text, placeholder) in redactions {
+                if string.contains(text) {
+                    *string = string.replace(text, placeholder);
+                    found = true;
+                }
+            }
+            found
+        }
+        Value::Array(items) => items.iter_mut().fold(false, |found, item| {
+            redact_strings(item, redactions) | found
+        }),
+        Value::Object(members) => members.values_mut().fold(false, |found, item| {
+            redact_strings(item, redactions) | found
+        }),
+        _ => false,
+    }
 }
 
 /// The last position at or before `at` where normalization starts clean:
@@ -1143,11 +1321,6 @@ mod tests {
                 Endpoint::Messages,
                 r#"{"type":"content_block_delta","index":2,"delta":{"type":"text_delta","text":"#,
                 "}}",
-            ),
-            (
-                Endpoint::Responses,
-                r#"{"type":"response.output_text.delta","delta":"#,
-                "}",
             ),
         ];
         let texts = [

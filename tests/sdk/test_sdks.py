@@ -31,7 +31,7 @@ SAFE = "Start with a budget and an emergency fund, then invest regularly."
 def reply_text(body):
     """The mock's answer: risky advice when the user asks for it."""
     messages = body.get("messages", [])
-    last = messages[-1]["content"] if messages else ""
+    last = messages[-1]["content"] if messages else body.get("input", "")
     if isinstance(last, list):
         last = " ".join(part.get("text", "") for part in last)
     return RISKY if "risky" in last else SAFE
@@ -55,13 +55,15 @@ class Upstream(BaseHTTPRequestHandler):
         Upstream.requests.append((self.path, body))
         text = reply_text(body)
         anthropic_api = self.path.startswith("/v1/messages")
+        responses_api = self.path.startswith("/v1/responses")
         if body.get("stream"):
             self.send_response(200)
             self.send_header("content-type", "text/event-stream")
             self.send_header("transfer-encoding", "chunked")
             self.end_headers()
             try:
-                for frame in (anthropic_stream(text) if anthropic_api else openai_stream(text)):
+                stream = anthropic_stream if anthropic_api else responses_stream if responses_api else openai_stream
+                for frame in stream(text):
                     data = frame.encode()
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                     self.wfile.flush()
@@ -71,7 +73,9 @@ class Upstream(BaseHTTPRequestHandler):
                 # fairgate hangs up on a blocked stream: expected.
                 self.close_connection = True
             return
-        if anthropic_api:
+        if responses_api:
+            payload = responses_body(text, "completed")
+        elif anthropic_api:
             payload = {"id": "msg_1", "type": "message", "role": "assistant", "model": body.get("model"),
                        "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
                        "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 9}}
@@ -116,6 +120,42 @@ def anthropic_stream(text):
                                                                      "stop_sequence": None},
                                   "usage": {"output_tokens": 9}})
     yield event("message_stop", {"type": "message_stop"})
+
+
+def responses_message(text, status):
+    return {"id": "msg_1", "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def responses_body(text, status):
+    return {"id": "resp_1", "object": "response", "created_at": 1, "status": status, "model": "gpt-4o-mini",
+            "output": [responses_message(text, status)] if text else [], "parallel_tool_calls": True,
+            "tool_choice": "auto", "tools": [],
+            "usage": {"input_tokens": 3, "output_tokens": 9, "total_tokens": 12,
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}} if status == "completed" else None}
+
+
+def responses_stream(text):
+    at = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
+    part = lambda t: {"type": "output_text", "text": t, "annotations": []}
+    events = [
+        ("response.created", {"response": responses_body("", "in_progress")}),
+        ("response.in_progress", {"response": responses_body("", "in_progress")}),
+        ("response.output_item.added", {"output_index": 0, "item": responses_message("", "in_progress")
+                                        | {"content": []}}),
+        ("response.content_part.added", at | {"part": part("")}),
+    ]
+    events += [("response.output_text.delta", at | {"delta": piece, "logprobs": []}) for piece in chunks(text)]
+    events += [
+        ("response.output_text.done", at | {"text": text, "logprobs": []}),
+        ("response.content_part.done", at | {"part": part(text)}),
+        ("response.output_item.done", {"output_index": 0, "item": responses_message(text, "completed")}),
+        ("response.completed", {"response": responses_body(text, "completed")}),
+    ]
+    for number, (name, data) in enumerate(events):
+        data = {"type": name, "sequence_number": number} | data
+        yield f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
 
 def free_port():
@@ -244,10 +284,34 @@ def main():
             assert final.stop_reason == "refusal", final.stop_reason
             assert "savings" not in text, text
 
+        def openai_response():
+            r = oa.responses.create(model="gpt-4o-mini", input="tips?")
+            assert r.output_text == SAFE, r
+            assert r.status == "completed"
+
+        def openai_response_stream():
+            with oa.responses.stream(model="gpt-4o-mini", input="tips?") as stream:
+                text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+                final = stream.get_final_response()
+            assert text == SAFE, text
+            assert final.output_text == SAFE, final
+
+        def openai_blocked_response_stream():
+            with oa.responses.stream(model="gpt-4o-mini", input="something risky") as stream:
+                events = list(stream)
+            text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+            last = events[-1]
+            assert last.type == "response.incomplete", last
+            assert last.response.incomplete_details.reason == "content_filter", last
+            assert "savings" not in text, text
+
         check("openai chat completion", openai_chat)
         check("openai chat completion stream", openai_stream_ok)
         check("openai blocked prompt raises BadRequestError without retries", openai_blocked_prompt)
         check("openai blocked stream ends with content_filter", openai_blocked_stream)
+        check("openai response", openai_response)
+        check("openai response stream", openai_response_stream)
+        check("openai blocked response stream ends incomplete for content_filter", openai_blocked_response_stream)
         check("anthropic message", anthropic_message)
         check("anthropic message stream", anthropic_stream_ok)
         check("anthropic blocked prompt raises BadRequestError", anthropic_blocked_prompt)

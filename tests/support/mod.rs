@@ -163,6 +163,12 @@ async fn mock_reply(
     if let Some(raw) = script.get("raw_sse").and_then(Value::as_str) {
         return Ok(sse_reply(raw.to_owned(), pause));
     }
+    if path == "/v1/responses" {
+        return Ok(match stream {
+            true => sse_reply(responses_stream(&chunks), pause),
+            false => json_reply(200, &responses_body(&text, "completed")),
+        });
+    }
     let anthropic = path.starts_with("/v1/messages");
     Ok(match (anthropic, stream) {
         (false, false) => json_reply(
@@ -252,6 +258,91 @@ pub fn anthropic_stream(chunks: &[String]) -> String {
         json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 7}}),
     ));
     out.push_str(&event("message_stop", json!({"type": "message_stop"})));
+    out
+}
+
+/// A Responses API response whose one message says `text`.
+pub fn responses_body(text: &str, status: &str) -> Value {
+    let usage = match status {
+        "completed" => json!({"input_tokens": 5, "output_tokens": 7, "total_tokens": 12}),
+        _ => Value::Null,
+    };
+    let output = match text {
+        "" => json!([]),
+        _ => json!([responses_message(text, status)]),
+    };
+    json!({"id": "resp_mock", "object": "response", "created_at": 1, "status": status,
+           "model": "mock-model", "output": output, "usage": usage})
+}
+
+fn responses_message(text: &str, status: &str) -> Value {
+    json!({"id": "msg_mock", "type": "message", "status": status, "role": "assistant",
+           "content": [{"type": "output_text", "text": text, "annotations": []}]})
+}
+
+/// A Responses API stream of `chunks`, every event numbered, as OpenAI
+/// sends one.
+pub fn responses_stream(chunks: &[String]) -> String {
+    let text = chunks.concat();
+    let part = |text: &str| json!({"type": "output_text", "text": text, "annotations": []});
+    let at = json!({"item_id": "msg_mock", "output_index": 0, "content_index": 0});
+    let with_at = |extra: Value| {
+        let mut event = at.clone();
+        event
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        event
+    };
+    let mut events = vec![
+        (
+            "response.created",
+            json!({"response": responses_body("", "in_progress")}),
+        ),
+        (
+            "response.in_progress",
+            json!({"response": responses_body("", "in_progress")}),
+        ),
+        (
+            "response.output_item.added",
+            json!({"output_index": 0, "item": {"id": "msg_mock", "type": "message",
+            "status": "in_progress", "role": "assistant", "content": []}}),
+        ),
+        (
+            "response.content_part.added",
+            with_at(json!({"part": part("")})),
+        ),
+    ];
+    for chunk in chunks {
+        events.push((
+            "response.output_text.delta",
+            with_at(json!({"delta": chunk, "logprobs": []})),
+        ));
+    }
+    events.extend([
+        (
+            "response.output_text.done",
+            with_at(json!({"text": text, "logprobs": []})),
+        ),
+        (
+            "response.content_part.done",
+            with_at(json!({"part": part(&text)})),
+        ),
+        (
+            "response.output_item.done",
+            json!({"output_index": 0, "item": responses_message(&text, "completed")}),
+        ),
+        (
+            "response.completed",
+            json!({"response": responses_body(&text, "completed")}),
+        ),
+    ]);
+    let mut out = String::new();
+    for (number, (name, mut data)) in events.into_iter().enumerate() {
+        data["type"] = json!(name);
+        data["sequence_number"] = json!(number);
+        out += &format!("event: {name}\ndata: {data}\n\n");
+    }
     out
 }
 

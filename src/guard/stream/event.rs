@@ -232,6 +232,24 @@ impl<'a> Delta<'a> {
     }
 }
 
+/// The `sequence_number` of a Responses API event (its data), and where
+/// its digits lie; `None` when it has none that is a non-negative integer.
+pub fn sequence_number(data: &str) -> Option<(u64, Range<usize>)> {
+    let mut reader = Reader::new(data);
+    let mut found = None;
+    if !reader.is_object().ok()? {
+        return None;
+    }
+    reader
+        .object(["sequence_number"], |reader, _| {
+            let span = reader.span()?;
+            found = data[span.clone()].parse().ok().map(|n| (n, span));
+            Ok(())
+        })
+        .ok()?;
+    found
+}
+
 /// A text event as its fixed bytes and the places of its strings that
 /// may differ, one of them the text; and its content block.
 #[derive(Debug)]
@@ -354,6 +372,23 @@ mod tests {
         assert!(Event::read(data).is_ok());
         for cut in 0..data.len() {
             assert!(Event::read(&data[..cut]).is_err(), "{}", &data[..cut]);
+        }
+    }
+
+    #[test]
+    fn sequence_numbers_are_found_at_the_top_level_only() {
+        let data = r#"{"type":"x", "sequence_number" :  17 ,"item":{"sequence_number":3}}"#;
+        let (number, span) = sequence_number(data).unwrap();
+        assert_eq!(number, 17);
+        assert_eq!(&data[span], "17");
+        for data in [
+            r#"{"item":{"sequence_number":3}}"#,
+            r#"{"sequence_number":-1}"#,
+            r#"{"sequence_number":"4"}"#,
+            r#"[{"sequence_number":4}]"#,
+            r#"{"sequence_number":4"#,
+        ] {
+            assert_eq!(sequence_number(data), None, "{data}");
         }
     }
 
