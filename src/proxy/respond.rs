@@ -161,8 +161,12 @@ pub fn blocked(
 /// Anthropic `stop_reason: "refusal"` with the message as the only content.
 /// Usage and ids are kept.
 pub fn refusal(endpoint: Endpoint, body: &[u8], message: &str) -> Bytes {
-    // The body was read by the guard already: it is JSON.
-    let mut body: Value = serde_json::from_slice(body).unwrap_or_else(|_| json!({}));
+    // The body was read by the guard already: it is JSON, though maybe not
+    // an object (an upstream's `[]`), which holds no answer to keep.
+    let mut body: Value = serde_json::from_slice(body)
+        .ok()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| json!({}));
     refuse_in_place(endpoint, &mut body, message);
     Bytes::from(body.to_string())
 }
@@ -251,4 +255,29 @@ pub fn text(status: StatusCode, body: String) -> Response<ProxyBody> {
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_is_made_whatever_json_the_answer_was() {
+        for endpoint in [
+            Endpoint::ChatCompletions,
+            Endpoint::Completions,
+            Endpoint::Responses,
+            Endpoint::Messages,
+        ] {
+            for body in ["[1]", "\"text\"", "7", "null", "{}"] {
+                let refused: Value =
+                    serde_json::from_slice(&refusal(endpoint, body.as_bytes(), "No.")).unwrap();
+                assert!(refused.is_object(), "{endpoint:?} {body}");
+            }
+        }
+        let refused = refusal(Endpoint::Responses, b"[]", "No.");
+        let refused: Value = serde_json::from_slice(&refused).unwrap();
+        assert_eq!(refused["incomplete_details"]["reason"], "content_filter");
+        assert_eq!(refused["output"][0]["content"][0]["refusal"], "No.");
+    }
 }
