@@ -902,12 +902,16 @@ impl Guard {
         for mut hit in found {
             hit.start += window_start;
             hit.end += window_start;
-            if !self
+            // A match can grow as text arrives ("a@b.co", then "a@b.com"):
+            // the longest is the one that counts.
+            match self
                 .hits
-                .iter()
-                .any(|h| h.rule == hit.rule && h.start == hit.start)
+                .iter_mut()
+                .find(|h| h.rule == hit.rule && h.start == hit.start)
             {
-                self.hits.push(hit);
+                Some(known) if known.end < hit.end => *known = hit,
+                Some(_) => {}
+                None => self.hits.push(hit),
             }
         }
         view
@@ -1614,6 +1618,235 @@ mod tests {
                 assert_eq!(got, expected, "cut at {cut} and {second}");
                 let raw: Vec<u8> = events.iter().flat_map(|e| e.raw.to_vec()).collect();
                 assert_eq!(raw, input.as_bytes());
+            }
+        }
+    }
+
+    #[test]
+    /// Random Responses API streams (messages of one or two text parts,
+    /// function calls), cut at random: whatever the guard sends is well
+    /// formed and numbered from 0, holds nothing a rule blocks or redacts,
+    /// and, unless blocked, every part's text as the deltas' once redacted.
+    fn responses_streams_hold_nothing_a_rule_stops() {
+        let safe = [
+            "Start with a budget and an emergency fund. ",
+            "Index funds spread the risk. ",
+            "Pay off the card with the highest rate first. ",
+        ];
+        let redact = [
+            "Write to jane.doe@example.com today. ",
+            "My card is 4111 1111 1111 1111. ",
+        ];
+        let block = [
+            "Put all your savings into Dogecoin right now. ",
+            "Borrow money to invest in crypto. ",
+            "Guaranteed returns of 20% a year. ",
+        ];
+        let snippet = |rng: &mut crate::testing::Lcg| match rng.below(40) {
+            0 => *rng.pick(&block),
+            1..4 => *rng.pick(&redact),
+            _ => *rng.pick(&safe),
+        };
+        let mut rng = crate::testing::Lcg(5);
+        let (mut blocked, mut redacted) = (0, 0);
+        for round in 0..300 {
+            let mut events: Vec<(&str, Value)> = vec![(
+                "response.created",
+                json!({"response": {"id": "resp_r", "object": "response", "status": "in_progress", "output": []}}),
+            )];
+            let mut parts: Vec<String> = Vec::new();
+            for item in 0..1 + rng.below(2) {
+                let text: String = (0..1 + rng.below(6)).map(|_| snippet(&mut rng)).collect();
+                let at = json!({"item_id": format!("i{item}"), "output_index": item});
+                let with = |extra: Value| {
+                    let mut event = at.clone();
+                    event
+                        .as_object_mut()
+                        .unwrap()
+                        .extend(extra.as_object().unwrap().clone());
+                    event
+                };
+                events.push(("response.output_item.added", with(json!({}))));
+                if rng.below(4) == 0 {
+                    let mut rest = text.as_str();
+                    while !rest.is_empty() {
+                        let mut cut = (1 + rng.below(12)).min(rest.len());
+                        while !rest.is_char_boundary(cut) {
+                            cut += 1;
+                        }
+                        events.push((
+                            "response.function_call_arguments.delta",
+                            with(json!({"delta": &rest[..cut]})),
+                        ));
+                        rest = &rest[cut..];
+                    }
+                    events.push((
+                        "response.function_call_arguments.done",
+                        with(json!({"arguments": text})),
+                    ));
+                    events.push((
+                        "response.output_item.done",
+                        with(json!({"item": {"arguments": text}})),
+                    ));
+                    continue;
+                }
+                let mut content = Vec::new();
+                for part in 0..1 + rng.below(2) {
+                    let text: String = (0..1 + rng.below(20)).map(|_| snippet(&mut rng)).collect();
+                    let with = |extra: Value| {
+                        let mut event = with(json!({"content_index": part}));
+                        event
+                            .as_object_mut()
+                            .unwrap()
+                            .extend(extra.as_object().unwrap().clone());
+                        event
+                    };
+                    events.push((
+                        "response.content_part.added",
+                        with(json!({"part": {"text": ""}})),
+                    ));
+                    let mut rest = text.as_str();
+                    while !rest.is_empty() {
+                        let cut = (1 + rng.below(9)).min(rest.len());
+                        events.push((
+                            "response.output_text.delta",
+                            with(json!({"delta": &rest[..cut], "logprobs": []})),
+                        ));
+                        rest = &rest[cut..];
+                    }
+                    events.push(("response.output_text.done", with(json!({"text": text}))));
+                    events.push((
+                        "response.content_part.done",
+                        with(json!({"part": {"text": text}})),
+                    ));
+                    content.push(json!({"type": "output_text", "text": text}));
+                    parts.push(text);
+                }
+                events.push((
+                    "response.output_item.done",
+                    with(json!({"item": {"content": content}})),
+                ));
+            }
+            events.push((
+                "response.completed",
+                json!({"response": {"id": "resp_r", "status": "completed"}}),
+            ));
+            let mode = *rng.pick(&[StreamMode::Holdback, StreamMode::Buffer]);
+            let mut guard = Guard::new(setup(Endpoint::Responses, mode));
+            let mut frames = Vec::new();
+            for (number, (name, mut data)) in events.into_iter().enumerate() {
+                data["type"] = json!(name);
+                data["sequence_number"] = json!(number);
+                let raw = format!("event: {name}\ndata: {data}\n\n");
+                frames.extend(guard.on_event(parse_event(raw.into()).unwrap()));
+            }
+            frames.extend(guard.on_end());
+            let context = format!("round {round}, {mode:?}");
+
+            let mut sent: Vec<(String, Value)> = Vec::new();
+            for (number, frame) in frames.iter().enumerate() {
+                let event = parse_event(frame.clone()).unwrap();
+                let data: Value = serde_json::from_str(event.data.as_deref().unwrap()).unwrap();
+                assert_eq!(data["sequence_number"], number, "{context}");
+                assert_eq!(event.event.as_deref(), data["type"].as_str(), "{context}");
+                sent.push((event.event.unwrap(), data));
+            }
+            // Each part's deltas, in order.
+            let mut deltas: Vec<String> = Vec::new();
+            for (name, data) in &sent {
+                match name.as_str() {
+                    "response.content_part.added" => deltas.push(String::new()),
+                    "response.output_text.delta" => deltas
+                        .last_mut()
+                        .unwrap()
+                        .push_str(data["delta"].as_str().unwrap()),
+                    _ => {}
+                }
+            }
+            let mut strings = deltas.clone();
+            for (_, data) in &sent {
+                let mut stack = vec![data];
+                while let Some(value) = stack.pop() {
+                    match value {
+                        Value::String(s) => strings.push(s.clone()),
+                        Value::Array(items) => stack.extend(items),
+                        Value::Object(members) => stack.extend(members.values()),
+                        _ => {}
+                    }
+                }
+            }
+            for string in &strings {
+                let hits = RULES.scan(Scope::Response, string);
+                assert!(
+                    !hits
+                        .iter()
+                        .any(|h| matches!(h.action, Action::Block | Action::Redact)),
+                    "{context}: sent {string:?}"
+                );
+            }
+            if guard.blocked {
+                blocked += 1;
+                assert_eq!(sent.last().unwrap().0, "response.incomplete", "{context}");
+                continue;
+            }
+            let expected: Vec<String> = parts
+                .iter()
+                .map(|part| {
+                    let hits = RULES.scan(Scope::Response, part);
+                    let mut out = part.clone();
+                    let mut spans: Vec<&Hit> =
+                        hits.iter().filter(|h| h.action == Action::Redact).collect();
+                    spans.sort_by_key(|h| std::cmp::Reverse(h.start));
+                    for hit in spans {
+                        out.replace_range(hit.start..hit.end, &hit.placeholder);
+                    }
+                    out
+                })
+                .collect();
+            if expected != parts {
+                redacted += 1;
+            }
+            assert_eq!(deltas, expected, "{context}");
+            let done: Vec<&str> = sent
+                .iter()
+                .filter(|(name, _)| name == "response.output_text.done")
+                .map(|(_, data)| data["text"].as_str().unwrap())
+                .collect();
+            assert_eq!(done, expected, "{context}");
+        }
+        assert!(
+            blocked > 50 && redacted > 10,
+            "{blocked} blocked, {redacted} redacted"
+        );
+    }
+
+    #[test]
+    /// A redaction whose match grows as text arrives (an address or a key
+    /// is a match at each of its ends) covers the whole of it, however the
+    /// checks fall: none of it reaches the client.
+    fn a_redaction_covers_its_match_as_it_grows() {
+        let padding = "Here is my advice for you today, step by step. ".repeat(3);
+        for (secret, placeholder) in [
+            ("jane.doe@example.com", "[REDACTED:email]"),
+            (
+                "sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4zAb3dEf6h",
+                "[REDACTED:openai_key]",
+            ),
+        ] {
+            // Each offset of the secret against the checks' 64-byte steps.
+            for shift in 0..CHECK_STEP {
+                let text = format!("{}Write to {secret} today. {padding}", "x".repeat(shift));
+                let mut guard = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
+                let mut frames = Vec::new();
+                for c in text.chars() {
+                    frames.extend(guard.on_event(openai_delta(&c.to_string())));
+                }
+                frames.extend(guard.on_end());
+                assert_eq!(
+                    released_text(&frames),
+                    text.replace(secret, placeholder),
+                    "shift {shift}"
+                );
             }
         }
     }
