@@ -1622,12 +1622,9 @@ mod tests {
         }
     }
 
-    #[test]
-    /// Random Responses API streams (messages of one or two text parts,
-    /// function calls), cut at random: whatever the guard sends is well
-    /// formed and numbered from 0, holds nothing a rule blocks or redacts,
-    /// and, unless blocked, every part's text as the deltas' once redacted.
-    fn responses_streams_hold_nothing_a_rule_stops() {
+    /// Random response text: mostly harmless sentences, some with
+    /// something to redact, a few that a rule blocks.
+    fn random_text(rng: &mut crate::testing::Lcg, most: usize) -> String {
         let safe = [
             "Start with a budget and an emergency fund. ",
             "Index funds spread the risk. ",
@@ -1642,11 +1639,119 @@ mod tests {
             "Borrow money to invest in crypto. ",
             "Guaranteed returns of 20% a year. ",
         ];
-        let snippet = |rng: &mut crate::testing::Lcg| match rng.below(40) {
-            0 => *rng.pick(&block),
-            1..4 => *rng.pick(&redact),
-            _ => *rng.pick(&safe),
-        };
+        (0..1 + rng.below(most))
+            .map(|_| match rng.below(40) {
+                0 => *rng.pick(&block),
+                1..4 => *rng.pick(&redact),
+                _ => *rng.pick(&safe),
+            })
+            .collect()
+    }
+
+    /// `text` cut into pieces of 1 to `longest` bytes.
+    fn random_cuts<'a>(
+        rng: &mut crate::testing::Lcg,
+        text: &'a str,
+        longest: usize,
+    ) -> Vec<&'a str> {
+        let mut pieces = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            let mut cut = (1 + rng.below(longest)).min(rest.len());
+            while !rest.is_char_boundary(cut) {
+                cut += 1;
+            }
+            pieces.push(&rest[..cut]);
+            rest = &rest[cut..];
+        }
+        pieces
+    }
+
+    /// `text` as a client should get it: every redaction applied.
+    fn redacted_by_rules(text: &str) -> String {
+        let hits = RULES.scan(Scope::Response, text);
+        let mut spans: Vec<&Hit> = hits.iter().filter(|h| h.action == Action::Redact).collect();
+        spans.sort_by_key(|h| std::cmp::Reverse(h.start));
+        let mut out = text.to_owned();
+        for hit in spans {
+            out.replace_range(hit.start..hit.end, &hit.placeholder);
+        }
+        out
+    }
+
+    /// The frames parsed, each with its event's name and its JSON data
+    /// (`None` for `[DONE]`); panics on any that is not well formed.
+    fn sent_events(frames: &[Bytes]) -> Vec<(Option<String>, Option<Value>)> {
+        frames
+            .iter()
+            .map(|frame| {
+                let event = parse_event(frame.clone()).expect("an event");
+                let data = event.data.as_deref().expect("data");
+                let json = (data != "[DONE]").then(|| serde_json::from_str(data).expect("JSON"));
+                (event.event, json)
+            })
+            .collect()
+    }
+
+    /// Checks that no rule blocks or redacts anything in `texts` (the
+    /// text the client got) or in any string of the events.
+    fn assert_nothing_stopped_sent(
+        texts: &[String],
+        events: &[(Option<String>, Option<Value>)],
+        context: &str,
+    ) {
+        let mut strings = texts.to_vec();
+        let mut stack: Vec<&Value> = events
+            .iter()
+            .filter_map(|(_, data)| data.as_ref())
+            .collect();
+        while let Some(value) = stack.pop() {
+            match value {
+                Value::String(s) => strings.push(s.clone()),
+                Value::Array(items) => stack.extend(items),
+                Value::Object(members) => stack.extend(members.values()),
+                _ => {}
+            }
+        }
+        for string in &strings {
+            let hits = RULES.scan(Scope::Response, string);
+            assert!(
+                !hits
+                    .iter()
+                    .any(|h| matches!(h.action, Action::Block | Action::Redact)),
+                "{context}: sent {string:?}"
+            );
+        }
+    }
+
+    /// Feeds `events` (name and data) to a new guard; returns it with what
+    /// it sent.
+    fn guard_stream(
+        endpoint: Endpoint,
+        mode: StreamMode,
+        events: Vec<(Option<&str>, Value)>,
+    ) -> (Guard, Vec<Bytes>) {
+        let mut guard = Guard::new(setup(endpoint, mode));
+        let mut frames = Vec::new();
+        for (name, data) in events {
+            let raw = match name {
+                Some(name) => format!("event: {name}\ndata: {data}\n\n"),
+                // `[DONE]` is written as it reads, not as a JSON string.
+                None if data == "[DONE]" => "data: [DONE]\n\n".to_owned(),
+                None => format!("data: {data}\n\n"),
+            };
+            frames.extend(guard.on_event(parse_event(raw.into()).unwrap()));
+        }
+        frames.extend(guard.on_end());
+        (guard, frames)
+    }
+
+    #[test]
+    /// Random Responses API streams (messages of one or two text parts,
+    /// function calls), cut at random: whatever the guard sends is well
+    /// formed and numbered from 0, holds nothing a rule blocks or redacts,
+    /// and, unless blocked, every part's text as the deltas' once redacted.
+    fn responses_streams_hold_nothing_a_rule_stops() {
         let mut rng = crate::testing::Lcg(5);
         let (mut blocked, mut redacted) = (0, 0);
         for round in 0..300 {
@@ -1656,9 +1761,8 @@ mod tests {
             )];
             let mut parts: Vec<String> = Vec::new();
             for item in 0..1 + rng.below(2) {
-                let text: String = (0..1 + rng.below(6)).map(|_| snippet(&mut rng)).collect();
                 let at = json!({"item_id": format!("i{item}"), "output_index": item});
-                let with = |extra: Value| {
+                let with = |at: &Value, extra: Value| {
                     let mut event = at.clone();
                     event
                         .as_object_mut()
@@ -1666,156 +1770,220 @@ mod tests {
                         .extend(extra.as_object().unwrap().clone());
                     event
                 };
-                events.push(("response.output_item.added", with(json!({}))));
+                events.push(("response.output_item.added", at.clone()));
                 if rng.below(4) == 0 {
-                    let mut rest = text.as_str();
-                    while !rest.is_empty() {
-                        let mut cut = (1 + rng.below(12)).min(rest.len());
-                        while !rest.is_char_boundary(cut) {
-                            cut += 1;
-                        }
+                    let text = random_text(&mut rng, 6);
+                    for piece in random_cuts(&mut rng, &text, 12) {
                         events.push((
                             "response.function_call_arguments.delta",
-                            with(json!({"delta": &rest[..cut]})),
+                            with(&at, json!({"delta": piece})),
                         ));
-                        rest = &rest[cut..];
                     }
                     events.push((
                         "response.function_call_arguments.done",
-                        with(json!({"arguments": text})),
+                        with(&at, json!({"arguments": text})),
                     ));
                     events.push((
                         "response.output_item.done",
-                        with(json!({"item": {"arguments": text}})),
+                        with(&at, json!({"item": {"arguments": text}})),
                     ));
                     continue;
                 }
                 let mut content = Vec::new();
                 for part in 0..1 + rng.below(2) {
-                    let text: String = (0..1 + rng.below(20)).map(|_| snippet(&mut rng)).collect();
-                    let with = |extra: Value| {
-                        let mut event = with(json!({"content_index": part}));
-                        event
-                            .as_object_mut()
-                            .unwrap()
-                            .extend(extra.as_object().unwrap().clone());
-                        event
-                    };
+                    let text = random_text(&mut rng, 20);
+                    let at = with(&at, json!({"content_index": part}));
                     events.push((
                         "response.content_part.added",
-                        with(json!({"part": {"text": ""}})),
+                        with(&at, json!({"part": {"text": ""}})),
                     ));
-                    let mut rest = text.as_str();
-                    while !rest.is_empty() {
-                        let cut = (1 + rng.below(9)).min(rest.len());
+                    for piece in random_cuts(&mut rng, &text, 9) {
                         events.push((
                             "response.output_text.delta",
-                            with(json!({"delta": &rest[..cut], "logprobs": []})),
+                            with(&at, json!({"delta": piece, "logprobs": []})),
                         ));
-                        rest = &rest[cut..];
                     }
-                    events.push(("response.output_text.done", with(json!({"text": text}))));
+                    events.push((
+                        "response.output_text.done",
+                        with(&at, json!({"text": text})),
+                    ));
                     events.push((
                         "response.content_part.done",
-                        with(json!({"part": {"text": text}})),
+                        with(&at, json!({"part": {"text": text}})),
                     ));
                     content.push(json!({"type": "output_text", "text": text}));
                     parts.push(text);
                 }
                 events.push((
                     "response.output_item.done",
-                    with(json!({"item": {"content": content}})),
+                    with(&at, json!({"item": {"content": content}})),
                 ));
             }
             events.push((
                 "response.completed",
                 json!({"response": {"id": "resp_r", "status": "completed"}}),
             ));
+            let events = events
+                .into_iter()
+                .enumerate()
+                .map(|(number, (name, mut data))| {
+                    data["type"] = json!(name);
+                    data["sequence_number"] = json!(number);
+                    (Some(name), data)
+                })
+                .collect();
             let mode = *rng.pick(&[StreamMode::Holdback, StreamMode::Buffer]);
-            let mut guard = Guard::new(setup(Endpoint::Responses, mode));
-            let mut frames = Vec::new();
-            for (number, (name, mut data)) in events.into_iter().enumerate() {
-                data["type"] = json!(name);
-                data["sequence_number"] = json!(number);
-                let raw = format!("event: {name}\ndata: {data}\n\n");
-                frames.extend(guard.on_event(parse_event(raw.into()).unwrap()));
-            }
-            frames.extend(guard.on_end());
+            let (guard, frames) = guard_stream(Endpoint::Responses, mode, events);
             let context = format!("round {round}, {mode:?}");
 
-            let mut sent: Vec<(String, Value)> = Vec::new();
-            for (number, frame) in frames.iter().enumerate() {
-                let event = parse_event(frame.clone()).unwrap();
-                let data: Value = serde_json::from_str(event.data.as_deref().unwrap()).unwrap();
-                assert_eq!(data["sequence_number"], number, "{context}");
-                assert_eq!(event.event.as_deref(), data["type"].as_str(), "{context}");
-                sent.push((event.event.unwrap(), data));
-            }
-            // Each part's deltas, in order.
+            let sent = sent_events(&frames);
             let mut deltas: Vec<String> = Vec::new();
-            for (name, data) in &sent {
-                match name.as_str() {
-                    "response.content_part.added" => deltas.push(String::new()),
-                    "response.output_text.delta" => deltas
+            for (number, (name, data)) in sent.iter().enumerate() {
+                let data = data.as_ref().unwrap();
+                assert_eq!(data["sequence_number"], number, "{context}");
+                assert_eq!(name.as_deref(), data["type"].as_str(), "{context}");
+                match name.as_deref() {
+                    Some("response.content_part.added") => deltas.push(String::new()),
+                    Some("response.output_text.delta") => deltas
                         .last_mut()
                         .unwrap()
                         .push_str(data["delta"].as_str().unwrap()),
                     _ => {}
                 }
             }
-            let mut strings = deltas.clone();
-            for (_, data) in &sent {
-                let mut stack = vec![data];
-                while let Some(value) = stack.pop() {
-                    match value {
-                        Value::String(s) => strings.push(s.clone()),
-                        Value::Array(items) => stack.extend(items),
-                        Value::Object(members) => stack.extend(members.values()),
-                        _ => {}
-                    }
-                }
-            }
-            for string in &strings {
-                let hits = RULES.scan(Scope::Response, string);
-                assert!(
-                    !hits
-                        .iter()
-                        .any(|h| matches!(h.action, Action::Block | Action::Redact)),
-                    "{context}: sent {string:?}"
-                );
-            }
+            assert_nothing_stopped_sent(&deltas, &sent, &context);
             if guard.blocked {
                 blocked += 1;
-                assert_eq!(sent.last().unwrap().0, "response.incomplete", "{context}");
+                assert_eq!(
+                    sent.last().unwrap().0.as_deref(),
+                    Some("response.incomplete"),
+                    "{context}"
+                );
                 continue;
             }
-            let expected: Vec<String> = parts
-                .iter()
-                .map(|part| {
-                    let hits = RULES.scan(Scope::Response, part);
-                    let mut out = part.clone();
-                    let mut spans: Vec<&Hit> =
-                        hits.iter().filter(|h| h.action == Action::Redact).collect();
-                    spans.sort_by_key(|h| std::cmp::Reverse(h.start));
-                    for hit in spans {
-                        out.replace_range(hit.start..hit.end, &hit.placeholder);
-                    }
-                    out
-                })
-                .collect();
-            if expected != parts {
-                redacted += 1;
-            }
+            let expected: Vec<String> = parts.iter().map(|part| redacted_by_rules(part)).collect();
+            redacted += usize::from(expected != parts);
             assert_eq!(deltas, expected, "{context}");
             let done: Vec<&str> = sent
                 .iter()
-                .filter(|(name, _)| name == "response.output_text.done")
-                .map(|(_, data)| data["text"].as_str().unwrap())
+                .filter(|(name, _)| name.as_deref() == Some("response.output_text.done"))
+                .map(|(_, data)| data.as_ref().unwrap()["text"].as_str().unwrap())
                 .collect();
             assert_eq!(done, expected, "{context}");
         }
         assert!(
-            blocked > 50 && redacted > 10,
+            blocked > 50 && redacted > 50,
+            "{blocked} blocked, {redacted} redacted"
+        );
+    }
+
+    #[test]
+    /// The same for chat completions and Anthropic messages: text cut at
+    /// random, tool calls among it, in every mode that guards.
+    fn chat_and_message_streams_hold_nothing_a_rule_stops() {
+        let mut rng = crate::testing::Lcg(8);
+        let (mut blocked, mut redacted) = (0, 0);
+        for round in 0..400 {
+            let anthropic = rng.below(2) == 0;
+            let text = random_text(&mut rng, 20);
+            let call = (rng.below(4) == 0).then(|| random_text(&mut rng, 4));
+            let mut events: Vec<(Option<&str>, Value)> = Vec::new();
+            if anthropic {
+                let event = |name, data: Value| (Some(name), data);
+                events.push(event(
+                    "message_start",
+                    json!({"type": "message_start", "message": {"id": "m"}}),
+                ));
+                events.push(event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})));
+                for piece in random_cuts(&mut rng, &text, 9) {
+                    events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}})));
+                }
+                events.push(event(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": 0}),
+                ));
+                if let Some(call) = &call {
+                    events.push(event("content_block_start", json!({"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "input": {}}})));
+                    for piece in random_cuts(&mut rng, call, 12) {
+                        events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": piece}})));
+                    }
+                    events.push(event(
+                        "content_block_stop",
+                        json!({"type": "content_block_stop", "index": 1}),
+                    ));
+                }
+                events.push(event(
+                    "message_delta",
+                    json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}}),
+                ));
+                events.push(event("message_stop", json!({"type": "message_stop"})));
+            } else {
+                let chunk = |delta: Value, finish: Value| {
+                    (
+                        None,
+                        json!({"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}),
+                    )
+                };
+                events.push(chunk(
+                    json!({"role": "assistant", "content": ""}),
+                    Value::Null,
+                ));
+                for piece in random_cuts(&mut rng, &text, 9) {
+                    events.push(chunk(json!({"content": piece}), Value::Null));
+                }
+                if let Some(call) = &call {
+                    for piece in random_cuts(&mut rng, call, 12) {
+                        events.push(chunk(
+                            json!({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}),
+                            Value::Null,
+                        ));
+                    }
+                }
+                events.push(chunk(json!({}), json!("stop")));
+                events.push((None, json!("[DONE]")));
+            }
+            let mode = *rng.pick(&[StreamMode::Holdback, StreamMode::Buffer]);
+            let endpoint = match anthropic {
+                true => Endpoint::Messages,
+                false => Endpoint::ChatCompletions,
+            };
+            let (guard, frames) = guard_stream(endpoint, mode, events);
+            let context = format!("round {round}, {endpoint:?} {mode:?}");
+
+            let sent = sent_events(&frames);
+            let mut received = String::new();
+            let mut ending = None;
+            for (_, data) in &sent {
+                let Some(data) = data else { continue };
+                let piece = match anthropic {
+                    true => data.pointer("/delta/text"),
+                    false => data.pointer("/choices/0/delta/content"),
+                };
+                received.push_str(piece.and_then(Value::as_str).unwrap_or(""));
+                let stop = match anthropic {
+                    true => data.pointer("/delta/stop_reason"),
+                    false => data.pointer("/choices/0/finish_reason"),
+                };
+                if let Some(stop) = stop.and_then(Value::as_str) {
+                    ending = Some(stop.to_owned());
+                }
+            }
+            assert_nothing_stopped_sent(std::slice::from_ref(&received), &sent, &context);
+            if guard.blocked {
+                blocked += 1;
+                let expected = match anthropic {
+                    true => "refusal",
+                    false => "content_filter",
+                };
+                assert_eq!(ending.as_deref(), Some(expected), "{context}");
+                continue;
+            }
+            let expected = redacted_by_rules(&text);
+            redacted += usize::from(expected != text);
+            assert_eq!(received, expected, "{context}");
+        }
+        assert!(
+            blocked > 50 && redacted > 50,
             "{blocked} blocked, {redacted} redacted"
         );
     }
