@@ -1629,15 +1629,22 @@ mod tests {
             "Start with a budget and an emergency fund. ",
             "Index funds spread the risk. ",
             "Pay off the card with the highest rate first. ",
+            "Un café crème, naïve résumé: 💰📈 ",
+            "日本語のテキストです。",
+            "A B C, 1 2 3, i.e. e.g. ",
         ];
         let redact = [
             "Write to jane.doe@example.com today. ",
             "My card is 4111 1111 1111 1111. ",
+            "Key: sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z. ",
+            "Call 415-555-0134 now. ",
         ];
         let block = [
             "Put all your savings into Dogecoin right now. ",
             "Borrow money to invest in crypto. ",
             "Guaranteed returns of 20% a year. ",
+            "Put all your s4vings into D0gecoin right now. ",
+            "g u a r a n t e e d returns of 20% a year. ",
         ];
         (0..1 + rng.below(most))
             .map(|_| match rng.below(40) {
