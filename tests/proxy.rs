@@ -764,6 +764,64 @@ async fn streamed_tool_input_is_guarded_anthropic() {
     proxy.stop().await;
 }
 
+/// Text a server puts in a block's start (the API sends it empty) is read
+/// as the deltas are: a block there blocks, and allowed text arrives as a
+/// delta after an empty start.
+#[tokio::test]
+async fn text_in_a_block_start_is_guarded_anthropic() {
+    let (_mock, proxy) = start().await;
+    let raw = |first: &str, rest: &str| {
+        let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
+        [
+            event(
+                "message_start",
+                json!({"type": "message_start", "message": {"id": "msg_t", "type": "message",
+                "role": "assistant", "content": [], "model": "c", "stop_reason": null}}),
+            ),
+            event(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": 0,
+                "content_block": {"type": "text", "text": first}}),
+            ),
+            event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": rest}}),
+            ),
+            event(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": 0}),
+            ),
+            event(
+                "message_delta",
+                json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}}),
+            ),
+            event("message_stop", json!({"type": "message_stop"})),
+        ]
+        .concat()
+    };
+    let question = messages("Tips?", true);
+    let body = relay_stream(
+        &proxy,
+        "/v1/messages",
+        raw("Put all your savings into Dogecoin", " right now."),
+        &question,
+    )
+    .await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    assert_eq!(anthropic_stream_text(&body).1.as_deref(), Some("refusal"));
+
+    let body = relay_stream(&proxy, "/v1/messages", raw("Budget ", "first."), &question).await;
+    let (text, stop, _) = anthropic_stream_text(&body);
+    assert_eq!(text, "Budget first.");
+    assert_eq!(stop.as_deref(), Some("end_turn"));
+    assert!(
+        body.contains(r#""content_block":{"text":"","type":"text"}"#),
+        "{body}"
+    );
+    proxy.stop().await;
+}
+
 /// A tool's input in a whole Anthropic answer is response text as well:
 /// every string in it, at any depth, is scanned and redacted in place.
 #[tokio::test]

@@ -321,9 +321,11 @@ enum Kind {
     },
     /// A content block ends (Anthropic `content_block_stop`).
     BlockEnd,
-    /// A content block starts (Anthropic `content_block_start`).
+    /// A content block starts (Anthropic `content_block_start`, a
+    /// Responses API part), with any text it carries already.
     BlockStart {
         block: u64,
+        text: String,
     },
     /// The response is complete: a finish reason, `message_delta`.
     Final,
@@ -425,12 +427,45 @@ impl Guard {
             return Vec::new();
         }
         let kind = self.classify(&event);
-        let frames = match self.setup.mode {
+        let frames = match kind {
+            // The APIs start a block empty and send its text in deltas; text
+            // in the start is split off as a delta of its own, which every
+            // mode then reads as text (monitor passes the start as it came).
+            Kind::BlockStart { block, text } if !text.is_empty() => {
+                if self.setup.mode == StreamMode::Monitor {
+                    return self.monitor(event, Kind::Text { text, block });
+                }
+                let start = self.emptied_start(&event);
+                let kind = Kind::BlockStart {
+                    block,
+                    text: String::new(),
+                };
+                let mut frames = self.by_mode(start, kind);
+                let delta = parse_event(self.text_frame(&text, block)).unwrap_or(event);
+                frames.extend(self.by_mode(delta, Kind::Text { text, block }));
+                frames
+            }
+            kind => self.by_mode(event, kind),
+        };
+        self.outgoing(frames)
+    }
+
+    fn by_mode(&mut self, event: SseEvent, kind: Kind) -> Vec<Bytes> {
+        match self.setup.mode {
             StreamMode::Monitor => self.monitor(event, kind),
             StreamMode::Buffer => self.buffer(event, kind),
             StreamMode::Holdback => self.holdback(event, kind),
-        };
-        self.outgoing(frames)
+        }
+    }
+
+    /// A block's start with its text taken out.
+    fn emptied_start(&self, event: &SseEvent) -> SseEvent {
+        let data = event.data.as_deref().unwrap_or("{}");
+        let mut json: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+        if let Some(block) = json.get_mut("content_block").and_then(Value::as_object_mut) {
+            block.insert("text".into(), json!(""));
+        }
+        parse_event(sse(event.event.as_deref(), &json)).unwrap_or_else(|| event.clone())
     }
 
     /// The upstream ended (or failed) without a final event.
@@ -629,7 +664,10 @@ impl Guard {
             }
             Some("response.content_part.added") => {
                 self.parts += 1;
-                Kind::BlockStart { block: self.parts }
+                Kind::BlockStart {
+                    block: self.parts,
+                    text: String::new(),
+                }
             }
             Some("response.output_text.done" | "response.output_item.done") => Kind::BlockEnd,
             Some("response.function_call_arguments.delta" | "response.refusal.delta") => {
@@ -683,6 +721,12 @@ impl Guard {
             }
             Some("content_block_start") => Kind::BlockStart {
                 block: event.index.unwrap_or(0),
+                text: event
+                    .content_block
+                    .text
+                    .as_ref()
+                    .map(|t| t.value.to_string())
+                    .unwrap_or_default(),
             },
             Some("content_block_stop") => Kind::BlockEnd,
             Some("message_delta") => Kind::Final,
@@ -765,7 +809,7 @@ impl Guard {
                 }
                 self.check(false)
             }
-            Kind::BlockStart { block } => {
+            Kind::BlockStart { block, .. } => {
                 self.separate_block();
                 self.block = block;
                 self.block_open = true;
@@ -1290,7 +1334,7 @@ mod tests {
             Kind::Text { text, block } => format!("text {text:?} {block}"),
             Kind::BlockEnd => "block end".into(),
             Kind::Held { text, finished } => format!("held {text:?} {finished}"),
-            Kind::BlockStart { block } => format!("block start {block}"),
+            Kind::BlockStart { block, text } => format!("block start {block} {text:?}"),
             Kind::Final => "final".into(),
             Kind::Done => "done".into(),
             Kind::Other => "other".into(),
@@ -1461,12 +1505,17 @@ mod tests {
             (
                 Endpoint::Messages,
                 r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
-                "block start 0",
+                r#"block start 0 """#,
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":"hi"}}"#,
+                r#"block start 0 "hi""#,
             ),
             (
                 Endpoint::Messages,
                 r#"{"type":"content_block_start","index":1,"content_block":{"type":"tool_use"}}"#,
-                "block start 1",
+                r#"block start 1 """#,
             ),
             // Tool-call arguments (of every call) and refusals are held.
             (
@@ -1901,8 +1950,14 @@ mod tests {
                     "message_start",
                     json!({"type": "message_start", "message": {"id": "m"}}),
                 ));
-                events.push(event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})));
-                for piece in random_cuts(&mut rng, &text, 9) {
+                let mut pieces = random_cuts(&mut rng, &text, 9);
+                // Some servers may start the block with text in it.
+                let first = match rng.below(3) {
+                    0 => pieces.remove(0),
+                    _ => "",
+                };
+                events.push(event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": first}})));
+                for piece in pieces {
                     events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}})));
                 }
                 events.push(event(

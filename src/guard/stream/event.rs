@@ -54,6 +54,9 @@ pub struct Event<'a> {
     pub delta: Delta<'a>,
     /// `delta` when it is a string (Responses API).
     pub delta_text: Option<Text<'a>>,
+    /// `content_block` (Anthropic's `content_block_start`), read as a
+    /// delta is.
+    pub content_block: Delta<'a>,
     /// The first of `choices` (OpenAI).
     pub choice: Choice<'a>,
     /// The JSON text of `usage`, or else of `message.usage` or
@@ -95,7 +98,14 @@ impl<'a> Event<'a> {
         let mut event = Event::default();
         if reader.jiter.peek()? == Peek::Object {
             let keys = [
-                "type", "index", "delta", "choices", "usage", "message", "response",
+                "type",
+                "index",
+                "delta",
+                "choices",
+                "usage",
+                "content_block",
+                "message",
+                "response",
             ];
             let mut inner_usage = None;
             reader.object(keys, |reader, key| {
@@ -109,6 +119,11 @@ impl<'a> Event<'a> {
                     },
                     3 => event.choice = Choice::first(reader)?,
                     4 => event.usage = reader.object_text()?,
+                    5 => {
+                        if reader.is_object()? {
+                            event.content_block = Delta::read(reader)?;
+                        }
+                    }
                     _ => {
                         if reader.is_object()? {
                             reader.object(["usage"], |reader, _| {
