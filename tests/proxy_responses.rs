@@ -275,17 +275,6 @@ async fn a_redaction_holds_in_every_event() {
     proxy.stop().await;
 }
 
-/// A Responses API stream of these events, numbered, as raw SSE.
-fn raw_stream(events: Vec<(&str, Value)>) -> String {
-    let mut out = String::new();
-    for (number, (name, mut data)) in events.into_iter().enumerate() {
-        data["type"] = json!(name);
-        data["sequence_number"] = json!(number);
-        out += &format!("event: {name}\ndata: {data}\n\n");
-    }
-    out
-}
-
 /// A stream of one function call whose arguments come in `pieces`.
 fn function_call_stream(pieces: &[&str]) -> String {
     let arguments = pieces.concat();
@@ -324,7 +313,7 @@ fn function_call_stream(pieces: &[&str]) -> String {
             json!({"response": response("completed", json!([call(&arguments, "completed")]))}),
         ),
     ]);
-    raw_stream(events)
+    support::numbered_stream(events)
 }
 
 #[tokio::test]

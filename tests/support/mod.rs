@@ -337,6 +337,12 @@ pub fn responses_stream(chunks: &[String]) -> String {
             json!({"response": responses_body(&text, "completed")}),
         ),
     ]);
+    numbered_stream(events)
+}
+
+/// A Responses API stream of these events (names and data), each given
+/// its `type` and a `sequence_number` from 0, as raw SSE.
+pub fn numbered_stream(events: Vec<(&str, Value)>) -> String {
     let mut out = String::new();
     for (number, (name, mut data)) in events.into_iter().enumerate() {
         data["type"] = json!(name);
