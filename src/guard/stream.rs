@@ -530,7 +530,7 @@ impl Guard {
             };
         };
         let next = self.next_number.unwrap_or(number);
-        self.next_number = Some(next + 1);
+        self.next_number = Some(next.saturating_add(1));
         if next == number && rewritten.is_none() {
             return frame;
         }
@@ -2048,6 +2048,29 @@ mod tests {
             blocked > 50 && redacted > 50,
             "{blocked} blocked, {redacted} redacted"
         );
+    }
+
+    #[test]
+    /// Events are numbered on from the upstream's first number, whatever
+    /// it is: the largest one stays there rather than overflow.
+    fn responses_events_are_numbered_from_the_first() {
+        for first in [0, 7, u64::MAX - 1, u64::MAX] {
+            let events = ["response.created", "response.in_progress", "error"]
+                .into_iter()
+                .enumerate()
+                .map(|(i, name)| {
+                    let number = first.saturating_add(i as u64);
+                    (Some(name), json!({"type": name, "sequence_number": number}))
+                })
+                .collect();
+            let (_, frames) = guard_stream(Endpoint::Responses, StreamMode::Holdback, events);
+            let numbers: Vec<Value> = sent_events(&frames)
+                .into_iter()
+                .map(|(_, data)| data.unwrap()["sequence_number"].clone())
+                .collect();
+            let expected: Vec<u64> = (0..3).map(|i| first.saturating_add(i)).collect();
+            assert_eq!(numbers, expected, "{first}");
+        }
     }
 
     #[test]
