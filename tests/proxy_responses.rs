@@ -359,3 +359,84 @@ async fn streamed_function_call_arguments_are_guarded() {
     );
     proxy.stop().await;
 }
+
+/// A stream whose deltas say `streamed` but whose repetitions (the part's
+/// and the item's ends, the completed response) say `repeated`.
+fn disagreeing_stream(streamed: &str, repeated: &str) -> String {
+    let at = json!({"item_id": "msg_1", "output_index": 0, "content_index": 0});
+    let with = |extra: Value| {
+        let mut event = at.clone();
+        event
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        event
+    };
+    let message = json!({"id": "msg_1", "type": "message", "content": [{"type": "output_text", "text": repeated}]});
+    support::numbered_stream(vec![
+        (
+            "response.created",
+            json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}}),
+        ),
+        (
+            "response.content_part.added",
+            with(json!({"part": {"type": "output_text", "text": ""}})),
+        ),
+        (
+            "response.output_text.delta",
+            with(json!({"delta": streamed})),
+        ),
+        ("response.output_text.done", with(json!({"text": repeated}))),
+        (
+            "response.output_item.done",
+            json!({"output_index": 0, "item": message}),
+        ),
+        (
+            "response.completed",
+            json!({"response": {"id": "resp_mock", "status": "completed", "output": [message]}}),
+        ),
+    ])
+}
+
+async fn relay(proxy: &support::Proxy, raw: String) -> String {
+    let response = proxy
+        .post(
+            "/v1/responses",
+            json!({"raw_sse": raw}),
+            &request("Tips?", true),
+        )
+        .await;
+    response.text().await.unwrap()
+}
+
+/// The text an event repeats is what the client reads as the answer: when
+/// an upstream repeats other text than it streamed, that text is read too.
+#[tokio::test]
+async fn repeated_text_that_was_not_streamed_is_guarded() {
+    let (_mock, proxy) = start().await;
+    let post = |raw: String| relay(&proxy, raw);
+    let body = post(disagreeing_stream(
+        "Budget first.",
+        "Put all your savings into Dogecoin right now.",
+    ))
+    .await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let sent = events(&body);
+    assert_eq!(delta_text(&sent), "Budget first.");
+    assert_blocked_ending(&sent);
+
+    let body = post(disagreeing_stream(
+        "Write to us.",
+        "Write to jane.doe@example.com.",
+    ))
+    .await;
+    assert!(!body.contains("jane.doe"), "{body}");
+    let sent = events(&body);
+    assert_eq!(delta_text(&sent), "Write to us.");
+    let completed = &sent.last().unwrap().1;
+    assert_eq!(
+        completed["response"]["output"][0]["content"][0]["text"],
+        "Write to [REDACTED:email]."
+    );
+    proxy.stop().await;
+}

@@ -46,10 +46,12 @@
 //! `holdback` a text part's end is its `response.output_text.done` (all
 //! of the part's text is checked and released before it goes out) and an
 //! output item's end is its `response.output_item.done`; redacted text is
-//! replaced wherever an event repeats it. Since re-framing merges text
-//! events and a block adds one, the events' `sequence_number`s are
-//! rewritten in the order sent. A blocked stream ends with
-//! `response.incomplete` whose `incomplete_details.reason` is
+//! replaced wherever an event repeats it. Repeated text the stream never
+//! carried (an upstream whose deltas and repetitions disagree) is scanned
+//! on its own: redacted in place, or the stream ends blocked. Since
+//! re-framing merges text events and a block adds one, the events'
+//! `sequence_number`s are rewritten in the order sent. A blocked stream
+//! ends with `response.incomplete` whose `incomplete_details.reason` is
 //! `content_filter`, for the response the stream began with.
 
 mod event;
@@ -356,6 +358,9 @@ pub struct Guard {
     held_checked: usize,
     /// Holdback: the [`Kind::Held`] events not yet sent.
     held_frames: Vec<Bytes>,
+    /// Hits in text that Responses API events repeat but the stream did
+    /// not carry.
+    repeated_hits: Vec<Hit>,
     /// The first OpenAI chunk with text, the template for re-framed chunks.
     template: Option<Value>,
     /// Responses API: the first text event of each content part, the
@@ -402,6 +407,7 @@ impl Guard {
             held_hits: Vec::new(),
             held_checked: 0,
             held_frames: Vec::new(),
+            repeated_hits: Vec::new(),
             template: None,
             part_templates: Vec::new(),
             response_template: None,
@@ -487,55 +493,95 @@ impl Guard {
     }
 
     /// The frames as the client gets them. Responses API events are
-    /// numbered in the order sent, and redacted text is replaced wherever
-    /// an event repeats it (see the module's doc); monitor mode changes
-    /// nothing.
+    /// numbered in the order sent, and the text they repeat goes out as
+    /// the guard read it, redacted (see the module's doc); an event that
+    /// repeats text the stream did not carry, and a rule blocks, ends the
+    /// stream instead. Monitor mode changes nothing.
     fn outgoing(&mut self, frames: Vec<Bytes>) -> Vec<Bytes> {
         if self.setup.endpoint != Endpoint::Responses || self.setup.mode == StreamMode::Monitor {
             return frames;
         }
-        frames
-            .into_iter()
-            .map(|frame| self.renumbered(frame))
-            .collect()
+        let mut out = Vec::with_capacity(frames.len());
+        for frame in frames {
+            match self.responses_frame(frame) {
+                Some(frame) => out.push(frame),
+                None => {
+                    let ending = self.block();
+                    out.extend(ending.into_iter().filter_map(|f| self.responses_frame(f)));
+                    break;
+                }
+            }
+        }
+        out
     }
 
-    fn renumbered(&mut self, frame: Bytes) -> Bytes {
+    /// One Responses API event as sent, or `None` when it must not be.
+    fn responses_frame(&mut self, frame: Bytes) -> Option<Bytes> {
         let Some(SseEvent {
             event,
             data: Some(data),
             ..
         }) = parse_event(frame.clone())
         else {
-            return frame;
+            return Some(frame);
         };
         let mut rewritten = None;
-        let redactions: Vec<(&str, &str)> = self
-            .hits
-            .iter()
-            .filter(|hit| hit.action == Action::Redact)
-            .map(|hit| (&self.acc[hit.start..hit.end], &*hit.placeholder))
-            .collect();
-        if !redactions.is_empty()
-            && let Ok(mut json) = serde_json::from_str::<Value>(&data)
-            && redact_strings(&mut json, &redactions)
+        if let Ok(mut json) = serde_json::from_str::<Value>(&data)
+            && self.check_repeated(&mut json)?
         {
             rewritten = Some(json.to_string());
         }
         let data = rewritten.as_deref().unwrap_or(&data);
         let Some((number, span)) = event::sequence_number(data) else {
-            return match rewritten {
+            return Some(match rewritten {
                 Some(data) => sse_text(event.as_deref(), &data),
                 None => frame,
-            };
+            });
         };
         let next = self.next_number.unwrap_or(number);
         self.next_number = Some(next.saturating_add(1));
         if next == number && rewritten.is_none() {
-            return frame;
+            return Some(frame);
         }
         let data = format!("{}{next}{}", &data[..span.start], &data[span.end..]);
-        sse_text(event.as_deref(), &data)
+        Some(sse_text(event.as_deref(), &data))
+    }
+
+    /// Checks the text an event repeats (a part's, an item's, the whole
+    /// response's). Text the stream carried, and the guard read, is
+    /// redacted as it was; other text (an upstream whose deltas and
+    /// repetitions disagree) is scanned now, and redacted in place, or
+    /// `None` when a rule blocks it. Whether the event changed.
+    fn check_repeated(&mut self, json: &mut Value) -> Option<bool> {
+        let mut texts = Vec::new();
+        repeated_texts(json, &mut texts);
+        let mut changed = false;
+        for text in texts {
+            if self.acc.contains(text.as_str()) || self.held_text.contains(text.as_str()) {
+                for hit in self.hits.iter().filter(|h| h.action == Action::Redact) {
+                    let original = &self.acc[hit.start..hit.end];
+                    if text.contains(original) {
+                        *text = text.replace(original, &hit.placeholder);
+                        changed = true;
+                    }
+                }
+                continue;
+            }
+            let hits = self.setup.rules.scan(Scope::Response, text);
+            let blocks = hits.iter().any(|h| h.action == Action::Block);
+            let mut redacts: Vec<&Hit> =
+                hits.iter().filter(|h| h.action == Action::Redact).collect();
+            redacts.sort_by_key(|h| std::cmp::Reverse(h.start));
+            for hit in redacts {
+                text.replace_range(hit.start..hit.end, &hit.placeholder);
+                changed = true;
+            }
+            self.repeated_hits.extend(hits);
+            if blocks {
+                return None;
+            }
+        }
+        Some(changed)
     }
 
     fn outcome(&self, first_byte: Option<Duration>, guard_time: Duration) -> StreamOutcome {
@@ -917,6 +963,7 @@ impl Guard {
         let mut all = self.setup.request_hits.clone();
         all.extend(self.hits.iter().cloned());
         all.extend(self.held_hits.iter().cloned());
+        all.extend(self.repeated_hits.iter().cloned());
         all
     }
 
@@ -1246,27 +1293,24 @@ fn sse_text(event: Option<&str>, data: &str) -> Bytes {
     Bytes::from(out)
 }
 
-/// Replaces, in every string of `json`, each redacted text by its
-/// placeholder; whether any was there.
-fn redact_strings(json: &mut Value, redactions: &[(&str, &str)]) -> bool {
-    match json {
-        Value::String(string) => {
-            let mut found = false;
-            for (text, placeholder) in redactions {
-                if string.contains(text) {
-                    *string = string.replace(text, placeholder);
-                    found = true;
+/// The strings of a Responses API event that repeat response text: a
+/// done event's `text`, `refusal` or `arguments`, and those of the `part`,
+/// the `item` or the `response.output` it carries.
+fn repeated_texts<'a>(value: &'a mut Value, out: &mut Vec<&'a mut String>) {
+    let Value::Object(members) = value else {
+        return;
+    };
+    for (key, value) in members.iter_mut() {
+        match (key.as_str(), value) {
+            ("text" | "refusal" | "arguments", Value::String(text)) => out.push(text),
+            ("part" | "item" | "response", value @ Value::Object(_)) => repeated_texts(value, out),
+            ("content" | "output", Value::Array(items)) => {
+                for item in items {
+                    repeated_texts(item, out);
                 }
             }
-            found
+            _ => {}
         }
-        Value::Array(items) => items.iter_mut().fold(false, |found, item| {
-            redact_strings(item, redactions) | found
-        }),
-        Value::Object(members) => members.values_mut().fold(false, |found, item| {
-            redact_strings(item, redactions) | found
-        }),
-        _ => false,
     }
 }
 
