@@ -440,3 +440,50 @@ async fn repeated_text_that_was_not_streamed_is_guarded() {
     );
     proxy.stop().await;
 }
+
+/// Text a server puts in a part's start is read with the deltas after it,
+/// as one text.
+#[tokio::test]
+async fn text_in_a_part_start_is_read_with_the_deltas() {
+    let (_mock, proxy) = start().await;
+    let at = json!({"item_id": "msg_1", "output_index": 0, "content_index": 0});
+    let with = |extra: Value| {
+        let mut event = at.clone();
+        event
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        event
+    };
+    let raw = |first: &str, rest: &str| {
+        support::numbered_stream(vec![
+            (
+                "response.created",
+                json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}}),
+            ),
+            (
+                "response.content_part.added",
+                with(json!({"part": {"type": "output_text", "text": first}})),
+            ),
+            ("response.output_text.delta", with(json!({"delta": rest}))),
+            (
+                "response.completed",
+                json!({"response": {"id": "resp_mock", "status": "completed"}}),
+            ),
+        ])
+    };
+    // Neither half alone is blocked.
+    let body = relay(&proxy, raw("Borrow money", " to invest in crypto.")).await;
+    assert!(!body.contains("crypto"), "{body}");
+    assert_blocked_ending(&events(&body));
+
+    let body = relay(&proxy, raw("Budget ", "first.")).await;
+    let sent = events(&body);
+    assert_eq!(delta_text(&sent), "Budget first.");
+    assert_eq!(sent[1].1["part"]["text"], "", "the start goes out empty");
+    for (_, delta) in sent.iter().filter(|(name, _)| name.ends_with(".delta")) {
+        assert_eq!(delta["item_id"], "msg_1");
+        assert_eq!(delta["content_index"], 0);
+    }
+    proxy.stop().await;
+}

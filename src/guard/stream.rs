@@ -468,8 +468,10 @@ impl Guard {
     fn emptied_start(&self, event: &SseEvent) -> SseEvent {
         let data = event.data.as_deref().unwrap_or("{}");
         let mut json: Value = serde_json::from_str(data).unwrap_or(Value::Null);
-        if let Some(block) = json.get_mut("content_block").and_then(Value::as_object_mut) {
-            block.insert("text".into(), json!(""));
+        for key in ["content_block", "part"] {
+            if let Some(block) = json.get_mut(key).and_then(Value::as_object_mut) {
+                block.insert("text".into(), json!(""));
+            }
         }
         parse_event(sse(event.event.as_deref(), &json)).unwrap_or_else(|| event.clone())
     }
@@ -710,9 +712,26 @@ impl Guard {
             }
             Some("response.content_part.added") => {
                 self.parts += 1;
+                let json: Value = serde_json::from_str(data).unwrap_or_default();
+                let text = json
+                    .pointer("/part/text")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                if !text.is_empty() {
+                    // Split off as a delta (see `on_event`), in the part's
+                    // place.
+                    let mut template = Map::new();
+                    for key in ["item_id", "output_index", "content_index"] {
+                        if let Some(value) = json.get(key) {
+                            template.insert(key.into(), value.clone());
+                        }
+                    }
+                    self.part_templates
+                        .push((self.parts, Value::Object(template)));
+                }
                 Kind::BlockStart {
                     block: self.parts,
-                    text: String::new(),
+                    text: text.to_owned(),
                 }
             }
             Some("response.output_text.done" | "response.output_item.done") => Kind::BlockEnd,
@@ -1090,6 +1109,8 @@ impl Guard {
                 _ => Map::new(),
             };
             frame.insert("type".into(), json!("response.output_text.delta"));
+            // Numbered as it goes out.
+            frame.entry("sequence_number").or_insert_with(|| json!(0));
             frame.insert("delta".into(), json!(text));
             if frame.contains_key("logprobs") {
                 // The template's belong to its own text.
@@ -1893,11 +1914,17 @@ mod tests {
                 for part in 0..1 + rng.below(2) {
                     let text = random_text(&mut rng, 20);
                     let at = with(&at, json!({"content_index": part}));
+                    let mut pieces = random_cuts(&mut rng, &text, 9);
+                    // Some servers may start the part with text in it.
+                    let first = match rng.below(3) {
+                        0 => pieces.remove(0),
+                        _ => "",
+                    };
                     events.push((
                         "response.content_part.added",
-                        with(&at, json!({"part": {"text": ""}})),
+                        with(&at, json!({"part": {"text": first}})),
                     ));
-                    for piece in random_cuts(&mut rng, &text, 9) {
+                    for piece in pieces {
                         events.push((
                             "response.output_text.delta",
                             with(&at, json!({"delta": piece, "logprobs": []})),
