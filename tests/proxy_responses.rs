@@ -364,14 +364,7 @@ async fn streamed_function_call_arguments_are_guarded() {
 /// and the item's ends, the completed response) say `repeated`.
 fn disagreeing_stream(streamed: &str, repeated: &str) -> String {
     let at = json!({"item_id": "msg_1", "output_index": 0, "content_index": 0});
-    let with = |extra: Value| {
-        let mut event = at.clone();
-        event
-            .as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        event
-    };
+    let with = |extra: Value| support::merged(&at, extra);
     let message = json!({"id": "msg_1", "type": "message", "content": [{"type": "output_text", "text": repeated}]});
     support::numbered_stream(vec![
         (
@@ -447,14 +440,7 @@ async fn repeated_text_that_was_not_streamed_is_guarded() {
 async fn text_in_a_part_start_is_read_with_the_deltas() {
     let (_mock, proxy) = start().await;
     let at = json!({"item_id": "msg_1", "output_index": 0, "content_index": 0});
-    let with = |extra: Value| {
-        let mut event = at.clone();
-        event
-            .as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        event
-    };
+    let with = |extra: Value| support::merged(&at, extra);
     let raw = |first: &str, rest: &str| {
         support::numbered_stream(vec![
             (

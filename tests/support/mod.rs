@@ -286,14 +286,7 @@ pub fn responses_stream(chunks: &[String]) -> String {
     let text = chunks.concat();
     let part = |text: &str| json!({"type": "output_text", "text": text, "annotations": []});
     let at = json!({"item_id": "msg_mock", "output_index": 0, "content_index": 0});
-    let with_at = |extra: Value| {
-        let mut event = at.clone();
-        event
-            .as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        event
-    };
+    let with_at = |extra: Value| merged(&at, extra);
     let mut events = vec![
         (
             "response.created",
@@ -338,6 +331,16 @@ pub fn responses_stream(chunks: &[String]) -> String {
         ),
     ]);
     numbered_stream(events)
+}
+
+/// The members of `base` and `extra` (both objects) in one object, those
+/// of `extra` where both have a key: an event at a part's place.
+pub fn merged(base: &Value, extra: Value) -> Value {
+    let mut out = base.clone();
+    if let (Some(out), Value::Object(extra)) = (out.as_object_mut(), extra) {
+        out.extend(extra);
+    }
+    out
 }
 
 /// A Responses API stream of these events (names and data), each given
