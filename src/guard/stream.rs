@@ -504,10 +504,17 @@ impl Guard {
             return frames;
         }
         let mut out = Vec::with_capacity(frames.len());
+        let first_number = self.next_number;
         for frame in frames {
             match self.responses_frame(frame) {
                 Some(frame) => out.push(frame),
                 None => {
+                    if self.setup.mode == StreamMode::Buffer {
+                        // Nothing of a blocked answer: the frames are
+                        // its replay.
+                        out.clear();
+                        self.next_number = first_number;
+                    }
                     let ending = self.block();
                     out.extend(ending.into_iter().filter_map(|f| self.responses_frame(f)));
                     break;
@@ -2141,6 +2148,68 @@ mod tests {
                 .collect();
             let expected: Vec<u64> = (0..3).map(|i| first.saturating_add(i)).collect();
             assert_eq!(numbers, expected, "{first}");
+        }
+    }
+
+    #[test]
+    /// Text an event repeats that the deltas never carried is read as
+    /// well; in buffer mode, nothing of an answer it blocks is sent.
+    fn repeated_text_that_was_not_streamed_is_read() {
+        let stream = |repeated: &str| -> Vec<(Option<&str>, Value)> {
+            let at = json!({"item_id": "m", "output_index": 0, "content_index": 0});
+            let mut part = at.clone();
+            part["part"] = json!({"text": ""});
+            let mut delta = at.clone();
+            delta["delta"] = json!("Budget first.");
+            let mut done = at;
+            done["text"] = json!(repeated);
+            [
+                ("response.created", json!({"response": {"id": "r"}})),
+                ("response.content_part.added", part),
+                ("response.output_text.delta", delta),
+                ("response.output_text.done", done),
+                ("response.completed", json!({"response": {"id": "r"}})),
+            ]
+            .into_iter()
+            .enumerate()
+            .map(|(number, (name, mut data))| {
+                data["type"] = json!(name);
+                data["sequence_number"] = json!(number);
+                (Some(name), data)
+            })
+            .collect()
+        };
+        for mode in [StreamMode::Holdback, StreamMode::Buffer] {
+            let blocked = stream("Borrow money to invest in crypto.");
+            let (guard, frames) = guard_stream(Endpoint::Responses, mode, blocked);
+            assert!(guard.blocked, "{mode:?}");
+            let sent = sent_events(&frames);
+            let names: Vec<&str> = sent.iter().filter_map(|(n, _)| n.as_deref()).collect();
+            let expected = match mode {
+                StreamMode::Buffer => vec!["response.incomplete"],
+                _ => vec![
+                    "response.created",
+                    "response.content_part.added",
+                    "response.output_text.delta",
+                    "response.incomplete",
+                ],
+            };
+            assert_eq!(names, expected, "{mode:?}");
+            for (number, (_, data)) in sent.iter().enumerate() {
+                assert_eq!(data.as_ref().unwrap()["sequence_number"], number);
+            }
+
+            let (guard, frames) =
+                guard_stream(Endpoint::Responses, mode, stream("Mail a@b.example.com."));
+            assert!(!guard.blocked, "{mode:?}");
+            let sent = sent_events(&frames);
+            let done = sent
+                .iter()
+                .find(|(n, _)| n.as_deref() == Some("response.output_text.done"));
+            assert_eq!(
+                done.unwrap().1.as_ref().unwrap()["text"],
+                "Mail [REDACTED:email]."
+            );
         }
     }
 
