@@ -45,7 +45,8 @@
 //! finished output item and `response.completed` hold it whole. In
 //! `holdback` a text part's end is its `response.output_text.done` (all
 //! of the part's text is checked and released before it goes out) and an
-//! output item's end is its `response.output_item.done`; redacted text is
+//! output item's end is its `response.output_item.done`; an annotation
+//! waits for the end of the part it points into; redacted text is
 //! replaced wherever an event repeats it. Repeated text the stream never
 //! carried (an upstream whose deltas and repetitions disagree) is scanned
 //! on its own: redacted in place, or the stream ends blocked. Since
@@ -752,8 +753,13 @@ impl Guard {
                     finished: false,
                 }
             }
-            // They repeat the text of the deltas held before them.
-            Some("response.function_call_arguments.done" | "response.refusal.done") => Kind::Held {
+            // They repeat the text of the deltas held before them, or (an
+            // annotation) point into text that may not be released yet.
+            Some(
+                "response.function_call_arguments.done"
+                | "response.refusal.done"
+                | "response.output_text.annotation.added",
+            ) => Kind::Held {
                 text: String::new(),
                 finished: false,
             },
@@ -2211,6 +2217,60 @@ mod tests {
                 "Mail [REDACTED:email]."
             );
         }
+    }
+
+    #[test]
+    /// An annotation points into its part's text: it goes out after all of
+    /// that text, however much was still held back when it came.
+    fn annotations_follow_the_text_they_point_into() {
+        let at = json!({"item_id": "m", "output_index": 0, "content_index": 0});
+        let with = |name: &'static str, extra: Value| {
+            let mut data = at.clone();
+            data.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            (name, data)
+        };
+        let text = "Index funds spread the risk. ".repeat(30);
+        let mut events = vec![with(
+            "response.content_part.added",
+            json!({"part": {"text": ""}}),
+        )];
+        let pieces: Vec<&str> = text.split_inclusive(' ').collect();
+        for (i, piece) in pieces.iter().enumerate() {
+            events.push(with("response.output_text.delta", json!({"delta": piece})));
+            if i == pieces.len() - 3 {
+                events.push(with(
+                    "response.output_text.annotation.added",
+                    json!({"annotation_index": 0, "annotation": {"type": "url_citation", "start_index": 0, "end_index": 5}}),
+                ));
+            }
+        }
+        events.push(with("response.output_text.done", json!({"text": text})));
+        let events = events
+            .into_iter()
+            .enumerate()
+            .map(|(number, (name, mut data))| {
+                data["type"] = json!(name);
+                data["sequence_number"] = json!(number);
+                (Some(name), data)
+            })
+            .collect();
+        let (_, frames) = guard_stream(Endpoint::Responses, StreamMode::Holdback, events);
+        let names: Vec<String> = sent_events(&frames)
+            .into_iter()
+            .filter_map(|(name, _)| name)
+            .collect();
+        let annotation = names
+            .iter()
+            .position(|n| n == "response.output_text.annotation.added")
+            .unwrap();
+        let last_delta = names
+            .iter()
+            .rposition(|n| n == "response.output_text.delta")
+            .unwrap();
+        assert!(annotation > last_delta, "{names:?}");
+        assert_eq!(names.last().unwrap(), "response.output_text.done");
     }
 
     #[test]
