@@ -1858,6 +1858,20 @@ mod tests {
         }
     }
 
+    /// Responses API events, each given its `type` and a `sequence_number`
+    /// from 0.
+    fn numbered(events: Vec<(&str, Value)>) -> Vec<(Option<&str>, Value)> {
+        events
+            .into_iter()
+            .enumerate()
+            .map(|(number, (name, mut data))| {
+                data["type"] = json!(name);
+                data["sequence_number"] = json!(number);
+                (Some(name), data)
+            })
+            .collect()
+    }
+
     /// Feeds `events` (name and data) to a new guard; returns it with what
     /// it sent.
     fn guard_stream(
@@ -1963,15 +1977,7 @@ mod tests {
                 "response.completed",
                 json!({"response": {"id": "resp_r", "status": "completed"}}),
             ));
-            let events = events
-                .into_iter()
-                .enumerate()
-                .map(|(number, (name, mut data))| {
-                    data["type"] = json!(name);
-                    data["sequence_number"] = json!(number);
-                    (Some(name), data)
-                })
-                .collect();
+            let events = numbered(events);
             let mode = *rng.pick(&[StreamMode::Holdback, StreamMode::Buffer]);
             let (guard, frames) = guard_stream(Endpoint::Responses, mode, events);
             let context = format!("round {round}, {mode:?}");
@@ -2169,21 +2175,13 @@ mod tests {
             delta["delta"] = json!("Budget first.");
             let mut done = at;
             done["text"] = json!(repeated);
-            [
+            numbered(vec![
                 ("response.created", json!({"response": {"id": "r"}})),
                 ("response.content_part.added", part),
                 ("response.output_text.delta", delta),
                 ("response.output_text.done", done),
                 ("response.completed", json!({"response": {"id": "r"}})),
-            ]
-            .into_iter()
-            .enumerate()
-            .map(|(number, (name, mut data))| {
-                data["type"] = json!(name);
-                data["sequence_number"] = json!(number);
-                (Some(name), data)
-            })
-            .collect()
+            ])
         };
         for mode in [StreamMode::Holdback, StreamMode::Buffer] {
             let blocked = stream("Borrow money to invest in crypto.");
@@ -2247,15 +2245,7 @@ mod tests {
             }
         }
         events.push(with("response.output_text.done", json!({"text": text})));
-        let events = events
-            .into_iter()
-            .enumerate()
-            .map(|(number, (name, mut data))| {
-                data["type"] = json!(name);
-                data["sequence_number"] = json!(number);
-                (Some(name), data)
-            })
-            .collect();
+        let events = numbered(events);
         let (_, frames) = guard_stream(Endpoint::Responses, StreamMode::Holdback, events);
         let names: Vec<String> = sent_events(&frames)
             .into_iter()
