@@ -48,6 +48,7 @@ fn delta_text(events: &[(String, Value)]) -> String {
         .collect()
 }
 
+/// The events' names in order, a run of one name counted once.
 fn names(events: &[(String, Value)]) -> Vec<&str> {
     let mut names: Vec<&str> = events.iter().map(|(name, _)| name.as_str()).collect();
     names.dedup();
@@ -235,6 +236,23 @@ async fn buffer_mode_sends_only_the_ending_of_a_blocked_stream() {
     assert_eq!(names(&events), ["response.incomplete"]);
     assert_eq!(delta_text(&events), "");
     assert_blocked_ending(&events);
+    proxy.stop().await;
+}
+
+/// Monitor mode sends a Responses API stream as it came, byte for byte,
+/// and only counts what a rule would block.
+#[tokio::test]
+async fn monitor_mode_passes_a_stream_as_it_came() {
+    use fairgate::config::StreamMode;
+    let mock = support::start_mock().await;
+    let mut config = support::config(&mock.url(), std::path::Path::new("rules"));
+    config.guard.stream_mode = StreamMode::Monitor;
+    let proxy = support::start_proxy(config).await;
+    let raw = support::responses_stream(&["Borrow money ".into(), "to invest in crypto.".into()]);
+    assert_eq!(relay(&proxy, raw.clone()).await, raw);
+    let metrics = proxy.metrics().await;
+    let series = "fairgate_rule_hits_total{action=\"block\",category=\"financial_safety\",rule=\"fin.borrow_to_invest\",scope=\"response\"}";
+    assert_eq!(support::metric(&metrics, series), Some(1.0), "{metrics}");
     proxy.stop().await;
 }
 

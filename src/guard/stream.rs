@@ -720,14 +720,16 @@ impl Guard {
             }
             Some("response.content_part.added") => {
                 self.parts += 1;
-                let json: Value = serde_json::from_str(data).unwrap_or_default();
-                let text = json
-                    .pointer("/part/text")
-                    .and_then(Value::as_str)
+                let text = event
+                    .content_block
+                    .text
+                    .as_ref()
+                    .map(|t| t.value.to_string())
                     .unwrap_or_default();
                 if !text.is_empty() {
-                    // Split off as a delta (see `on_event`), in the part's
+                    // Split off as a delta (see `on_event`) in the part's
                     // place.
+                    let json: Value = serde_json::from_str(data).unwrap_or_default();
                     let mut template = Map::new();
                     for key in ["item_id", "output_index", "content_index"] {
                         if let Some(value) = json.get(key) {
@@ -739,7 +741,7 @@ impl Guard {
                 }
                 Kind::BlockStart {
                     block: self.parts,
-                    text: text.to_owned(),
+                    text,
                 }
             }
             Some("response.output_text.done" | "response.output_item.done") => Kind::BlockEnd,
@@ -1589,6 +1591,11 @@ mod tests {
                 Endpoint::Messages,
                 r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":"hi"}}"#,
                 r#"block start 0 "hi""#,
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.content_part.added","part":{"type":"output_text","text":"hi"}}"#,
+                r#"block start 1 "hi""#,
             ),
             (
                 Endpoint::Messages,

@@ -54,8 +54,9 @@ pub struct Event<'a> {
     pub delta: Delta<'a>,
     /// `delta` when it is a string (Responses API).
     pub delta_text: Option<Text<'a>>,
-    /// `content_block` (Anthropic's `content_block_start`), read as a
-    /// delta is.
+    /// A block's start as it comes: `content_block` (Anthropic's
+    /// `content_block_start`) or `part` (the Responses API's
+    /// `response.content_part.added`), read as a delta is.
     pub content_block: Delta<'a>,
     /// The first of `choices` (OpenAI).
     pub choice: Choice<'a>,
@@ -104,6 +105,7 @@ impl<'a> Event<'a> {
                 "choices",
                 "usage",
                 "content_block",
+                "part",
                 "message",
                 "response",
             ];
@@ -119,7 +121,7 @@ impl<'a> Event<'a> {
                     },
                     3 => event.choice = Choice::first(reader)?,
                     4 => event.usage = reader.object_text()?,
-                    5 => {
+                    5 | 6 => {
                         if reader.is_object()? {
                             event.content_block = Delta::read(reader)?;
                         }
