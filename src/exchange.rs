@@ -158,8 +158,8 @@ impl<'a> RequestBody<'a> {
 /// What the guard reads of a (non-streaming) response body.
 #[derive(Debug, Default)]
 pub struct ResponseBody<'a> {
-    /// The assistant's text, its refusal, and the arguments of its tool
-    /// calls, all in [`Scope::Response`].
+    /// The assistant's text, its refusal, the arguments of its tool calls
+    /// and its reasoning, all in [`Scope::Response`].
     pub texts: Vec<Text<'a>>,
     /// The `usage` object.
     pub usage: Option<&'a str>,
@@ -182,20 +182,24 @@ impl<'a> ResponseBody<'a> {
                     (1, Endpoint::Completions) => texts.objects(reader, |texts, reader| {
                         reader.object(["text"], |reader, _| texts.text(reader, scope))
                     })?,
+                    // An item's content and a reasoning item's summary.
                     (2, Endpoint::Responses) => texts.objects(reader, |texts, reader| {
-                        reader.object(["arguments", "content"], |reader, key| match key {
-                            0 => texts.text(reader, scope),
-                            _ => texts.objects(reader, |texts, reader| {
-                                reader.object(["text", "refusal"], |reader, _| {
-                                    texts.text(reader, scope)
-                                })
-                            }),
-                        })
+                        reader.object(
+                            ["arguments", "content", "summary"],
+                            |reader, key| match key {
+                                0 => texts.text(reader, scope),
+                                _ => texts.objects(reader, |texts, reader| {
+                                    reader.object(["text", "refusal"], |reader, _| {
+                                        texts.text(reader, scope)
+                                    })
+                                }),
+                            },
+                        )
                     })?,
                     (3, Endpoint::Messages) => texts.objects(reader, |texts, reader| {
-                        reader.object(["text", "input"], |reader, key| match key {
-                            0 => texts.text(reader, scope),
-                            _ => texts.strings(reader, scope),
+                        reader.object(["text", "input", "thinking"], |reader, key| match key {
+                            1 => texts.strings(reader, scope),
+                            _ => texts.text(reader, scope),
                         })
                     })?,
                     _ => reader.skip()?,
@@ -386,17 +390,24 @@ impl<'a> Texts<'a> {
         })
     }
 
-    /// An OpenAI chat completion's message: its content, its refusal and
-    /// the arguments of its tool calls.
+    /// An OpenAI chat completion's message: its content, its refusal, the
+    /// arguments of its tool calls, and the reasoning of OpenAI-compatible
+    /// servers (`reasoning_content`, `reasoning`).
     fn message(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         let scope = Scope::Response;
         if !reader.is_object()? {
             return Ok(());
         }
         reader.object(
-            ["content", "refusal", "tool_calls"],
+            [
+                "tool_calls",
+                "content",
+                "refusal",
+                "reasoning_content",
+                "reasoning",
+            ],
             |reader, key| match key {
-                0 | 1 => self.text(reader, scope),
+                1.. => self.text(reader, scope),
                 _ => self.objects(reader, |texts, reader| {
                     reader.object(["function"], |reader, _| {
                         if reader.is_object()? {
@@ -619,15 +630,17 @@ mod tests {
         for (endpoint, body) in [
             (
                 Endpoint::ChatCompletions,
-                json!({"choices": [{"message": {"content": "hello", "refusal": null, "tool_calls": [{"function": {"arguments": "{\"a\":1}"}}]}}], "usage": {"total_tokens": 3}}),
+                json!({"choices": [{"message": {"reasoning_content": "mulls", "content": "hello", "refusal": null, "tool_calls": [{"function": {"arguments": "{\"a\":1}"}}], "reasoning": "ponders"}}], "usage": {"total_tokens": 3}}),
             ),
             (
                 Endpoint::Messages,
-                json!({"content": [{"type": "text", "text": "claude says"}, {"type": "tool_use", "input": {"note": "in", "n": 2, "to": ["a", {"b": "deep"}]}}]}),
+                json!({"content": [{"type": "thinking", "thinking": "claude thinks", "signature": "sig"}, {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "claude says"}, {"type": "tool_use", "input": {"note": "in", "n": 2, "to": ["a", {"b": "deep"}]}}]}),
             ),
             (
                 Endpoint::Responses,
-                json!({"output": [{"type": "message", "content": [{"type": "output_text", "text": "resp"}]}]}),
+                json!({"output": [
+                    {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "summed up"}], "content": [{"type": "reasoning_text", "text": "reasoned"}]},
+                    {"type": "message", "content": [{"type": "output_text", "text": "resp"}]}]}),
             ),
             (
                 Endpoint::Completions,
@@ -645,11 +658,16 @@ mod tests {
             seen,
             [
                 "hello",
+                "ponders",
+                "mulls",
                 "{\"a\":1}",
+                "claude thinks",
                 "claude says",
                 "in",
                 "a",
                 "deep",
+                "reasoned",
+                "summed up",
                 "resp",
                 "completed"
             ]

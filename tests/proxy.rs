@@ -869,3 +869,203 @@ async fn tool_input_is_guarded_anthropic() {
     assert_eq!(body["stop_reason"], "tool_use");
     proxy.stop().await;
 }
+
+/// An Anthropic stream that thinks in `thoughts` (a thinking block, signed)
+/// before it answers `answer`, as raw SSE for the mock.
+fn anthropic_thinking_stream(thoughts: &[&str], answer: &str) -> String {
+    let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
+    let mut raw = event(
+        "message_start",
+        json!({"type": "message_start", "message": {"id": "msg_t", "type": "message",
+        "role": "assistant", "content": [], "model": "c", "stop_reason": null, "usage": {"input_tokens": 3, "output_tokens": 1}}}),
+    );
+    raw += &event(
+        "content_block_start",
+        json!({"type": "content_block_start", "index": 0,
+        "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
+    );
+    for thought in thoughts {
+        raw += &event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": 0,
+            "delta": {"type": "thinking_delta", "thinking": thought}}),
+        );
+    }
+    raw += &event(
+        "content_block_delta",
+        json!({"type": "content_block_delta", "index": 0,
+        "delta": {"type": "signature_delta", "signature": "EqQBCgIYAhIM1gbcDa9GJwZA2b3h"}}),
+    );
+    raw += &event(
+        "content_block_stop",
+        json!({"type": "content_block_stop", "index": 0}),
+    );
+    raw += &event(
+        "content_block_start",
+        json!({"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}}),
+    );
+    raw += &event(
+        "content_block_delta",
+        json!({"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": answer}}),
+    );
+    raw += &event(
+        "content_block_stop",
+        json!({"type": "content_block_stop", "index": 1}),
+    );
+    raw += &event(
+        "message_delta",
+        json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null},
+        "usage": {"output_tokens": 9}}),
+    );
+    raw + &event("message_stop", json!({"type": "message_stop"}))
+}
+
+/// Extended thinking reaches the client too, so it is response text: a
+/// thinking block is held whole until its end (its signature covers its
+/// text, so it can be neither re-framed nor redacted), then sent as it
+/// came, or the stream ends with the refusal before any of it.
+#[tokio::test]
+async fn streamed_thinking_is_guarded_anthropic() {
+    let (_mock, proxy) = start().await;
+    let question = messages("Should I invest?", true);
+    let post = |raw: String| relay_stream(&proxy, "/v1/messages", raw, &question);
+
+    let body = post(anthropic_thinking_stream(
+        &[
+            "They could put all their sav",
+            "ings into Dogecoin right now.",
+        ],
+        "Budget first.",
+    ))
+    .await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    assert!(!body.contains("Budget"), "{body}");
+    let (_, stop, names) = anthropic_stream_text(&body);
+    assert_eq!(stop.as_deref(), Some("refusal"));
+    assert_eq!(names, ["message_start", "message_delta", "message_stop"]);
+
+    // A card number cannot be redacted in signed text: it blocks.
+    let body = post(anthropic_thinking_stream(
+        &["The card 4111 1111 ", "1111 1111 is on file."],
+        "Budget first.",
+    ))
+    .await;
+    assert!(!body.contains("4111"), "{body}");
+    assert_eq!(anthropic_stream_text(&body).1.as_deref(), Some("refusal"));
+
+    let harmless = anthropic_thinking_stream(&["A budget ", "comes first."], "Budget first.");
+    let body = post(harmless.clone()).await;
+    assert_eq!(body, harmless, "allowed thinking arrives as it was sent");
+    proxy.stop().await;
+}
+
+/// The reasoning of OpenAI-compatible servers (`reasoning_content`) is
+/// held until the answer starts: sent as it came, before the answer, or
+/// the stream ends with `content_filter` before any of it.
+#[tokio::test]
+async fn streamed_reasoning_is_guarded_openai() {
+    let (_mock, proxy) = start().await;
+    let question = chat("Should I invest?", true);
+    let post = |raw: String| relay_stream(&proxy, "/v1/chat/completions", raw, &question);
+    let stream = |thoughts: &[&str], answer: &str| {
+        let mut deltas = vec![json!({"role": "assistant", "content": ""})];
+        deltas.extend(
+            thoughts
+                .iter()
+                .map(|t| json!({"content": null, "reasoning_content": t})),
+        );
+        deltas.push(json!({"content": answer, "reasoning_content": null}));
+        openai_raw_stream(&deltas, "stop")
+    };
+
+    let body = post(stream(
+        &[
+            "They could put all their sav",
+            "ings into Dogecoin right now.",
+        ],
+        "Budget first.",
+    ))
+    .await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    assert!(!body.contains("Budget"), "{body}");
+    let (_, finishes, done) = openai_stream_text(&body);
+    assert_eq!(finishes, ["content_filter"], "{body}");
+    assert!(done);
+
+    let body = post(stream(&["A budget ", "comes first."], "Budget first.")).await;
+    let chunks: Vec<Value> = body
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let field = |name: &str| -> Vec<&str> {
+        chunks
+            .iter()
+            .filter_map(|c| c.pointer(&format!("/choices/0/delta/{name}"))?.as_str())
+            .filter(|s| !s.is_empty())
+            .collect()
+    };
+    assert_eq!(field("reasoning_content"), ["A budget ", "comes first."]);
+    assert_eq!(field("content"), ["Budget first."]);
+    let first_answer = body.find("Budget first.").unwrap();
+    assert!(body.find("comes first.").unwrap() < first_answer, "{body}");
+    assert_eq!(openai_stream_text(&body).1, ["stop"]);
+    proxy.stop().await;
+}
+
+/// Reasoning in whole answers is read as the answer is: Anthropic
+/// `thinking` blocks and the `reasoning_content` of OpenAI-compatible
+/// servers.
+#[tokio::test]
+async fn reasoning_in_whole_answers_is_guarded() {
+    let (_mock, proxy) = start().await;
+    let harmful = "They could put all their savings into Dogecoin right now.";
+    let anthropic = |thinking: &str| {
+        json!({"id": "msg_t", "type": "message", "role": "assistant", "model": "c",
+            "content": [{"type": "thinking", "thinking": thinking, "signature": "EqQB"},
+                        {"type": "text", "text": "Budget first."}],
+            "stop_reason": "end_turn", "stop_sequence": null, "usage": {"input_tokens": 3, "output_tokens": 9}})
+        .to_string()
+    };
+    let openai = |reasoning: &str| {
+        json!({"id": "chatcmpl-t", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "Budget first.", "reasoning_content": reasoning}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}})
+        .to_string()
+    };
+    let post = |path: &'static str, raw: String, request: Value| {
+        let proxy = &proxy;
+        async move {
+            let response = proxy.post(path, json!({"raw_json": raw}), &request).await;
+            let verdict = response.headers()["x-fairgate-verdict"]
+                .to_str()
+                .unwrap()
+                .to_owned();
+            (verdict, response.json::<Value>().await.unwrap())
+        }
+    };
+    let ask_claude = || messages("Should I invest?", false);
+    let ask_gpt = || chat("Should I invest?", false);
+
+    let (verdict, body) = post("/v1/messages", anthropic(harmful), ask_claude()).await;
+    assert_eq!(verdict, "block");
+    assert_eq!(body["stop_reason"], "refusal");
+    assert!(!body.to_string().contains("Dogecoin"), "{body}");
+
+    let (verdict, body) = post("/v1/chat/completions", openai(harmful), ask_gpt()).await;
+    assert_eq!(verdict, "block");
+    assert_eq!(body["choices"][0]["finish_reason"], "content_filter");
+    assert!(!body.to_string().contains("Dogecoin"), "{body}");
+
+    let (verdict, body) = post(
+        "/v1/messages",
+        anthropic("A budget comes first."),
+        ask_claude(),
+    )
+    .await;
+    assert_eq!(verdict, "allow");
+    assert_eq!(body["content"][0]["thinking"], "A budget comes first.");
+    assert_eq!(body["content"][0]["signature"], "EqQB");
+    proxy.stop().await;
+}

@@ -491,3 +491,172 @@ async fn text_in_a_part_start_is_read_with_the_deltas() {
     }
     proxy.stop().await;
 }
+
+/// A reasoning model's stream: a reasoning item whose summary says
+/// `summary` (in the deltas, and in the summary's `repeated` ends), then a
+/// message that says `answer`.
+fn reasoning_stream(summary: &[&str], repeated: &str, answer: &str) -> String {
+    let at = json!({"item_id": "rs_1", "output_index": 0, "summary_index": 0});
+    let with = |extra: Value| support::merged(&at, extra);
+    let reasoning = |text: &str| json!({"id": "rs_1", "type": "reasoning", "summary": [{"type": "summary_text", "text": text}]});
+    let message = json!({"id": "msg_1", "type": "message", "content": [{"type": "output_text", "text": answer}]});
+    let answer_at = json!({"item_id": "msg_1", "output_index": 1, "content_index": 0});
+    let answer_with = |extra: Value| support::merged(&answer_at, extra);
+    let mut events = vec![
+        (
+            "response.created",
+            json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}}),
+        ),
+        (
+            "response.output_item.added",
+            json!({"output_index": 0, "item": reasoning("")}),
+        ),
+        (
+            "response.reasoning_summary_part.added",
+            with(json!({"part": {"type": "summary_text", "text": ""}})),
+        ),
+    ];
+    for piece in summary {
+        events.push((
+            "response.reasoning_summary_text.delta",
+            with(json!({"delta": piece})),
+        ));
+    }
+    events.extend([
+        (
+            "response.reasoning_summary_text.done",
+            with(json!({"text": repeated})),
+        ),
+        (
+            "response.reasoning_summary_part.done",
+            with(json!({"part": {"type": "summary_text", "text": repeated}})),
+        ),
+        (
+            "response.output_item.done",
+            json!({"output_index": 0, "item": reasoning(repeated)}),
+        ),
+        (
+            "response.content_part.added",
+            answer_with(json!({"part": {"type": "output_text", "text": ""}})),
+        ),
+        (
+            "response.output_text.delta",
+            answer_with(json!({"delta": answer})),
+        ),
+        (
+            "response.output_text.done",
+            answer_with(json!({"text": answer})),
+        ),
+        (
+            "response.output_item.done",
+            json!({"output_index": 1, "item": message}),
+        ),
+        (
+            "response.completed",
+            json!({"response": {"id": "resp_mock", "status": "completed",
+                "output": [reasoning(repeated), message]}}),
+        ),
+    ]);
+    support::numbered_stream(events)
+}
+
+/// A reasoning summary reaches the client, so it is response text: held
+/// until its item ends, then sent as it came, or the stream ends blocked
+/// before any of it; a summary repeated with other text than was streamed
+/// is read too.
+#[tokio::test]
+async fn streamed_reasoning_summaries_are_guarded() {
+    let (_mock, proxy) = start().await;
+    let cut = [
+        "They could put all their sav",
+        "ings into Dogecoin right now.",
+    ];
+    let harmful = cut.concat();
+    for raw in [
+        reasoning_stream(&cut, &harmful, "Budget first."),
+        reasoning_stream(&["Weighing options."], &harmful, "Budget first."),
+    ] {
+        let body = relay(&proxy, raw).await;
+        assert!(!body.contains("Dogecoin"), "{body}");
+        assert!(!body.contains("Budget"), "{body}");
+        let events = events(&body);
+        delta_text(&events);
+        assert_blocked_ending(&events);
+    }
+
+    let harmless = reasoning_stream(
+        &["A budget ", "comes first."],
+        "A budget comes first.",
+        "Budget first.",
+    );
+    let body = relay(&proxy, harmless).await;
+    let events = events(&body);
+    assert_eq!(delta_text(&events), "Budget first.");
+    let summary: String = events
+        .iter()
+        .filter(|(name, _)| name == "response.reasoning_summary_text.delta")
+        .map(|(_, data)| data["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(summary, "A budget comes first.");
+    assert_eq!(
+        names(&events),
+        [
+            "response.created",
+            "response.output_item.added",
+            "response.reasoning_summary_part.added",
+            "response.reasoning_summary_text.delta",
+            "response.reasoning_summary_text.done",
+            "response.reasoning_summary_part.done",
+            "response.output_item.done",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.output_item.done",
+            "response.completed"
+        ]
+    );
+    proxy.stop().await;
+}
+
+/// The same in a whole answer: a reasoning item's summary is read.
+#[tokio::test]
+async fn reasoning_summaries_in_whole_answers_are_guarded() {
+    let (_mock, proxy) = start().await;
+    let answer = |summary: &str| {
+        json!({"id": "resp_mock", "object": "response", "status": "completed", "output": [
+            {"id": "rs_1", "type": "reasoning", "summary": [{"type": "summary_text", "text": summary}]},
+            {"id": "msg_1", "type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Budget first.", "annotations": []}]}],
+            "usage": {"input_tokens": 5, "output_tokens": 7, "total_tokens": 12}})
+        .to_string()
+    };
+    let post = |raw: String| {
+        let proxy = &proxy;
+        async move {
+            proxy
+                .post(
+                    "/v1/responses",
+                    json!({"raw_json": raw}),
+                    &request("Tips?", false),
+                )
+                .await
+        }
+    };
+    let response = post(answer(
+        "They could put all their savings into Dogecoin right now.",
+    ))
+    .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "block");
+    let body: Value = response.json().await.unwrap();
+    assert!(!body.to_string().contains("Dogecoin"), "{body}");
+    assert_eq!(body["incomplete_details"]["reason"], "content_filter");
+
+    let response = post(answer("A budget comes first.")).await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(
+        body["output"][0]["summary"][0]["text"],
+        "A budget comes first."
+    );
+    proxy.stop().await;
+}

@@ -31,15 +31,21 @@
 //!   hits are counted and recorded only. *Cost*: none; guarantees nothing.
 //!
 //! Text the guard cannot re-frame (tool-call arguments and refusals,
-//! OpenAI; a tool's `input_json_delta`, Anthropic) is response text too.
-//! In `holdback` its events are held whole, unsent, until the content
-//! block or the response ends: then that text is scanned in full and the
-//! events go out as they came, or the stream ends blocked. A client cannot
-//! use a tool call before its arguments are complete, so this costs it
-//! nothing. Arguments cannot be redacted piece by piece, so a `redact` hit
-//! in them blocks. Other events (roles, usage, pings) pass through in
-//! order, but behind held events still unsent. A malformed event ends the
-//! stream cleanly after what was already checked, and is counted.
+//! OpenAI; a tool's `input_json_delta`, Anthropic; reasoning: Anthropic
+//! `thinking` blocks, whose signature covers their text, the Responses
+//! API's reasoning summaries and text, the `reasoning_content` or
+//! `reasoning` of OpenAI-compatible servers) is response text too. In
+//! `holdback` its events are held whole, unsent, until the content block
+//! or the response ends (in a chat completion, which has no blocks, until
+//! text follows): then that text is scanned in full and the events go out
+//! as they came, or the stream ends blocked. A client cannot use a tool
+//! call before its arguments are complete, so this costs it nothing;
+//! reasoning shown live arrives at once when it ends, and the answer after
+//! it is not delayed. Such text cannot be redacted piece by piece (nor,
+//! signed, at all), so a `redact` hit in it blocks. Other events (roles,
+//! usage, pings, signatures) pass through in order, but behind held events
+//! still unsent. A malformed event ends the stream cleanly after what was
+//! already checked, and is counted.
 //!
 //! The Responses API's events repeat text: a part's `.done` event, the
 //! finished output item and `response.completed` hold it whole. In
@@ -745,21 +751,26 @@ impl Guard {
                 }
             }
             Some("response.output_text.done" | "response.output_item.done") => Kind::BlockEnd,
-            Some("response.function_call_arguments.delta" | "response.refusal.delta") => {
-                Kind::Held {
-                    text: event
-                        .delta_text
-                        .as_ref()
-                        .map(|t| t.value.to_string())
-                        .unwrap_or_default(),
-                    finished: false,
-                }
-            }
+            Some(
+                "response.function_call_arguments.delta"
+                | "response.refusal.delta"
+                | "response.reasoning_summary_text.delta"
+                | "response.reasoning_text.delta",
+            ) => Kind::Held {
+                text: event
+                    .delta_text
+                    .as_ref()
+                    .map(|t| t.value.to_string())
+                    .unwrap_or_default(),
+                finished: false,
+            },
             // They repeat the text of the deltas held before them, or (an
             // annotation) point into text that may not be released yet.
             Some(
                 "response.function_call_arguments.done"
                 | "response.refusal.done"
+                | "response.reasoning_summary_text.done"
+                | "response.reasoning_text.done"
                 | "response.output_text.annotation.added",
             ) => Kind::Held {
                 text: String::new(),
@@ -797,6 +808,17 @@ impl Guard {
                         },
                         None => Kind::Other,
                     },
+                }
+            }
+            // A thinking block is held whole, its start too: its text is
+            // signed, so it can be neither re-framed nor redacted.
+            Some("content_block_start")
+                if event.content_block.kind.as_deref() == Some("thinking") =>
+            {
+                self.separate_held();
+                Kind::Held {
+                    text: event.content_block.held_text().unwrap_or_default(),
+                    finished: false,
                 }
             }
             Some("content_block_start") => Kind::BlockStart {
@@ -881,13 +903,28 @@ impl Guard {
     fn holdback(&mut self, event: SseEvent, kind: Kind) -> Vec<Bytes> {
         match kind {
             Kind::Text { text, block } => {
+                // A chat completion has no blocks: held chunks before text
+                // (reasoning, or a call, before the answer) go out first,
+                // their text scanned whole, and the text after them is
+                // scanned apart from the text before. (Elsewhere a block's
+                // end releases held events, and an annotation held in a
+                // part waits for the part's text to its end.)
+                let mut frames = Vec::new();
+                if !self.held_frames.is_empty() && self.setup.endpoint == Endpoint::ChatCompletions
+                {
+                    frames = self.check(true);
+                    if self.blocked {
+                        return frames;
+                    }
+                    self.separate_block();
+                }
                 self.block = block;
                 self.block_open = true;
                 self.acc.push_str(&text);
-                if self.acc.len() - self.checked < CHECK_STEP {
-                    return Vec::new();
+                if self.acc.len() - self.checked >= CHECK_STEP {
+                    frames.append(&mut self.check(false));
                 }
-                self.check(false)
+                frames
             }
             Kind::BlockStart { block, .. } => {
                 self.separate_block();
@@ -1331,7 +1368,8 @@ fn sse_text(event: Option<&str>, data: &str) -> Bytes {
 
 /// The strings of a Responses API event that repeat response text: a
 /// done event's `text`, `refusal` or `arguments`, and those of the `part`,
-/// the `item` or the `response.output` it carries.
+/// the `item` (its `content` or reasoning `summary`) or the
+/// `response.output` it carries.
 fn repeated_texts<'a>(value: &'a mut Value, out: &mut Vec<&'a mut String>) {
     let Value::Object(members) = value else {
         return;
@@ -1340,7 +1378,7 @@ fn repeated_texts<'a>(value: &'a mut Value, out: &mut Vec<&'a mut String>) {
         match (key.as_str(), value) {
             ("text" | "refusal" | "arguments", Value::String(text)) => out.push(text),
             ("part" | "item" | "response", value @ Value::Object(_)) => repeated_texts(value, out),
-            ("content" | "output", Value::Array(items)) => {
+            ("content" | "output" | "summary", Value::Array(items)) => {
                 for item in items {
                     repeated_texts(item, out);
                 }
@@ -1580,7 +1618,52 @@ mod tests {
             (
                 Endpoint::Messages,
                 r#"{"type":"content_block_delta","index":1,"delta":{"type":"thinking_delta","thinking":"hm"}}"#,
+                r#"held "hm" false"#,
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"signature_delta","signature":"c2ln"}}"#,
                 "other",
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":"","signature":""}}"#,
+                r#"held "" false"#,
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":"so"}}"#,
+                r#"held "so" false"#,
+            ),
+            (
+                chat,
+                r#"{"choices":[{"delta":{"content":null,"reasoning_content":"think"}}]}"#,
+                r#"held "think" false"#,
+            ),
+            (
+                chat,
+                r#"{"choices":[{"delta":{"reasoning":"think","content":""}}]}"#,
+                r#"held "think" false"#,
+            ),
+            (
+                chat,
+                r#"{"choices":[{"delta":{"content":"hi","reasoning_content":""}}]}"#,
+                r#"text "hi" 0"#,
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.reasoning_summary_text.delta","item_id":"rs","summary_index":0,"delta":"weighing"}"#,
+                r#"held "weighing" false"#,
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.reasoning_text.delta","item_id":"rs","content_index":0,"delta":"weighing"}"#,
+                r#"held "weighing" false"#,
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.reasoning_summary_text.done","item_id":"rs","summary_index":0,"text":"weighing"}"#,
+                r#"held "" false"#,
             ),
             (
                 Endpoint::Messages,
@@ -2032,14 +2115,16 @@ mod tests {
 
     #[test]
     /// The same for chat completions and Anthropic messages: text cut at
-    /// random, tool calls among it, in every mode that guards.
+    /// random, reasoning before it and tool calls after it, in every mode
+    /// that guards.
     fn chat_and_message_streams_hold_nothing_a_rule_stops() {
         let mut rng = crate::testing::Lcg(8);
-        let (mut blocked, mut redacted) = (0, 0);
+        let (mut blocked, mut redacted, mut reasoned) = (0, 0, 0);
         for round in 0..400 {
             let anthropic = rng.below(2) == 0;
             let text = random_text(&mut rng, 20);
             let call = (rng.below(4) == 0).then(|| random_text(&mut rng, 4));
+            let reasoning = (rng.below(3) == 0).then(|| random_text(&mut rng, 8));
             let mut events: Vec<(Option<&str>, Value)> = Vec::new();
             if anthropic {
                 let event = |name, data: Value| (Some(name), data);
@@ -2047,28 +2132,40 @@ mod tests {
                     "message_start",
                     json!({"type": "message_start", "message": {"id": "m"}}),
                 ));
+                let index = u64::from(reasoning.is_some());
+                if let Some(reasoning) = &reasoning {
+                    events.push(event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}})));
+                    for piece in random_cuts(&mut rng, reasoning, 9) {
+                        events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": piece}})));
+                    }
+                    events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "c2ln"}})));
+                    events.push(event(
+                        "content_block_stop",
+                        json!({"type": "content_block_stop", "index": 0}),
+                    ));
+                }
                 let mut pieces = random_cuts(&mut rng, &text, 9);
                 // Some servers may start the block with text in it.
                 let first = match rng.below(3) {
                     0 => pieces.remove(0),
                     _ => "",
                 };
-                events.push(event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": first}})));
+                events.push(event("content_block_start", json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": first}})));
                 for piece in pieces {
-                    events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}})));
+                    events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": piece}})));
                 }
                 events.push(event(
                     "content_block_stop",
-                    json!({"type": "content_block_stop", "index": 0}),
+                    json!({"type": "content_block_stop", "index": index}),
                 ));
                 if let Some(call) = &call {
-                    events.push(event("content_block_start", json!({"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "input": {}}})));
+                    events.push(event("content_block_start", json!({"type": "content_block_start", "index": index + 1, "content_block": {"type": "tool_use", "input": {}}})));
                     for piece in random_cuts(&mut rng, call, 12) {
-                        events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": piece}})));
+                        events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": index + 1, "delta": {"type": "input_json_delta", "partial_json": piece}})));
                     }
                     events.push(event(
                         "content_block_stop",
-                        json!({"type": "content_block_stop", "index": 1}),
+                        json!({"type": "content_block_stop", "index": index + 1}),
                     ));
                 }
                 events.push(event(
@@ -2087,6 +2184,14 @@ mod tests {
                     json!({"role": "assistant", "content": ""}),
                     Value::Null,
                 ));
+                if let Some(reasoning) = &reasoning {
+                    for piece in random_cuts(&mut rng, reasoning, 9) {
+                        events.push(chunk(
+                            json!({"content": null, "reasoning_content": piece}),
+                            Value::Null,
+                        ));
+                    }
+                }
                 for piece in random_cuts(&mut rng, &text, 9) {
                     events.push(chunk(json!({"content": piece}), Value::Null));
                 }
@@ -2110,15 +2215,24 @@ mod tests {
             let context = format!("round {round}, {endpoint:?} {mode:?}");
 
             let sent = sent_events(&frames);
-            let mut received = String::new();
+            let (mut received, mut received_reasoning) = (String::new(), String::new());
             let mut ending = None;
             for (_, data) in &sent {
                 let Some(data) = data else { continue };
-                let piece = match anthropic {
-                    true => data.pointer("/delta/text"),
-                    false => data.pointer("/choices/0/delta/content"),
+                let (piece, thought) = match anthropic {
+                    true => (data.pointer("/delta/text"), data.pointer("/delta/thinking")),
+                    false => (
+                        data.pointer("/choices/0/delta/content"),
+                        data.pointer("/choices/0/delta/reasoning_content"),
+                    ),
                 };
-                received.push_str(piece.and_then(Value::as_str).unwrap_or(""));
+                let piece = piece.and_then(Value::as_str).unwrap_or("");
+                let thought = thought.and_then(Value::as_str).unwrap_or("");
+                if !thought.is_empty() {
+                    assert!(received.is_empty(), "{context}: reasoning after text");
+                }
+                received.push_str(piece);
+                received_reasoning.push_str(thought);
                 let stop = match anthropic {
                     true => data.pointer("/delta/stop_reason"),
                     false => data.pointer("/choices/0/finish_reason"),
@@ -2127,7 +2241,11 @@ mod tests {
                     ending = Some(stop.to_owned());
                 }
             }
-            assert_nothing_stopped_sent(std::slice::from_ref(&received), &sent, &context);
+            assert_nothing_stopped_sent(
+                &[received.clone(), received_reasoning.clone()],
+                &sent,
+                &context,
+            );
             if guard.blocked {
                 blocked += 1;
                 let expected = match anthropic {
@@ -2140,10 +2258,18 @@ mod tests {
             let expected = redacted_by_rules(&text);
             redacted += usize::from(expected != text);
             assert_eq!(received, expected, "{context}");
+            // Reasoning is signed or re-read by the client as it came: it
+            // passes unchanged, or not at all.
+            reasoned += usize::from(reasoning.is_some());
+            assert_eq!(
+                received_reasoning,
+                reasoning.unwrap_or_default(),
+                "{context}"
+            );
         }
         assert!(
-            blocked > 50 && redacted > 50,
-            "{blocked} blocked, {redacted} redacted"
+            blocked > 50 && redacted > 50 && reasoned > 50,
+            "{blocked} blocked, {redacted} redacted, {reasoned} with reasoning passed"
         );
     }
 

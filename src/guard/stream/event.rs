@@ -68,9 +68,10 @@ pub struct Event<'a> {
     pub skipped: Vec<Range<usize>>,
 }
 
-/// A delta object: Anthropic's `type`, `text` and `partial_json` (a
-/// tool's input), OpenAI's `content`, `refusal` and the `arguments` of
-/// each of its `tool_calls`.
+/// A delta object: Anthropic's `type`, `text`, `partial_json` (a tool's
+/// input) and `thinking`, OpenAI's `content`, `refusal` and the
+/// `arguments` of each of its `tool_calls`, and the reasoning of
+/// OpenAI-compatible servers (`reasoning_content`, `reasoning`).
 #[derive(Debug, Default)]
 pub struct Delta<'a> {
     pub kind: Option<Cow<'a, str>>,
@@ -79,6 +80,8 @@ pub struct Delta<'a> {
     pub refusal: Option<Text<'a>>,
     pub partial_json: Option<Text<'a>>,
     pub arguments: Vec<Text<'a>>,
+    /// `thinking`, `reasoning_content` and `reasoning`, in order.
+    pub reasoning: Vec<Text<'a>>,
 }
 
 /// An OpenAI choice.
@@ -192,6 +195,9 @@ impl<'a> Delta<'a> {
             "refusal",
             "partial_json",
             "tool_calls",
+            "thinking",
+            "reasoning_content",
+            "reasoning",
         ];
         reader
             .object(keys, |reader, key| {
@@ -204,7 +210,8 @@ impl<'a> Delta<'a> {
                     1 => delta.text = string,
                     2 => delta.content = string,
                     3 => delta.refusal = string,
-                    _ => delta.partial_json = string,
+                    4 => delta.partial_json = string,
+                    _ => delta.reasoning.extend(string),
                 }
                 Ok(())
             })
@@ -234,17 +241,23 @@ impl<'a> Delta<'a> {
 
     /// The text of a delta that the guard cannot re-frame and so holds
     /// whole: a refusal, tool-call arguments (a call's opening, with none
-    /// yet, too), a tool's input. An empty refusal, which some servers
-    /// send beside every piece of text, holds nothing.
+    /// yet, too), a tool's input, reasoning. An empty refusal or reasoning,
+    /// which some servers send beside every piece of text, holds nothing.
     pub fn held_text(&self) -> Option<String> {
         let refusal = self.refusal.as_ref().filter(|t| !t.value.is_empty());
-        if refusal.is_none() && self.partial_json.is_none() && self.arguments.is_empty() {
+        let reasoning = self.reasoning.iter().filter(|t| !t.value.is_empty());
+        if refusal.is_none()
+            && self.partial_json.is_none()
+            && self.arguments.is_empty()
+            && reasoning.clone().next().is_none()
+        {
             return None;
         }
         let parts = refusal
             .into_iter()
             .chain(&self.partial_json)
-            .chain(&self.arguments);
+            .chain(&self.arguments)
+            .chain(reasoning);
         Some(parts.map(|t| &*t.value).collect())
     }
 }
