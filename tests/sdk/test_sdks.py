@@ -28,13 +28,27 @@ RISKY = "Sure. Put all your savings into Dogecoin right now, it is the future."
 SAFE = "Start with a budget and an emergency fund, then invest regularly."
 
 
-def reply_text(body):
-    """The mock's answer: risky advice when the user asks for it."""
+def last_words(body):
     messages = body.get("messages", [])
     last = messages[-1]["content"] if messages else body.get("input", "")
     if isinstance(last, list):
         last = " ".join(part.get("text", "") for part in last)
-    return RISKY if "risky" in last else SAFE
+    return last
+
+
+def reply_text(body):
+    """The mock's answer: risky advice when the user asks for it (in its
+    thinking, when the user asks it to think)."""
+    if "think" in last_words(body):
+        return SAFE
+    return RISKY if "risky" in last_words(body) else SAFE
+
+
+def thinking_text(body):
+    """What the mock thinks before it answers, when asked to think."""
+    if "think" not in last_words(body):
+        return None
+    return RISKY if "risky" in last_words(body) else "A budget comes first, then savings."
 
 
 def chunks(text):
@@ -62,8 +76,13 @@ class Upstream(BaseHTTPRequestHandler):
             self.send_header("transfer-encoding", "chunked")
             self.end_headers()
             try:
-                stream = anthropic_stream if anthropic_api else responses_stream if responses_api else openai_stream
-                for frame in stream(text):
+                if anthropic_api:
+                    frames = anthropic_stream(text, thinking_text(body))
+                elif responses_api:
+                    frames = responses_stream(text)
+                else:
+                    frames = openai_stream(text)
+                for frame in frames:
                     data = frame.encode()
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                     self.wfile.flush()
@@ -104,18 +123,32 @@ def openai_stream(text):
     yield "data: [DONE]\n\n"
 
 
-def anthropic_stream(text):
+SIGNATURE = "EqQBCgIYAhIM1gbcDa9GJwZA2b3h"
+
+
+def anthropic_stream(text, thinking=None):
     def event(name, data):
         return f"event: {name}\ndata: {json.dumps(data)}\n\n"
     yield event("message_start", {"type": "message_start", "message": {
         "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 1}}})
-    yield event("content_block_start", {"type": "content_block_start", "index": 0,
+    index = 0
+    if thinking is not None:
+        yield event("content_block_start", {"type": "content_block_start", "index": 0,
+                                            "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+        for piece in chunks(thinking):
+            yield event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                "delta": {"type": "thinking_delta", "thinking": piece}})
+        yield event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                            "delta": {"type": "signature_delta", "signature": SIGNATURE}})
+        yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        index = 1
+    yield event("content_block_start", {"type": "content_block_start", "index": index,
                                         "content_block": {"type": "text", "text": ""}})
     for piece in chunks(text):
-        yield event("content_block_delta", {"type": "content_block_delta", "index": 0,
+        yield event("content_block_delta", {"type": "content_block_delta", "index": index,
                                             "delta": {"type": "text_delta", "text": piece}})
-    yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    yield event("content_block_stop", {"type": "content_block_stop", "index": index})
     yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn",
                                                                      "stop_sequence": None},
                                   "usage": {"output_tokens": 9}})
@@ -284,6 +317,29 @@ def main():
             assert final.stop_reason == "refusal", final.stop_reason
             assert "savings" not in text, text
 
+        def anthropic_thinking_stream():
+            with an.messages.stream(model="claude-x", max_tokens=2048,
+                                    thinking={"type": "enabled", "budget_tokens": 1024},
+                                    messages=[{"role": "user", "content": "think: tips?"}]) as stream:
+                text = "".join(stream.text_stream)
+                final = stream.get_final_message()
+            assert text == SAFE, text
+            thinking = final.content[0]
+            assert thinking.type == "thinking", final
+            assert thinking.thinking == "A budget comes first, then savings.", thinking
+            assert thinking.signature == SIGNATURE, "the signature no longer covers the thinking"
+            assert final.stop_reason == "end_turn"
+
+        def anthropic_blocked_thinking_stream():
+            with an.messages.stream(model="claude-x", max_tokens=2048,
+                                    thinking={"type": "enabled", "budget_tokens": 1024},
+                                    messages=[{"role": "user", "content": "think: something risky"}]) as stream:
+                events = list(stream)
+                final = stream.get_final_message()
+            assert final.stop_reason == "refusal", final.stop_reason
+            assert final.content == [], final.content
+            assert not any("Dogecoin" in str(e) for e in events), events
+
         def openai_response():
             r = oa.responses.create(model="gpt-4o-mini", input="tips?")
             assert r.output_text == SAFE, r
@@ -316,6 +372,8 @@ def main():
         check("anthropic message stream", anthropic_stream_ok)
         check("anthropic blocked prompt raises BadRequestError", anthropic_blocked_prompt)
         check("anthropic blocked stream ends with refusal", anthropic_blocked_stream)
+        check("anthropic thinking stream arrives signed as sent", anthropic_thinking_stream)
+        check("anthropic blocked thinking stream ends with refusal", anthropic_blocked_thinking_stream)
     finally:
         proxy.terminate()
         try:
