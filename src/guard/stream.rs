@@ -1986,18 +1986,18 @@ mod tests {
 
     #[test]
     /// Random Responses API streams (messages of one or two text parts,
-    /// function calls), cut at random: whatever the guard sends is well
+    /// function calls, reasoning summaries), cut at random: whatever the guard sends is well
     /// formed and numbered from 0, holds nothing a rule blocks or redacts,
     /// and, unless blocked, every part's text as the deltas' once redacted.
     fn responses_streams_hold_nothing_a_rule_stops() {
         let mut rng = crate::testing::Lcg(5);
-        let (mut blocked, mut redacted) = (0, 0);
+        let (mut blocked, mut redacted, mut summarized) = (0, 0, 0);
         for round in 0..300 {
             let mut events: Vec<(&str, Value)> = vec![(
                 "response.created",
                 json!({"response": {"id": "resp_r", "object": "response", "status": "in_progress", "output": []}}),
             )];
-            let mut parts: Vec<String> = Vec::new();
+            let (mut parts, mut summaries): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
             for item in 0..1 + rng.below(2) {
                 let at = json!({"item_id": format!("i{item}"), "output_index": item});
                 let with = |at: &Value, extra: Value| {
@@ -2025,6 +2025,38 @@ mod tests {
                         "response.output_item.done",
                         with(&at, json!({"item": {"arguments": text}})),
                     ));
+                    continue;
+                }
+                if rng.below(3) == 0 {
+                    let text = random_text(&mut rng, 8);
+                    let at = with(&at, json!({"summary_index": 0}));
+                    let part = |text: &str| json!({"type": "summary_text", "text": text});
+                    events.push((
+                        "response.reasoning_summary_part.added",
+                        with(&at, json!({"part": part("")})),
+                    ));
+                    for piece in random_cuts(&mut rng, &text, 9) {
+                        events.push((
+                            "response.reasoning_summary_text.delta",
+                            with(&at, json!({"delta": piece})),
+                        ));
+                    }
+                    events.push((
+                        "response.reasoning_summary_text.done",
+                        with(&at, json!({"text": text})),
+                    ));
+                    events.push((
+                        "response.reasoning_summary_part.done",
+                        with(&at, json!({"part": part(&text)})),
+                    ));
+                    events.push((
+                        "response.output_item.done",
+                        with(
+                            &at,
+                            json!({"item": {"type": "reasoning", "summary": [part(&text)]}}),
+                        ),
+                    ));
+                    summaries.push(text);
                     continue;
                 }
                 let mut content = Vec::new();
@@ -2073,21 +2105,29 @@ mod tests {
             let context = format!("round {round}, {mode:?}");
 
             let sent = sent_events(&frames);
-            let mut deltas: Vec<String> = Vec::new();
+            let (mut deltas, mut summary_deltas): (Vec<String>, Vec<String>) =
+                (Vec::new(), Vec::new());
             for (number, (name, data)) in sent.iter().enumerate() {
                 let data = data.as_ref().unwrap();
                 assert_eq!(data["sequence_number"], number, "{context}");
                 assert_eq!(name.as_deref(), data["type"].as_str(), "{context}");
+                let delta = || data["delta"].as_str().unwrap();
                 match name.as_deref() {
                     Some("response.content_part.added") => deltas.push(String::new()),
-                    Some("response.output_text.delta") => deltas
-                        .last_mut()
-                        .unwrap()
-                        .push_str(data["delta"].as_str().unwrap()),
+                    Some("response.output_text.delta") => {
+                        deltas.last_mut().unwrap().push_str(delta())
+                    }
+                    Some("response.reasoning_summary_part.added") => {
+                        summary_deltas.push(String::new())
+                    }
+                    Some("response.reasoning_summary_text.delta") => {
+                        summary_deltas.last_mut().unwrap().push_str(delta())
+                    }
                     _ => {}
                 }
             }
-            assert_nothing_stopped_sent(&deltas, &sent, &context);
+            let all_deltas = [deltas.clone(), summary_deltas.clone()].concat();
+            assert_nothing_stopped_sent(&all_deltas, &sent, &context);
             if guard.blocked {
                 blocked += 1;
                 assert_eq!(
@@ -2100,6 +2140,9 @@ mod tests {
             let expected: Vec<String> = parts.iter().map(|part| redacted_by_rules(part)).collect();
             redacted += usize::from(expected != parts);
             assert_eq!(deltas, expected, "{context}");
+            // Reasoning passes unchanged, or not at all.
+            summarized += usize::from(!summaries.is_empty());
+            assert_eq!(summary_deltas, summaries, "{context}");
             let done: Vec<&str> = sent
                 .iter()
                 .filter(|(name, _)| name.as_deref() == Some("response.output_text.done"))
@@ -2108,8 +2151,8 @@ mod tests {
             assert_eq!(done, expected, "{context}");
         }
         assert!(
-            blocked > 50 && redacted > 50,
-            "{blocked} blocked, {redacted} redacted"
+            blocked > 50 && redacted > 50 && summarized > 30,
+            "{blocked} blocked, {redacted} redacted, {summarized} with reasoning passed"
         );
     }
 
