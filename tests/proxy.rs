@@ -1069,3 +1069,115 @@ async fn reasoning_in_whole_answers_is_guarded() {
     assert_eq!(body["content"][0]["signature"], "EqQB");
     proxy.stop().await;
 }
+
+/// An OpenAI stream of two choices (`n: 2`) whose chunks alternate, one
+/// piece of each in turn, as raw SSE for the mock.
+fn two_choice_stream(first: &[&str], second: &[&str]) -> String {
+    let chunk = |index: usize, delta: Value, finish: Value| {
+        let chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish}]});
+        format!("data: {chunk}\n\n")
+    };
+    let mut raw = String::new();
+    for index in 0..2 {
+        raw += &chunk(
+            index,
+            json!({"role": "assistant", "content": ""}),
+            Value::Null,
+        );
+    }
+    for at in 0..first.len().max(second.len()) {
+        for (index, pieces) in [first, second].into_iter().enumerate() {
+            if let Some(piece) = pieces.get(at) {
+                raw += &chunk(index, json!({"content": piece}), Value::Null);
+            }
+        }
+    }
+    for index in 0..2 {
+        raw += &chunk(index, json!({}), json!("stop"));
+    }
+    raw + "data: [DONE]\n\n"
+}
+
+/// Each choice's text and finish reason, by index, and how many `[DONE]`
+/// events the stream had.
+fn choices_of(body: &str) -> (Vec<String>, Vec<Option<String>>, usize) {
+    let (mut texts, mut finishes) = (vec![String::new(); 2], vec![None; 2]);
+    let mut done = 0;
+    for data in body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            done += 1;
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        for choice in chunk["choices"].as_array().unwrap() {
+            let index = choice["index"].as_u64().unwrap() as usize;
+            texts[index] += choice["delta"]["content"].as_str().unwrap_or("");
+            if let Some(finish) = choice["finish_reason"].as_str() {
+                finishes[index] = Some(finish.to_owned());
+            }
+        }
+    }
+    (texts, finishes, done)
+}
+
+/// The choices of a stream of several (`n` > 1) come interleaved: each is
+/// guarded as a text of its own and reaches the client under its own
+/// index; a block in one ends every choice not yet finished with
+/// `content_filter`.
+#[tokio::test]
+async fn each_choice_of_a_stream_is_guarded_on_its_own() {
+    let (_mock, proxy) = start().await;
+    let mut question = chat("Two ideas, please.", true);
+    question["n"] = json!(2);
+    let post = |raw: String| relay_stream(&proxy, "/v1/chat/completions", raw, &question);
+    let stop = || vec![Some("stop".to_owned()); 2];
+
+    let body = post(two_choice_stream(
+        &["Budget ", "first, ", "then save."],
+        &["Pay off ", "the card ", "with the highest rate."],
+    ))
+    .await;
+    let (texts, finishes, done) = choices_of(&body);
+    assert_eq!(
+        texts,
+        [
+            "Budget first, then save.",
+            "Pay off the card with the highest rate."
+        ]
+    );
+    assert_eq!((finishes, done), (stop(), 1), "{body}");
+
+    // Half a blocked phrase in each choice is no phrase at all.
+    let body = post(two_choice_stream(
+        &["Put all ", "your savings"],
+        &[" into Dogecoin", " right now."],
+    ))
+    .await;
+    let (texts, finishes, _) = choices_of(&body);
+    assert_eq!(texts, ["Put all your savings", " into Dogecoin right now."]);
+    assert_eq!(finishes, stop(), "{body}");
+
+    // The first choice ends before the second is found blocked: it keeps
+    // its answer and its finish.
+    let filtered = || Some("content_filter".to_owned());
+    let harmful = [
+        "Put all your sav",
+        "ings into Dogecoin ",
+        "right now, today.",
+    ];
+    let body = post(two_choice_stream(&["Budget ", "first."], &harmful)).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let (texts, finishes, done) = choices_of(&body);
+    assert_eq!(texts[0], "Budget first.");
+    assert_eq!(finishes, [Some("stop".to_owned()), filtered()], "{body}");
+    assert_eq!(done, 1, "{body}");
+
+    // Blocked first, the second choice not finished: both are filtered.
+    let body = post(two_choice_stream(&harmful, &["Budget ", "first."])).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let (_, finishes, done) = choices_of(&body);
+    assert_eq!(finishes, [filtered(), filtered()], "{body}");
+    assert_eq!(done, 1, "{body}");
+    proxy.stop().await;
+}

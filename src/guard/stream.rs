@@ -12,7 +12,9 @@
 //!   upstream's. On a block the stream ends as the SDKs expect: OpenAI, a
 //!   chunk with `finish_reason: "content_filter"` and `data: [DONE]` (when
 //!   the client asked for usage, the upstream is read on, unsent, for up to
-//!   10 s until its usage chunk, which goes out before `[DONE]`);
+//!   10 s until its usage chunk, which goes out before `[DONE]`; a stream
+//!   of several choices, `n` > 1, is guarded choice by choice, each a text
+//!   of its own, and a block ends every choice not yet finished);
 //!   Anthropic, `content_block_stop`, a `message_delta` with
 //!   `stop_reason: "refusal"`, and `message_stop`. Redactions apply before
 //!   release. *Cost*: the client sees each piece of text about
@@ -83,6 +85,9 @@ use crate::rules::{Action, Hit, RuleSet, Scope};
 
 use event::{Event, Shape, Text};
 
+/// OpenAI's last event.
+const DONE: &[u8] = b"data: [DONE]\n\n";
+
 /// How long a blocked stream waits for the upstream's usage chunk.
 const USAGE_WAIT: Duration = Duration::from_secs(10);
 
@@ -95,6 +100,7 @@ const MARGIN: usize = 256;
 const CHECK_STEP: usize = 64;
 
 /// Everything the guard of one stream needs.
+#[derive(Clone)]
 pub struct StreamSetup {
     pub endpoint: Endpoint,
     pub mode: StreamMode,
@@ -340,6 +346,8 @@ enum Kind {
     Final,
     /// The very last event: `[DONE]`, `message_stop`.
     Done,
+    /// An OpenAI chunk of another choice than the guard's (`n` > 1).
+    Choice(u64),
     Other,
     Malformed,
 }
@@ -398,6 +406,14 @@ pub struct Guard {
     /// The shape of the last text event read in full: the next ones that
     /// differ from it only in their strings are read by those alone.
     shape: Option<Shape>,
+    /// OpenAI: the choice this guard reads (0 but in `others`), and a guard
+    /// of its own for each other choice of a stream of several (`n` > 1),
+    /// whose chunks come interleaved: each choice is a text of its own.
+    choice: u64,
+    others: Vec<Guard>,
+    /// The client has this guard's final event (OpenAI: its choice's
+    /// finish), so a block ends its choice no more.
+    ended: bool,
 }
 
 impl Guard {
@@ -431,7 +447,51 @@ impl Guard {
             usage: None,
             awaiting_usage: false,
             shape: None,
+            choice: 0,
+            others: Vec::new(),
+            ended: false,
         }
+    }
+
+    /// The guard of choice `index`, made on its first chunk: it ends its
+    /// choice, but the stream's `[DONE]` and usage are this guard's.
+    fn other_choice(&mut self, index: u64) -> &mut Guard {
+        let at = match self.others.iter().position(|g| g.choice == index) {
+            Some(at) => at,
+            None => {
+                let mut setup = self.setup.clone();
+                setup.include_usage = false;
+                let mut guard = Guard::new(setup);
+                guard.choice = index;
+                self.others.push(guard);
+                self.others.len() - 1
+            }
+        };
+        &mut self.others[at]
+    }
+
+    /// A chunk of another choice, guarded by that choice's guard; when it
+    /// blocks, the whole stream ends blocked.
+    fn on_other_choice(&mut self, index: u64, event: SseEvent) -> Vec<Bytes> {
+        let guard = self.other_choice(index);
+        let mut frames = guard.on_event(event);
+        if guard.blocked {
+            frames.append(&mut self.block());
+        }
+        frames
+    }
+
+    /// The other choices' guards at the end of the stream: their last
+    /// frames, and whether one of them blocked.
+    fn end_other_choices(&mut self) -> (Vec<Bytes>, bool) {
+        let mut frames = Vec::new();
+        for guard in &mut self.others {
+            frames.append(&mut guard.on_end());
+            if guard.blocked {
+                return (frames, true);
+            }
+        }
+        (frames, false)
     }
 
     /// Takes one upstream event; returns the frames to send.
@@ -441,6 +501,16 @@ impl Guard {
         }
         let kind = self.classify(&event);
         let frames = match kind {
+            Kind::Choice(index) => self.on_other_choice(index, event),
+            Kind::Done if !self.others.is_empty() => {
+                let (mut frames, blocked) = self.end_other_choices();
+                if blocked {
+                    frames.append(&mut self.block());
+                } else {
+                    frames.append(&mut self.by_mode(event, Kind::Done));
+                }
+                frames
+            }
             // The APIs start a block empty and send its text in deltas; text
             // in the start is split off as a delta of its own, which every
             // mode then reads as text (monitor passes the start as it came).
@@ -488,8 +558,13 @@ impl Guard {
         if self.finished {
             return Vec::new();
         }
+        let (mut frames, blocked) = self.end_other_choices();
+        if blocked {
+            frames.append(&mut self.block());
+            return frames;
+        }
         self.finished = true;
-        let frames = match self.setup.mode {
+        frames.append(&mut match self.setup.mode {
             StreamMode::Monitor => {
                 self.scan_window(0);
                 self.scan_held();
@@ -497,7 +572,7 @@ impl Guard {
             }
             StreamMode::Buffer => self.replay_or_block(),
             StreamMode::Holdback => self.check(true),
-        };
+        });
         self.outgoing(frames)
     }
 
@@ -601,14 +676,16 @@ impl Guard {
     }
 
     fn outcome(&self, first_byte: Option<Duration>, guard_time: Duration) -> StreamOutcome {
-        let mut verdict = risk::assess(&self.setup.risk, self.all_hits(), &self.setup.relevance);
+        let mut hits = self.all_hits();
+        let mut text = self.read_text();
+        for guard in &self.others {
+            hits.extend(guard.response_hits());
+            text.push('\n');
+            text.push_str(&guard.read_text());
+        }
+        let mut verdict = risk::assess(&self.setup.risk, hits, &self.setup.relevance);
         if self.blocked {
             verdict.decision = Decision::Block;
-        }
-        let mut text = self.redacted(0, self.acc.len());
-        if !self.held_text.is_empty() {
-            text.push('\n');
-            text.push_str(&self.held_text);
         }
         StreamOutcome {
             verdict,
@@ -681,6 +758,9 @@ impl Guard {
             return self.classify_responses(event, data);
         }
         let choice = &event.choice;
+        if let Some(index) = choice.index.filter(|&index| index != self.choice) {
+            return Kind::Choice(index);
+        }
         if let Some(held) = choice.delta.held_text() {
             let content = choice.delta.content.as_ref().map_or("", |t| &t.value);
             return Kind::Held {
@@ -948,8 +1028,10 @@ impl Guard {
                 if matches!(kind, Kind::BlockEnd) {
                     self.block_open = false;
                 }
-                if matches!(kind, Kind::Done) {
-                    self.finished = true;
+                match kind {
+                    Kind::Done => self.finished = true,
+                    Kind::Final => self.ended = true,
+                    _ => {}
                 }
                 frames.push(event.raw);
                 frames
@@ -960,7 +1042,8 @@ impl Guard {
                 self.finished = true;
                 frames
             }
-            Kind::Other => self.after_held(event.raw),
+            // Another choice's chunks never come here (see `on_event`).
+            Kind::Choice(_) | Kind::Other => self.after_held(event.raw),
         }
     }
 
@@ -1032,10 +1115,24 @@ impl Guard {
     /// The request's hits and the response's so far.
     fn all_hits(&self) -> Vec<Hit> {
         let mut all = self.setup.request_hits.clone();
-        all.extend(self.hits.iter().cloned());
-        all.extend(self.held_hits.iter().cloned());
-        all.extend(self.repeated_hits.iter().cloned());
+        all.extend(self.response_hits());
         all
+    }
+
+    /// The hits in the text this guard read.
+    fn response_hits(&self) -> impl Iterator<Item = Hit> + '_ {
+        let all = self.hits.iter().chain(&self.held_hits);
+        all.chain(&self.repeated_hits).cloned()
+    }
+
+    /// The text this guard read, redacted, and the text it held after it.
+    fn read_text(&self) -> String {
+        let mut text = self.redacted(0, self.acc.len());
+        if !self.held_text.is_empty() {
+            text.push('\n');
+            text.push_str(&self.held_text);
+        }
+        text
     }
 
     /// Where the scan window starts: far enough before the released point
@@ -1194,7 +1291,7 @@ impl Guard {
         let mut chunk = self
             .template
             .clone()
-            .unwrap_or_else(|| json!({"choices": [{"index": 0}]}));
+            .unwrap_or_else(|| json!({"choices": [{"index": self.choice}]}));
         if let Some(choice) = chunk.get_mut("choices").and_then(|c| c.get_mut(0)) {
             if self.setup.endpoint == Endpoint::Completions {
                 choice["text"] = json!(text);
@@ -1211,12 +1308,32 @@ impl Guard {
         chunk
     }
 
-    /// Ends the stream with the dialect's refusal.
+    /// Ends the stream with the dialect's refusal: OpenAI, every choice
+    /// that has not ended yet gets its `content_filter` chunk (the guard
+    /// of another choice ends only its own; the stream's end is this
+    /// guard's).
     fn block(&mut self) -> Vec<Bytes> {
+        // A choice still open: its end not sent, nor blocked already.
+        let open = |guard: &Guard| !guard.ended && !guard.blocked;
+        let filtered = |guard: &Guard| sse(None, &guard.openai_chunk("", json!("content_filter")));
+        let mut ends: Vec<Bytes> = Vec::new();
+        if open(self) {
+            ends.push(filtered(self));
+        }
         self.blocked = true;
         self.finished = true;
         if self.setup.endpoint == Endpoint::Responses {
             return vec![self.responses_ending()];
+        }
+        if self.choice != 0 {
+            return ends;
+        }
+        for guard in &mut self.others {
+            if open(guard) {
+                guard.finished = true;
+                guard.ended = true;
+                ends.push(filtered(guard));
+            }
         }
         match self.dialect {
             Dialect::Anthropic => {
@@ -1236,17 +1353,16 @@ impl Guard {
             }
             Dialect::OpenAi if self.setup.include_usage && self.usage.is_none() => {
                 self.awaiting_usage = true;
-                vec![sse(None, &self.openai_chunk("", json!("content_filter")))]
+                ends
             }
-            Dialect::OpenAi if self.setup.include_usage => vec![
-                sse(None, &self.openai_chunk("", json!("content_filter"))),
-                self.usage_frame(),
-                Bytes::from_static(b"data: [DONE]\n\n"),
-            ],
-            Dialect::OpenAi => vec![
-                sse(None, &self.openai_chunk("", json!("content_filter"))),
-                Bytes::from_static(b"data: [DONE]\n\n"),
-            ],
+            Dialect::OpenAi if self.setup.include_usage => {
+                ends.extend([self.usage_frame(), Bytes::from_static(DONE)]);
+                ends
+            }
+            Dialect::OpenAi => {
+                ends.push(Bytes::from_static(DONE));
+                ends
+            }
         }
     }
 
@@ -1304,7 +1420,7 @@ impl Guard {
     /// The end of a blocked stream that waited for its usage.
     pub fn usage_ending(&mut self) -> Vec<Bytes> {
         self.awaiting_usage = false;
-        vec![self.usage_frame(), Bytes::from_static(b"data: [DONE]\n\n")]
+        vec![self.usage_frame(), Bytes::from_static(DONE)]
     }
 
     /// Buffer mode at the end: the whole response is known.
@@ -1333,6 +1449,7 @@ impl Guard {
             }
         }
         self.released = self.acc.len();
+        self.ended = true;
         frames
     }
 
@@ -1455,6 +1572,7 @@ mod tests {
             Kind::BlockStart { block, text } => format!("block start {block} {text:?}"),
             Kind::Final => "final".into(),
             Kind::Done => "done".into(),
+            Kind::Choice(index) => format!("choice {index}"),
             Kind::Other => "other".into(),
             Kind::Malformed => "malformed".into(),
         }
@@ -1547,6 +1665,16 @@ mod tests {
                 "final",
             ),
             (chat, r#"{"choices":[{"delta":{"content":7}}]}"#, "other"),
+            (
+                chat,
+                r#"{"choices":[{"index":0,"delta":{"content":"a"}}]}"#,
+                r#"text "a" 0"#,
+            ),
+            (
+                chat,
+                r#"{"choices":[{"index":2,"delta":{"content":"a"}}]}"#,
+                "choice 2",
+            ),
             (
                 chat,
                 r#"{"choices":{"0":1},"usage":{"total_tokens":3}}"#,
@@ -1754,7 +1882,7 @@ mod tests {
         };
         let finish =
             event(json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}));
-        let done = parse_event(Bytes::from_static(b"data: [DONE]\n\n")).unwrap();
+        let done = parse_event(Bytes::from_static(DONE)).unwrap();
         let run = |mode, events: &[&SseEvent]| {
             let mut guard = Guard::new(setup(Endpoint::ChatCompletions, mode));
             let mut sent = Vec::new();
@@ -1986,9 +2114,10 @@ mod tests {
 
     #[test]
     /// Random Responses API streams (messages of one or two text parts,
-    /// function calls, reasoning summaries), cut at random: whatever the guard sends is well
-    /// formed and numbered from 0, holds nothing a rule blocks or redacts,
-    /// and, unless blocked, every part's text as the deltas' once redacted.
+    /// function calls, reasoning summaries), cut at random: whatever the
+    /// guard sends is well formed and numbered from 0, holds nothing a rule
+    /// blocks or redacts, and, unless blocked, every part's text as the
+    /// deltas' once redacted.
     fn responses_streams_hold_nothing_a_rule_stops() {
         let mut rng = crate::testing::Lcg(5);
         let (mut blocked, mut redacted, mut summarized) = (0, 0, 0);
@@ -2313,6 +2442,99 @@ mod tests {
         assert!(
             blocked > 50 && redacted > 50 && reasoned > 50,
             "{blocked} blocked, {redacted} redacted, {reasoned} with reasoning passed"
+        );
+    }
+
+    #[test]
+    /// Chat completion streams of two or three choices (`n` > 1), their
+    /// chunks interleaved at random: each choice is guarded as a text of
+    /// its own, arrives under its own index redacted as the rules redact
+    /// it whole, or every choice ends with `content_filter`.
+    fn choices_of_a_stream_hold_nothing_a_rule_stops() {
+        let mut rng = crate::testing::Lcg(11);
+        let (mut blocked, mut redacted) = (0, 0);
+        for round in 0..200 {
+            let n = 2 + rng.below(2);
+            let texts: Vec<String> = (0..n).map(|_| random_text(&mut rng, 12)).collect();
+            let mut pieces: Vec<Vec<&str>> =
+                texts.iter().map(|t| random_cuts(&mut rng, t, 9)).collect();
+            pieces.iter_mut().for_each(|p| p.reverse());
+            let chunk = |index: usize, delta: Value, finish: Value| {
+                (
+                    None,
+                    json!({"id": "c", "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}),
+                )
+            };
+            let mut events: Vec<(Option<&str>, Value)> = (0..n)
+                .map(|i| chunk(i, json!({"role": "assistant", "content": ""}), Value::Null))
+                .collect();
+            let mut finished = vec![false; n];
+            while finished.iter().any(|f| !f) {
+                let index = rng.below(n);
+                match pieces[index].pop() {
+                    Some(piece) => {
+                        events.push(chunk(index, json!({"content": piece}), Value::Null))
+                    }
+                    None if !finished[index] => {
+                        finished[index] = true;
+                        events.push(chunk(index, json!({}), json!("stop")));
+                    }
+                    None => {}
+                }
+            }
+            events.push((None, json!("[DONE]")));
+            let mode = *rng.pick(&[StreamMode::Holdback, StreamMode::Buffer]);
+            let (guard, frames) = guard_stream(Endpoint::ChatCompletions, mode, events);
+            let context = format!("round {round}, {n} choices, {mode:?}");
+
+            let sent = sent_events(&frames);
+            let mut received = vec![String::new(); n];
+            let mut finishes: Vec<Option<String>> = vec![None; n];
+            for (_, data) in &sent {
+                let Some(data) = data else { continue };
+                let choice = &data["choices"][0];
+                let index = choice["index"].as_u64().unwrap() as usize;
+                assert!(
+                    finishes[index].is_none(),
+                    "{context}: text after the finish: {sent:?}"
+                );
+                received[index] += choice["delta"]["content"].as_str().unwrap_or("");
+                finishes[index] = choice["finish_reason"].as_str().map(String::from);
+            }
+            assert_eq!(sent.last().unwrap().1, None, "{context}: [DONE] last");
+            assert_eq!(
+                sent.iter().filter(|(_, d)| d.is_none()).count(),
+                1,
+                "{context}"
+            );
+            assert_nothing_stopped_sent(&received, &sent, &context);
+            let expected: Vec<String> = texts.iter().map(|t| redacted_by_rules(t)).collect();
+            if guard.blocked {
+                blocked += 1;
+                // A choice that ended before the block keeps its whole
+                // text and its finish; every other one is filtered.
+                for ((finish, received), expected) in finishes.iter().zip(&received).zip(&expected)
+                {
+                    match finish.as_deref() {
+                        Some("stop") => assert_eq!(received, expected, "{context}"),
+                        finish => assert_eq!(finish, Some("content_filter"), "{context}"),
+                    }
+                }
+                assert!(
+                    finishes
+                        .iter()
+                        .any(|f| f.as_deref() == Some("content_filter")),
+                    "{context}"
+                );
+                continue;
+            }
+            redacted += usize::from(expected != texts);
+            assert_eq!(received, expected, "{context}");
+            assert_eq!(finishes, vec![Some("stop".to_owned()); n], "{context}");
+        }
+        assert!(
+            blocked > 30 && redacted > 30,
+            "{blocked} blocked, {redacted} redacted"
         );
     }
 

@@ -87,6 +87,8 @@ pub struct Delta<'a> {
 /// An OpenAI choice.
 #[derive(Debug, Default)]
 pub struct Choice<'a> {
+    /// Its `index`: which of several choices (`n` > 1) the chunk is of.
+    pub index: Option<u64>,
     pub delta: Delta<'a>,
     /// Legacy completions' `text`.
     pub text: Option<Text<'a>>,
@@ -162,18 +164,22 @@ impl<'a> Choice<'a> {
         }
         let mut item = reader.jiter.known_array()?;
         if item == Some(Peek::Object) {
-            reader.object(["delta", "text", "finish_reason"], |reader, key| {
-                match key {
-                    0 => {
-                        if reader.is_object()? {
-                            choice.delta = Delta::read(reader)?;
+            reader.object(
+                ["delta", "text", "finish_reason", "index"],
+                |reader, key| {
+                    match key {
+                        0 => {
+                            if reader.is_object()? {
+                                choice.delta = Delta::read(reader)?;
+                            }
                         }
+                        1 => choice.text = reader.string()?,
+                        2 => choice.finished = reader.not_null()?,
+                        _ => choice.index = reader.u64()?,
                     }
-                    1 => choice.text = reader.string()?,
-                    _ => choice.finished = reader.not_null()?,
-                }
-                Ok(())
-            })?;
+                    Ok(())
+                },
+            )?;
             item = reader.jiter.array_step()?;
         }
         while let Some(peek) = item {
