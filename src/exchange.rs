@@ -171,45 +171,74 @@ impl<'a> ResponseBody<'a> {
         let mut reader = Reader::bytes(body)?;
         let mut read = ResponseBody::default();
         let mut texts = Texts::default();
-        let scope = Scope::Response;
         if reader.is_object()? {
-            reader.object(["usage", "choices", "output", "content"], |reader, key| {
-                match (key, endpoint) {
-                    (0, _) => read.usage = reader.object_text()?,
-                    (1, Endpoint::ChatCompletions) => texts.objects(reader, |texts, reader| {
-                        reader.object(["message"], |reader, _| texts.message(reader))
-                    })?,
-                    (1, Endpoint::Completions) => texts.objects(reader, |texts, reader| {
-                        reader.object(["text"], |reader, _| texts.text(reader, scope))
-                    })?,
-                    // An item's content and a reasoning item's summary.
-                    (2, Endpoint::Responses) => texts.objects(reader, |texts, reader| {
-                        reader.object(
-                            ["arguments", "content", "summary"],
-                            |reader, key| match key {
-                                0 => texts.text(reader, scope),
-                                _ => texts.objects(reader, |texts, reader| {
-                                    reader.object(["text", "refusal"], |reader, _| {
-                                        texts.text(reader, scope)
-                                    })
-                                }),
-                            },
-                        )
-                    })?,
-                    (3, Endpoint::Messages) => texts.objects(reader, |texts, reader| {
-                        reader.object(["text", "input", "thinking"], |reader, key| match key {
-                            1 => texts.strings(reader, scope),
-                            _ => texts.text(reader, scope),
-                        })
-                    })?,
-                    _ => reader.skip()?,
-                }
-                Ok(())
-            })?;
+            read.usage = texts.answer(&mut reader, endpoint)?;
         }
         reader.finish()?;
         read.texts = texts.found;
         Ok(read)
+    }
+
+    /// Reads the body of a stored answer that a `GET` fetches; an error as
+    /// for [`RequestBody::read`].
+    pub fn read_stored(stored: Stored, body: &'a [u8]) -> Result<ResponseBody<'a>, ReadError> {
+        let mut reader = Reader::bytes(body)?;
+        let mut texts = Texts::default();
+        if reader.is_object()? {
+            match stored {
+                Stored::Response => texts.answer(&mut reader, Endpoint::Responses).map(drop)?,
+                Stored::ChatCompletion => texts
+                    .answer(&mut reader, Endpoint::ChatCompletions)
+                    .map(drop)?,
+                Stored::Item => texts.stored_item(&mut reader)?,
+                Stored::ChatCompletions | Stored::Items => {
+                    reader.object(["data"], |reader, _| {
+                        texts.objects(reader, |texts, reader| match stored {
+                            Stored::Items => texts.stored_item(reader),
+                            _ => texts.answer(reader, Endpoint::ChatCompletions).map(drop),
+                        })
+                    })?
+                }
+            }
+        }
+        reader.finish()?;
+        Ok(ResponseBody {
+            texts: texts.found,
+            usage: None,
+        })
+    }
+}
+
+/// A `GET` whose answer holds model output stored by the API (OpenAI's
+/// stored responses, chat completions and conversations): read as a
+/// response is, so that what the rules block when it is made cannot be
+/// fetched later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    /// `GET /v1/responses/{id}`
+    Response,
+    /// `GET /v1/chat/completions/{id}`
+    ChatCompletion,
+    /// `GET /v1/chat/completions`: a list of them.
+    ChatCompletions,
+    /// `GET /v1/conversations/{id}/items`
+    Items,
+    /// `GET /v1/conversations/{id}/items/{item_id}`
+    Item,
+}
+
+impl Stored {
+    /// What a `GET` of `path` fetches, if it is a stored answer.
+    pub fn from_path(path: &str) -> Option<Stored> {
+        let segments: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
+        match segments.as_slice() {
+            ["v1", "responses", _] => Some(Stored::Response),
+            ["v1", "chat", "completions"] => Some(Stored::ChatCompletions),
+            ["v1", "chat", "completions", _] => Some(Stored::ChatCompletion),
+            ["v1", "conversations", _, "items"] => Some(Stored::Items),
+            ["v1", "conversations", _, "items", _] => Some(Stored::Item),
+            _ => None,
+        }
     }
 }
 
@@ -388,6 +417,78 @@ impl<'a> Texts<'a> {
                 None => Ok(()),
             }
         })
+    }
+
+    /// The members of a response object (the reader inside it) that hold
+    /// the answer, in `endpoint`'s shape; returns its `usage`.
+    fn answer(
+        &mut self,
+        reader: &mut Reader<'a>,
+        endpoint: Endpoint,
+    ) -> Result<Option<&'a str>, ReadError> {
+        let scope = Scope::Response;
+        let mut usage = None;
+        reader.object(["usage", "choices", "output", "content"], |reader, key| {
+            match (key, endpoint) {
+                (0, _) => usage = reader.object_text()?,
+                (1, Endpoint::ChatCompletions) => self.objects(reader, |texts, reader| {
+                    reader.object(["message"], |reader, _| texts.message(reader))
+                })?,
+                (1, Endpoint::Completions) => self.objects(reader, |texts, reader| {
+                    reader.object(["text"], |reader, _| texts.text(reader, scope))
+                })?,
+                (2, Endpoint::Responses) => {
+                    self.objects(reader, |texts, reader| texts.output_item(reader))?
+                }
+                (3, Endpoint::Messages) => self.objects(reader, |texts, reader| {
+                    reader.object(["text", "input", "thinking"], |reader, key| match key {
+                        1 => texts.strings(reader, scope),
+                        _ => texts.text(reader, scope),
+                    })
+                })?,
+                _ => reader.skip()?,
+            }
+            Ok(())
+        })?;
+        Ok(usage)
+    }
+
+    /// A Responses API output item, the reader at its start: a call's
+    /// arguments, a message's content, a reasoning item's summary and
+    /// content.
+    fn output_item(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        let scope = Scope::Response;
+        reader.object(
+            ["arguments", "content", "summary"],
+            |reader, key| match key {
+                0 => self.text(reader, scope),
+                _ => self.objects(reader, |texts, reader| {
+                    reader.object(["text", "refusal"], |reader, _| texts.text(reader, scope))
+                }),
+            },
+        )
+    }
+
+    /// A stored conversation item, the reader at its start: read as an
+    /// output item unless it is a message of another role than the
+    /// assistant's (the user's own words are not the model's answer).
+    fn stored_item(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        let span = reader.span()?;
+        let mut role = None;
+        let mut item = reader.part(span.clone());
+        if !item.is_object()? {
+            return Ok(());
+        }
+        item.object(["role"], |reader, _| {
+            role = reader.string()?.map(|t| t.value);
+            Ok(())
+        })?;
+        if role.is_some_and(|role| role != "assistant") {
+            return Ok(());
+        }
+        let mut item = reader.part(span);
+        item.is_object()?;
+        self.output_item(&mut item)
     }
 
     /// An OpenAI chat completion's message: its content, its refusal, the
@@ -622,6 +723,65 @@ mod tests {
                 ResponseBody::read(endpoint, body).map(|read| read.texts.len())
             });
         }
+    }
+
+    #[test]
+    fn stored_answers_are_read_as_responses() {
+        for (path, stored) in [
+            ("/v1/responses/resp_1", Some(Stored::Response)),
+            ("/v1/responses/resp_1/", Some(Stored::Response)),
+            ("/v1/responses/resp_1/input_items", None),
+            ("/v1/responses", None),
+            ("/v1/chat/completions", Some(Stored::ChatCompletions)),
+            (
+                "/v1/chat/completions/chatcmpl-1",
+                Some(Stored::ChatCompletion),
+            ),
+            ("/v1/chat/completions/chatcmpl-1/messages", None),
+            ("/v1/conversations/conv_1/items", Some(Stored::Items)),
+            ("/v1/conversations/conv_1/items/msg_1", Some(Stored::Item)),
+            ("/v1/conversations/conv_1", None),
+            ("/v1/models", None),
+        ] {
+            assert_eq!(Stored::from_path(path), stored, "{path}");
+        }
+        let message = |role: &str, text: &str| json!({"type": "message", "role": role, "content": [{"type": "output_text", "text": text}]});
+        let completion = |text: &str| json!({"choices": [{"message": {"content": text}}]});
+        for (stored, body, expected) in [
+            (
+                Stored::Response,
+                json!({"output": [message("assistant", "said"), {"type": "reasoning", "summary": [{"text": "thought"}]}]}),
+                vec!["said", "thought"],
+            ),
+            (Stored::ChatCompletion, completion("one"), vec!["one"]),
+            (
+                Stored::ChatCompletions,
+                json!({"object": "list", "data": [completion("one"), completion("two")]}),
+                vec!["one", "two"],
+            ),
+            (
+                Stored::Items,
+                json!({"data": [message("user", "asked"), message("assistant", "answered"), {"type": "function_call", "arguments": "{}"}]}),
+                vec!["answered", "{}"],
+            ),
+            (
+                Stored::Item,
+                message("assistant", "answered"),
+                vec!["answered"],
+            ),
+            (Stored::Item, message("user", "asked"), vec![]),
+        ] {
+            let body = body.to_string();
+            let read = ResponseBody::read_stored(stored, body.as_bytes()).unwrap();
+            let texts: Vec<String> = read
+                .texts
+                .into_iter()
+                .map(|t| t.text.into_owned())
+                .collect();
+            assert_eq!(texts, expected, "{body}");
+        }
+        let cut = r#"{"data": [{"role": "assistant", "content": [{"text": "a"#;
+        assert!(ResponseBody::read_stored(Stored::Items, cut.as_bytes()).is_err());
     }
 
     #[test]

@@ -5,9 +5,11 @@
 //! and `/v1/messages` (Anthropic) are guarded: the request is read, scanned
 //! (prompt and context), redacted or refused, forwarded, and the response is
 //! scanned before it is released (streams through [`crate::guard::stream`]).
+//! `GET`s of answers the API stored are scanned as responses (`stored`).
 //! Every other path and method is passed through, bodies streamed both ways.
 
 pub mod respond;
+mod stored;
 pub mod upstream;
 
 use std::collections::HashMap;
@@ -32,7 +34,7 @@ use serde_json::Value;
 use tokio::net::TcpListener;
 
 use crate::config::{Config, OnBlock, StreamMode};
-use crate::exchange::{Dialect, Endpoint, RequestBody, ResponseBody};
+use crate::exchange::{Dialect, Endpoint, RequestBody, ResponseBody, Stored};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json::ReadError;
@@ -336,6 +338,11 @@ async fn handle(
         .flatten();
     if req.method() == Method::POST && req.uri().path().trim_end_matches('/') == "/v1/feedback" {
         return Ok(feedback(&state, req, &request_id).await);
+    }
+    if req.method() == Method::GET
+        && let Some(stored) = Stored::from_path(req.uri().path())
+    {
+        return Ok(stored::fetch(&state, req, stored, &request_id).await);
     }
     Ok(match endpoint {
         Some(endpoint) => guarded(&state, req, endpoint, &request_id, started).await,

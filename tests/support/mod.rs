@@ -123,7 +123,8 @@ async fn mock_reply(
             &json!({"error": {"message": "mock failure", "type": "server_error"}}),
         ));
     }
-    if method == "GET" {
+    let raw = script.get("raw_json").or(script.get("raw_sse")).is_some();
+    if method == "GET" && !raw {
         return Ok(json_reply(
             200,
             &json!({"object": "list", "data": [{"id": "mock-model"}]}),
@@ -452,6 +453,16 @@ impl Proxy {
             .post(self.url(path))
             .header("x-mock-reply", script.to_string())
             .json(body)
+            .send()
+            .await
+            .expect("the proxy answers")
+    }
+
+    /// GETs `path`; the mock answers as `script` says.
+    pub async fn get(&self, path: &str, script: Value) -> reqwest::Response {
+        client()
+            .get(self.url(path))
+            .header("x-mock-reply", script.to_string())
             .send()
             .await
             .expect("the proxy answers")

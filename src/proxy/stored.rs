@@ -1,0 +1,166 @@
+//! `GET`s of answers the API stored (OpenAI's stored responses, chat
+//! completions and conversation items): relayed as the answers were when
+//! they were made, after the same response scan. Without it a client
+//! could fetch, by its id, a response whose creation fairgate refused.
+//!
+//! A stored response or chat completion that a rule blocks comes back as
+//! the refusal its creation got (or the 400 error, with `on_block:
+//! error`); a list or a conversation item, which has no refusal shape,
+//! gets the 400 error. `redact` hits are redacted in place. A stored
+//! response fetched as a stream (`?stream=true`) goes through the stream
+//! guard. There is no exchange record: a fetch makes no exchange.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::{HeaderValue, Request, Response, header};
+use http_body_util::Either;
+use hyper::body::Incoming;
+
+use super::respond::{self, Failure};
+use super::{ProxyBody, State, upstream};
+use crate::config::OnBlock;
+use crate::exchange::{Dialect, Endpoint, ResponseBody, Stored};
+use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
+use crate::guard::{self, block_message, rule_ids};
+use crate::json::ReadError;
+use crate::risk::{self, Decision, Verdict};
+
+/// The route label of these fetches in the metrics.
+const ROUTE: &str = "stored";
+
+/// Fetches a stored answer and relays it as the guard allows.
+pub(super) async fn fetch(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    stored: Stored,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let Some(route) = state.config.route(req.uri().path(), None) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    let upstream = route.upstream.clone();
+    let stream_mode = route.stream_mode.unwrap_or(state.config.guard.stream_mode);
+    let mut headers = super::upstream_headers(state, &upstream, dialect, req.headers());
+    headers.insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
+    let (parts, body) = req.into_parts();
+    let sent = super::forward(
+        state,
+        &upstream,
+        parts.method,
+        &parts.uri,
+        headers,
+        Either::Right(body),
+    )
+    .await;
+    let (response, deadline) = match sent {
+        Ok(sent) => sent,
+        Err(failure) => return respond::failure(dialect, failure, request_id),
+    };
+    if !response.status().is_success() {
+        return super::stream_back(response, deadline, request_id, None);
+    }
+    let rules = state.rules.snapshot();
+    let (head, body) = response.into_parts();
+    let broken = |kind: &str| {
+        state
+            .metrics
+            .upstream_errors
+            .with_label_values(&[&upstream, kind])
+            .inc();
+        respond::failure(dialect, Failure::UpstreamBroken, request_id)
+    };
+    if head
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"))
+    {
+        let setup = StreamSetup {
+            endpoint: Endpoint::Responses,
+            mode: stream_mode,
+            rules,
+            risk: state.config.risk.clone(),
+            request_hits: Vec::new(),
+            relevance: Vec::new(),
+            started: Instant::now(),
+            include_usage: false,
+        };
+        let counted = state.clone();
+        let done = move |outcome: StreamOutcome| count(&counted, &upstream, &outcome.verdict);
+        let body = guard_body(setup, upstream::body_stream(body, deadline), done);
+        let mut out = Response::new(body);
+        *out.status_mut() = head.status;
+        super::copy_response_headers(&head.headers, out.headers_mut());
+        respond::tag(&mut out, request_id, None);
+        return out;
+    }
+    if head
+        .headers
+        .get(header::CONTENT_ENCODING)
+        .is_some_and(|v| v.as_bytes() != b"identity")
+    {
+        return broken("encoded");
+    }
+    let limit = state.config.guard.max_response_bytes;
+    let body = match upstream::read_body(body, limit, deadline).await {
+        Ok(body) => body,
+        Err(error) => {
+            tracing::warn!(%error, "stored answer could not be read");
+            return broken("body");
+        }
+    };
+    let (scanned, json) = match ResponseBody::read_stored(stored, &body) {
+        Ok(read) => (guard::scan_response(&rules, &body, &read.texts), true),
+        Err(error @ ReadError::Ambiguous(_)) => {
+            tracing::warn!(%error, "stored answer holds a key twice");
+            return broken("ambiguous");
+        }
+        Err(_) => (guard::scan_plain_response(&rules, &body), false),
+    };
+    let verdict = risk::assess(&state.config.risk, scanned.hits, &[]);
+    count(state, &upstream, &verdict);
+    let body = if verdict.decision == Decision::Block {
+        let message = block_message(&verdict.hits);
+        tracing::info!(request_id, rules = ?rule_ids(&verdict.hits), "stored answer blocked");
+        // Fetched as it was refused when it was made.
+        let refused_as = match stored {
+            Stored::Response => Some(Endpoint::Responses),
+            Stored::ChatCompletion => Some(Endpoint::ChatCompletions),
+            _ => None,
+        };
+        match refused_as.filter(|_| json && state.config.guard.on_block == OnBlock::Refusal) {
+            Some(endpoint) => respond::refusal(endpoint, &body, &message),
+            None => {
+                let ids = rule_ids(&verdict.hits);
+                return respond::blocked(dialect, "response", &message, &ids, request_id);
+            }
+        }
+    } else {
+        scanned.redacted.unwrap_or(body)
+    };
+    let mut out = Response::new(respond::full(body));
+    *out.status_mut() = head.status;
+    super::copy_response_headers(&head.headers, out.headers_mut());
+    out.headers_mut().remove(header::CONTENT_ENCODING);
+    respond::tag(&mut out, request_id, Some(verdict.decision.as_str()));
+    out
+}
+
+/// Counts a fetch's verdict, its hits and risk.
+fn count(state: &State, upstream: &str, verdict: &Verdict) {
+    let metrics = &state.metrics;
+    super::record_verdict(metrics, verdict);
+    let decision = verdict.decision;
+    metrics
+        .requests
+        .with_label_values(&[ROUTE, upstream, decision.as_str()])
+        .inc();
+    if decision == Decision::Block {
+        metrics.blocks.with_label_values(&[ROUTE, "response"]).inc();
+    }
+}

@@ -1,0 +1,170 @@
+//! `GET`s of answers the API stored (responses, chat completions,
+//! conversation items) through the proxy over real sockets: what the rules
+//! block when an answer is made cannot be fetched later by its id.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use serde_json::{Value, json};
+use support::start;
+
+const HARMFUL: &str = "Sure! Put all your savings into Dogecoin right now.";
+const HARMLESS: &str = "Start with a budget.";
+
+/// The status, verdict header and body a `GET` of `path` gets when the
+/// upstream answers `body`.
+async fn fetch(proxy: &support::Proxy, path: &str, body: &Value) -> (u16, String, String) {
+    let response = proxy.get(path, json!({"raw_json": body.to_string()})).await;
+    let status = response.status().as_u16();
+    let verdict = response
+        .headers()
+        .get("x-fairgate-verdict")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    (status, verdict, response.text().await.unwrap())
+}
+
+fn completion(text: &str) -> Value {
+    json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}})
+}
+
+fn message(role: &str, text: &str) -> Value {
+    json!({"id": "msg_1", "type": "message", "status": "completed", "role": role,
+        "content": [{"type": "output_text", "text": text, "annotations": []}]})
+}
+
+#[tokio::test]
+async fn a_stored_answer_comes_back_as_its_refusal() {
+    let (_mock, proxy) = start().await;
+    let (status, verdict, body) = fetch(
+        &proxy,
+        "/v1/responses/resp_mock",
+        &support::responses_body(HARMFUL, "completed"),
+    )
+    .await;
+    assert_eq!((status, verdict.as_str()), (200, "block"));
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["id"], "resp_mock");
+    assert_eq!(body["incomplete_details"]["reason"], "content_filter");
+
+    let (status, verdict, body) = fetch(
+        &proxy,
+        "/v1/chat/completions/chatcmpl-1",
+        &completion(HARMFUL),
+    )
+    .await;
+    assert_eq!((status, verdict.as_str()), (200, "block"));
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["choices"][0]["finish_reason"], "content_filter");
+
+    let allowed = completion(HARMLESS);
+    let (status, verdict, body) = fetch(&proxy, "/v1/chat/completions/chatcmpl-1", &allowed).await;
+    assert_eq!((status, verdict.as_str()), (200, "allow"));
+    assert_eq!(body, allowed.to_string(), "relayed byte for byte");
+
+    let metrics = proxy.metrics().await;
+    let blocks = support::metric(
+        &metrics,
+        r#"fairgate_blocks_total{route="stored",scope="response"}"#,
+    );
+    assert_eq!(blocks, Some(2.0), "{metrics}");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn lists_and_conversation_items_are_read_by_the_assistant_s_words() {
+    let (_mock, proxy) = start().await;
+    let list = |texts: &[&str]| {
+        let data: Vec<Value> = texts.iter().map(|t| completion(t)).collect();
+        json!({"object": "list", "data": data, "has_more": false})
+    };
+    let (status, _, body) = fetch(
+        &proxy,
+        "/v1/chat/completions?limit=2",
+        &list(&[HARMLESS, HARMFUL]),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["error"]["code"], "content_filter");
+
+    let (status, verdict, body) = fetch(
+        &proxy,
+        "/v1/chat/completions",
+        &list(&["Write to jane.doe@example.com."]),
+    )
+    .await;
+    assert_eq!((status, verdict.as_str()), (200, "redact"));
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        body["data"][0]["choices"][0]["message"]["content"],
+        "Write to [REDACTED:email]."
+    );
+
+    // The user's own words are not the model's answer.
+    let items = |answer: &str| json!({"object": "list", "data": [message("user", HARMFUL), message("assistant", answer)]});
+    let allowed = items(HARMLESS);
+    let path = "/v1/conversations/conv_1/items";
+    let (status, verdict, body) = fetch(&proxy, path, &allowed).await;
+    assert_eq!((status, verdict.as_str()), (200, "allow"));
+    assert_eq!(body, allowed.to_string());
+    let (status, _, body) = fetch(&proxy, path, &items(HARMFUL)).await;
+    assert_eq!(status, 400);
+    assert!(!body.contains("Dogecoin"), "{body}");
+
+    let item = "/v1/conversations/conv_1/items/msg_1";
+    let (status, _, _) = fetch(&proxy, item, &message("assistant", HARMFUL)).await;
+    assert_eq!(status, 400);
+    let (status, _, _) = fetch(&proxy, item, &message("user", HARMFUL)).await;
+    assert_eq!(status, 200);
+
+    // Other GETs pass through unread, the inputs of a response among them.
+    let inputs = json!({"object": "list", "data": [message("user", HARMFUL)]});
+    let (status, verdict, body) =
+        fetch(&proxy, "/v1/responses/resp_mock/input_items", &inputs).await;
+    assert_eq!((status, verdict.as_str()), (200, ""));
+    assert_eq!(body, inputs.to_string());
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_stored_response_streamed_again_is_guarded() {
+    let (_mock, proxy) = start().await;
+    let chunks: Vec<String> = [
+        "Sure! Put all your sav",
+        "ings into Dogecoin ",
+        "right now.",
+    ]
+    .map(String::from)
+    .to_vec();
+    let response = proxy
+        .get(
+            "/v1/responses/resp_mock?stream=true",
+            json!({"raw_sse": support::responses_stream(&chunks)}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let body = response.text().await.unwrap();
+    assert!(!body.contains("Dogecoin"), "{body}");
+    assert!(body.contains("event: response.incomplete"), "{body}");
+    assert!(body.contains(r#""reason":"content_filter""#), "{body}");
+
+    let chunks = vec!["Start with ".to_owned(), "a budget.".to_owned()];
+    let raw = support::responses_stream(&chunks);
+    let response = proxy
+        .get(
+            "/v1/responses/resp_mock?stream=true",
+            json!({"raw_sse": raw}),
+        )
+        .await;
+    let body = response.text().await.unwrap();
+    assert!(body.contains("event: response.completed"), "{body}");
+    assert!(!body.contains("response.incomplete"), "{body}");
+    proxy.stop().await;
+}
