@@ -43,13 +43,29 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    /// The guarded endpoint a path names, if any.
+    /// The guarded endpoint a path names, if any: `/v1/chat/completions`
+    /// and the others, after any prefix (Azure OpenAI's `/openai/v1/...`,
+    /// gateways' `/api/v1/...`), or an Azure OpenAI deployment's
+    /// `/openai/deployments/{name}/chat/completions` and `/completions`.
+    /// A route that a client reaches by another path would pass unguarded.
     pub fn from_path(path: &str) -> Option<Endpoint> {
-        match path.trim_end_matches('/') {
-            "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
-            "/v1/completions" => Some(Endpoint::Completions),
-            "/v1/responses" => Some(Endpoint::Responses),
-            "/v1/messages" => Some(Endpoint::Messages),
+        let path = path.trim_end_matches('/');
+        let deployment = path
+            .split_once("/openai/deployments/")
+            .and_then(|(_, rest)| rest.split_once('/'))
+            .map(|(_, tail)| tail);
+        if let Some(tail) = deployment {
+            return match tail {
+                "chat/completions" => Some(Endpoint::ChatCompletions),
+                "completions" => Some(Endpoint::Completions),
+                _ => None,
+            };
+        }
+        match path.rsplit_once("/v1/")?.1 {
+            "chat/completions" => Some(Endpoint::ChatCompletions),
+            "completions" => Some(Endpoint::Completions),
+            "responses" => Some(Endpoint::Responses),
+            "messages" => Some(Endpoint::Messages),
             _ => None,
         }
     }
@@ -722,6 +738,38 @@ mod tests {
             every_cut_fails(&response.to_string(), &|body: &[u8]| {
                 ResponseBody::read(endpoint, body).map(|read| read.texts.len())
             });
+        }
+    }
+
+    #[test]
+    fn endpoints_are_found_after_any_prefix() {
+        for (path, endpoint) in [
+            ("/v1/chat/completions", Some(Endpoint::ChatCompletions)),
+            ("/v1/chat/completions/", Some(Endpoint::ChatCompletions)),
+            ("/v1/completions", Some(Endpoint::Completions)),
+            ("/v1/responses", Some(Endpoint::Responses)),
+            ("/v1/messages", Some(Endpoint::Messages)),
+            (
+                "/openai/v1/chat/completions",
+                Some(Endpoint::ChatCompletions),
+            ),
+            ("/api/v1/messages", Some(Endpoint::Messages)),
+            (
+                "/openai/deployments/gpt-4o/chat/completions",
+                Some(Endpoint::ChatCompletions),
+            ),
+            (
+                "/openai/deployments/davinci/completions",
+                Some(Endpoint::Completions),
+            ),
+            ("/openai/deployments/gpt-4o/embeddings", None),
+            ("/v1/threads/thread_1/messages", None),
+            ("/v1/responses/resp_1", None),
+            ("/v1/embeddings", None),
+            ("/v2/chat/completions", None),
+            ("/chat/completions", None),
+        ] {
+            assert_eq!(Endpoint::from_path(path), endpoint, "{path}");
         }
     }
 
