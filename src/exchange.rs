@@ -244,15 +244,17 @@ pub enum Stored {
 }
 
 impl Stored {
-    /// What a `GET` of `path` fetches, if it is a stored answer.
+    /// What a `GET` of `path` fetches, if it is a stored answer (after
+    /// any prefix, as for [`Endpoint::from_path`]).
     pub fn from_path(path: &str) -> Option<Stored> {
-        let segments: Vec<&str> = path.trim_end_matches('/').split('/').skip(1).collect();
+        let (_, tail) = path.trim_end_matches('/').rsplit_once("/v1/")?;
+        let segments: Vec<&str> = tail.split('/').collect();
         match segments.as_slice() {
-            ["v1", "responses", _] => Some(Stored::Response),
-            ["v1", "chat", "completions"] => Some(Stored::ChatCompletions),
-            ["v1", "chat", "completions", _] => Some(Stored::ChatCompletion),
-            ["v1", "conversations", _, "items"] => Some(Stored::Items),
-            ["v1", "conversations", _, "items", _] => Some(Stored::Item),
+            ["responses", _] => Some(Stored::Response),
+            ["chat", "completions"] => Some(Stored::ChatCompletions),
+            ["chat", "completions", _] => Some(Stored::ChatCompletion),
+            ["conversations", _, "items"] => Some(Stored::Items),
+            ["conversations", _, "items", _] => Some(Stored::Item),
             _ => None,
         }
     }
@@ -789,6 +791,8 @@ mod tests {
             ("/v1/conversations/conv_1/items", Some(Stored::Items)),
             ("/v1/conversations/conv_1/items/msg_1", Some(Stored::Item)),
             ("/v1/conversations/conv_1", None),
+            ("/openai/v1/responses/resp_1", Some(Stored::Response)),
+            ("/v2/responses/resp_1", None),
             ("/v1/models", None),
         ] {
             assert_eq!(Stored::from_path(path), stored, "{path}");
