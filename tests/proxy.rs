@@ -1219,3 +1219,91 @@ async fn each_choice_of_a_stream_is_guarded_on_its_own() {
     assert_eq!(done, 1, "{body}");
     proxy.stop().await;
 }
+
+/// One `logprobs.content` entry of an OpenAI chunk or answer, for `token`.
+fn logprob(token: &str) -> Value {
+    json!({"token": token, "logprob": -0.1, "bytes": token.as_bytes(),
+        "top_logprobs": [{"token": token, "logprob": -0.1, "bytes": token.as_bytes()}]})
+}
+
+/// `logprobs` tokens are the text they score: a re-framed stream carries
+/// the tokens of the chunks whose text it sends, none of text redacted or
+/// blocked; a whole answer keeps none once its text is redacted or refused.
+#[tokio::test]
+async fn logprobs_never_carry_what_the_rules_stop() {
+    let (_mock, proxy) = start().await;
+    let question = chat("Tips?", true);
+    let stream = |tokens: &[&str]| {
+        let deltas: Vec<Value> = tokens.iter().map(|t| json!({"content": t})).collect();
+        let mut raw = String::new();
+        for (delta, token) in deltas.iter().zip(tokens) {
+            let chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": null,
+                    "logprobs": {"content": [logprob(token)], "refusal": null}}]});
+            raw += &format!("data: {chunk}\n\n");
+        }
+        let end = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": null}]});
+        raw + &format!("data: {end}\n\ndata: [DONE]\n\n")
+    };
+    let tokens_of = |body: &str| -> Vec<String> {
+        body.split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter_map(|c| c.pointer("/choices/0/logprobs/content").cloned())
+            .flat_map(|entries| entries.as_array().cloned().unwrap_or_default())
+            .map(|entry| entry["token"].as_str().unwrap().to_owned())
+            .collect()
+    };
+
+    let tokens = ["Mail ", "jane.doe@example.com", " about ", "a budget", "."];
+    let body = relay_stream(&proxy, "/v1/chat/completions", stream(&tokens), &question).await;
+    assert!(!body.contains("jane.doe"), "{body}");
+    assert_eq!(
+        openai_stream_text(&body).0,
+        "Mail [REDACTED:email] about a budget."
+    );
+    assert_eq!(tokens_of(&body), ["Mail ", " about ", "a budget", "."]);
+
+    let tokens = ["Put all your sav", "ings into Dogecoin ", "right now."];
+    let body = relay_stream(&proxy, "/v1/chat/completions", stream(&tokens), &question).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    assert_eq!(openai_stream_text(&body).1, ["content_filter"]);
+
+    let answer = |text: &str| {
+        json!({"id": "chatcmpl-t", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                "message": {"role": "assistant", "content": text},
+                "logprobs": {"content": [logprob(text)], "refusal": null}}]})
+        .to_string()
+    };
+    for text in [
+        "Put all your savings into Dogecoin right now.",
+        "Mail jane.doe@example.com today.",
+    ] {
+        let response = proxy
+            .post(
+                "/v1/chat/completions",
+                json!({"raw_json": answer(text)}),
+                &chat("Tips?", false),
+            )
+            .await;
+        let body = response.text().await.unwrap();
+        assert!(
+            !body.contains("Dogecoin") && !body.contains("jane.doe"),
+            "{body}"
+        );
+        let body: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(body["choices"][0]["logprobs"], Value::Null, "{body}");
+    }
+    let allowed = answer("Budget first.");
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_json": allowed.clone()}),
+            &chat("Tips?", false),
+        )
+        .await;
+    assert_eq!(response.text().await.unwrap(), allowed);
+    proxy.stop().await;
+}

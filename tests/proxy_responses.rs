@@ -660,3 +660,50 @@ async fn reasoning_summaries_in_whole_answers_are_guarded() {
     );
     proxy.stop().await;
 }
+
+/// The tokens of a part's `logprobs` are its text: where the text is
+/// redacted, no event carries them.
+#[tokio::test]
+async fn logprobs_of_redacted_text_are_not_sent() {
+    let (_mock, proxy) = start().await;
+    let text = "Mail jane.doe@example.com today.";
+    let logprobs = json!([{"token": "jane.doe@example.com", "logprob": -0.1, "bytes": [106], "top_logprobs": []}]);
+    let at = json!({"item_id": "msg_1", "output_index": 0, "content_index": 0});
+    let with = |extra: Value| support::merged(&at, extra);
+    let part =
+        json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs});
+    let message = json!({"id": "msg_1", "type": "message", "role": "assistant", "content": [part]});
+    let raw = support::numbered_stream(vec![
+        (
+            "response.created",
+            json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}}),
+        ),
+        (
+            "response.content_part.added",
+            with(json!({"part": {"type": "output_text", "text": ""}})),
+        ),
+        (
+            "response.output_text.delta",
+            with(json!({"delta": text, "logprobs": logprobs})),
+        ),
+        (
+            "response.output_text.done",
+            with(json!({"text": text, "logprobs": logprobs})),
+        ),
+        ("response.content_part.done", with(json!({"part": part}))),
+        (
+            "response.output_item.done",
+            json!({"output_index": 0, "item": message}),
+        ),
+        (
+            "response.completed",
+            json!({"response": {"id": "resp_mock", "status": "completed", "output": [message]}}),
+        ),
+    ]);
+    let body = relay(&proxy, raw).await;
+    assert!(!body.contains("jane.doe"), "{body}");
+    let events = events(&body);
+    assert_eq!(delta_text(&events), "Mail [REDACTED:email] today.");
+    assert_eq!(events.last().unwrap().0, "response.completed");
+    proxy.stop().await;
+}

@@ -7,6 +7,8 @@ pub mod stream;
 
 use bytes::Bytes;
 
+use serde_json::Value;
+
 use crate::exchange::Text;
 use crate::json;
 use crate::risk::{self, RiskConfig, Verdict};
@@ -205,6 +207,36 @@ pub fn rule_ids(hits: &[Hit]) -> Vec<String> {
         }
     }
     ids
+}
+
+/// Empties every `logprobs` in `value`, at any depth (an object becomes
+/// `null`, a list of tokens `[]`): their tokens are the text as the model
+/// wrote it, so they go wherever that text was redacted or refused.
+/// Whether anything changed.
+pub fn strip_logprobs(value: &mut Value) -> bool {
+    match value {
+        Value::Object(members) => {
+            let mut changed = false;
+            for (key, value) in members.iter_mut() {
+                changed |= match (key.as_str(), &*value) {
+                    ("logprobs", Value::Object(_)) => {
+                        *value = Value::Null;
+                        true
+                    }
+                    ("logprobs", Value::Array(tokens)) if !tokens.is_empty() => {
+                        *value = Value::Array(Vec::new());
+                        true
+                    }
+                    _ => strip_logprobs(value),
+                };
+            }
+            changed
+        }
+        Value::Array(items) => items
+            .iter_mut()
+            .fold(false, |changed, item| strip_logprobs(item) | changed),
+        _ => false,
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,8 @@
 //!   in text not yet released, so **no text that a rule would block reaches
 //!   the client, however the upstream chunks it**. The text is re-framed:
 //!   the client gets well-formed deltas that need not line up with the
-//!   upstream's. On a block the stream ends as the SDKs expect: OpenAI, a
+//!   upstream's (a chat completion chunk carries the `logprobs` entries of
+//!   the upstream chunks whose text it completes, but for redacted text). On a block the stream ends as the SDKs expect: OpenAI, a
 //!   chunk with `finish_reason: "content_filter"` and `data: [DONE]` (when
 //!   the client asked for usage, the upstream is read on, unsent, for up to
 //!   10 s until its usage chunk, which goes out before `[DONE]`; a stream
@@ -414,6 +415,15 @@ pub struct Guard {
     /// The client has this guard's final event (OpenAI: its choice's
     /// finish), so a block ends its choice no more.
     ended: bool,
+    /// Chat completions asked for `logprobs`: each text chunk's
+    /// `logprobs.content` entries, with the range of `acc` its text took.
+    /// A re-framed chunk carries the entries of the chunks whose text it
+    /// completes (`logprobs_sent` of them so far), but for those of text
+    /// that was redacted: their tokens are that text.
+    logprobs: Vec<(std::ops::Range<usize>, Vec<Value>)>,
+    logprobs_sent: usize,
+    /// The entries of the chunk being read, until its text is in `acc`.
+    pending_logprobs: Option<Vec<Value>>,
 }
 
 impl Guard {
@@ -450,6 +460,9 @@ impl Guard {
             choice: 0,
             others: Vec::new(),
             ended: false,
+            logprobs: Vec::new(),
+            logprobs_sent: 0,
+            pending_logprobs: None,
         }
     }
 
@@ -672,6 +685,10 @@ impl Guard {
                 return None;
             }
         }
+        // The tokens of a redacted text are that text.
+        if changed {
+            super::strip_logprobs(json);
+        }
         Some(changed)
     }
 
@@ -779,6 +796,17 @@ impl Guard {
             _ if choice.finished => Kind::Final,
             _ => return Kind::Other,
         };
+        if self.setup.endpoint == Endpoint::ChatCompletions
+            && matches!(kind, Kind::Text { .. })
+            && let Some(logprobs) = choice.logprobs
+        {
+            self.pending_logprobs = serde_json::from_str::<Map<String, Value>>(logprobs)
+                .ok()
+                .and_then(|mut l| match l.remove("content") {
+                    Some(Value::Array(entries)) => Some(entries),
+                    _ => None,
+                });
+        }
         if self.template.is_none()
             && let Ok(json) = serde_json::from_str::<Value>(data)
         {
@@ -948,7 +976,7 @@ impl Guard {
         match kind {
             Kind::Text { text, block } => {
                 let start = self.acc.len();
-                self.acc.push_str(&text);
+                self.push_text(&text);
                 self.held
                     .push((event, Some((start, self.acc.len(), block))));
                 Vec::new()
@@ -1000,7 +1028,7 @@ impl Guard {
                 }
                 self.block = block;
                 self.block_open = true;
-                self.acc.push_str(&text);
+                self.push_text(&text);
                 if self.acc.len() - self.checked >= CHECK_STEP {
                     frames.append(&mut self.check(false));
                 }
@@ -1215,6 +1243,35 @@ impl Guard {
         safe.max(self.released)
     }
 
+    /// Appends a text event's text to `acc`, with its logprobs.
+    fn push_text(&mut self, text: &str) {
+        let start = self.acc.len();
+        self.acc.push_str(text);
+        if let Some(entries) = self.pending_logprobs.take() {
+            self.logprobs.push((start..self.acc.len(), entries));
+        }
+    }
+
+    /// The logprobs entries of the chunks whose text ends by `to` and were
+    /// not sent yet, but for those of redacted text.
+    fn take_logprobs(&mut self, to: usize) -> Vec<Value> {
+        let mut entries = Vec::new();
+        while let Some((range, chunk)) = self.logprobs.get(self.logprobs_sent) {
+            if range.end > to {
+                break;
+            }
+            let redacted = self
+                .hits
+                .iter()
+                .any(|h| h.action == Action::Redact && h.start < range.end && range.start < h.end);
+            if !redacted {
+                entries.extend(chunk.iter().cloned());
+            }
+            self.logprobs_sent += 1;
+        }
+        entries
+    }
+
     /// Sends `acc[released..safe]`, redacted, as re-framed text.
     fn release(&mut self, safe: usize) -> Vec<Bytes> {
         if safe <= self.released {
@@ -1225,7 +1282,8 @@ impl Guard {
         if text.is_empty() {
             return Vec::new();
         }
-        vec![self.text_frame(&text, self.block)]
+        let logprobs = self.take_logprobs(safe);
+        vec![self.text_frame_with(&text, self.block, logprobs)]
     }
 
     /// `acc[from..to]` with the redact hits inside it replaced.
@@ -1248,6 +1306,19 @@ impl Guard {
         }
         out.push_str(&self.acc[at..to]);
         out
+    }
+
+    /// A re-framed chat completion chunk of `text` that carries `logprobs`
+    /// entries, when the stream has them; else as [`Guard::text_frame`].
+    fn text_frame_with(&self, text: &str, block: u64, logprobs: Vec<Value>) -> Bytes {
+        if self.logprobs.is_empty() || self.dialect != Dialect::OpenAi {
+            return self.text_frame(text, block);
+        }
+        let mut chunk = self.openai_chunk(text, Value::Null);
+        if let Some(choice) = chunk.pointer_mut("/choices/0") {
+            choice["logprobs"] = json!({"content": logprobs, "refusal": null});
+        }
+        sse(None, &chunk)
     }
 
     fn text_frame(&self, text: &str, block: u64) -> Bytes {
@@ -1301,6 +1372,10 @@ impl Guard {
                 choice["delta"] = json!({"content": text});
             }
             choice["finish_reason"] = finish_reason;
+            // The template's belong to its own text.
+            if let Some(logprobs) = choice.get_mut("logprobs") {
+                *logprobs = Value::Null;
+            }
         }
         if let Some(object) = chunk.as_object_mut() {
             object.remove("usage");
@@ -1442,7 +1517,12 @@ impl Guard {
                     if !sent_blocks.contains(&block) {
                         sent_blocks.push(block);
                         let (from, to) = self.block_range(&held, block);
-                        frames.push(self.text_frame(&self.redacted(from, to), block));
+                        let logprobs = self.take_logprobs(to);
+                        frames.push(self.text_frame_with(
+                            &self.redacted(from, to),
+                            block,
+                            logprobs,
+                        ));
                     }
                 }
                 _ => frames.push(event.raw.clone()),

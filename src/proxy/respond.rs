@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 
 use super::ProxyBody;
 use crate::exchange::{Dialect, Endpoint};
+use crate::guard;
 
 /// A failure of the proxy, as the client sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,6 +172,21 @@ pub fn refusal(endpoint: Endpoint, body: &[u8], message: &str) -> Bytes {
     Bytes::from(body.to_string())
 }
 
+/// A redacted answer without its `logprobs` (see
+/// [`guard::strip_logprobs`]); the body as it was when it has none.
+pub fn without_logprobs(body: Bytes) -> Bytes {
+    if memchr::memmem::find(&body, b"\"logprobs\"").is_none() {
+        return body;
+    }
+    match serde_json::from_slice::<Value>(&body) {
+        Ok(mut value) => match guard::strip_logprobs(&mut value) {
+            true => Bytes::from(value.to_string()),
+            false => body,
+        },
+        Err(_) => body,
+    }
+}
+
 fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {
     match endpoint {
         Endpoint::ChatCompletions => {
@@ -180,6 +196,10 @@ fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {
                     let message_value =
                         json!({"role": "assistant", "content": null, "refusal": message});
                     choice["message"] = message_value;
+                    // Its tokens are the refused text.
+                    if let Some(logprobs) = choice.get_mut("logprobs") {
+                        *logprobs = Value::Null;
+                    }
                 }
             }
         }
@@ -188,6 +208,9 @@ fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {
                 for choice in choices {
                     choice["text"] = json!("");
                     choice["finish_reason"] = json!("content_filter");
+                    if let Some(logprobs) = choice.get_mut("logprobs") {
+                        *logprobs = Value::Null;
+                    }
                 }
             }
         }

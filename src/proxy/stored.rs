@@ -141,7 +141,10 @@ pub(super) async fn fetch(
             }
         }
     } else {
-        scanned.redacted.unwrap_or(body)
+        scanned
+            .redacted
+            .map(respond::without_logprobs)
+            .unwrap_or(body)
     };
     let mut out = Response::new(respond::full(body));
     *out.status_mut() = head.status;

@@ -92,6 +92,8 @@ pub struct Choice<'a> {
     pub delta: Delta<'a>,
     /// Legacy completions' `text`.
     pub text: Option<Text<'a>>,
+    /// The JSON text of `logprobs`, when it is an object.
+    pub logprobs: Option<&'a str>,
     /// Whether `finish_reason` is there and not `null`.
     pub finished: bool,
 }
@@ -165,7 +167,7 @@ impl<'a> Choice<'a> {
         let mut item = reader.jiter.known_array()?;
         if item == Some(Peek::Object) {
             reader.object(
-                ["delta", "text", "finish_reason", "index"],
+                ["delta", "text", "finish_reason", "index", "logprobs"],
                 |reader, key| {
                     match key {
                         0 => {
@@ -175,7 +177,8 @@ impl<'a> Choice<'a> {
                         }
                         1 => choice.text = reader.string()?,
                         2 => choice.finished = reader.not_null()?,
-                        _ => choice.index = reader.u64()?,
+                        3 => choice.index = reader.u64()?,
+                        _ => choice.logprobs = reader.object_text()?,
                     }
                     Ok(())
                 },
