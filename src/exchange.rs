@@ -49,25 +49,25 @@ impl Endpoint {
     /// `/openai/deployments/{name}/chat/completions` and `/completions`.
     /// A route that a client reaches by another path would pass unguarded.
     pub fn from_path(path: &str) -> Option<Endpoint> {
+        // Suffixes rather than a substring search: this runs on every
+        // request, and a `str` searcher costs some 500 instructions to set
+        // up.
         let path = path.trim_end_matches('/');
-        let deployment = path
-            .split_once("/openai/deployments/")
-            .and_then(|(_, rest)| rest.split_once('/'))
-            .map(|(_, tail)| tail);
-        if let Some(tail) = deployment {
-            return match tail {
-                "chat/completions" => Some(Endpoint::ChatCompletions),
-                "completions" => Some(Endpoint::Completions),
-                _ => None,
-            };
+        let (rest, endpoint) = if let Some(rest) = path.strip_suffix("/chat/completions") {
+            (rest, Endpoint::ChatCompletions)
+        } else if let Some(rest) = path.strip_suffix("/completions") {
+            (rest, Endpoint::Completions)
+        } else if let Some(rest) = path.strip_suffix("/responses") {
+            (rest, Endpoint::Responses)
+        } else {
+            (path.strip_suffix("/messages")?, Endpoint::Messages)
+        };
+        if rest.ends_with("/v1") {
+            return Some(endpoint);
         }
-        match path.rsplit_once("/v1/")?.1 {
-            "chat/completions" => Some(Endpoint::ChatCompletions),
-            "completions" => Some(Endpoint::Completions),
-            "responses" => Some(Endpoint::Responses),
-            "messages" => Some(Endpoint::Messages),
-            _ => None,
-        }
+        let (deployments, _name) = rest.rsplit_once('/')?;
+        let azure = matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions);
+        (azure && deployments.ends_with("/openai/deployments")).then_some(endpoint)
     }
 
     pub fn dialect(self) -> Dialect {
