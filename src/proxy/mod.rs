@@ -655,6 +655,16 @@ async fn guarded(
             return respond::failure(dialect, failure, request_id);
         }
     };
+    // A compressed body is read as it is written, and goes up uncompressed.
+    let encoding = parts.headers.get(header::CONTENT_ENCODING);
+    let decoded = encoding.is_some_and(|e| e.as_bytes() != b"identity");
+    let bytes = match decoded {
+        true => match decode(encoding, bytes, state.config.guard.max_body_bytes) {
+            Ok(bytes) => bytes,
+            Err(failure) => return respond::failure(dialect, failure, request_id),
+        },
+        false => bytes,
+    };
     let read = match RequestBody::read(endpoint, &bytes) {
         Ok(read) => read,
         Err(error) => {
@@ -745,6 +755,9 @@ async fn guarded(
     }
 
     let mut headers = upstream_headers(state, &upstream, dialect, &parts.headers);
+    if decoded {
+        headers.remove(header::CONTENT_ENCODING);
+    }
     // The guard reads response bodies: ask for them uncompressed.
     headers.insert(
         header::ACCEPT_ENCODING,
@@ -951,6 +964,25 @@ async fn guarded(
     respond::tag(&mut out, request_id, Some(verdict.decision.as_str()));
     ending(draft, status);
     out
+}
+
+/// A request body compressed as `encoding` says (`gzip` or `deflate`),
+/// decompressed to at most `limit` bytes.
+fn decode(encoding: Option<&HeaderValue>, body: Bytes, limit: usize) -> Result<Bytes, Failure> {
+    use std::io::Read;
+    let encoding = encoding.and_then(|e| e.to_str().ok()).unwrap_or_default();
+    let mut reader: Box<dyn Read> = match encoding.trim().to_ascii_lowercase().as_str() {
+        "gzip" | "x-gzip" => Box::new(flate2::read::GzDecoder::new(&body[..])),
+        "deflate" => Box::new(flate2::read::ZlibDecoder::new(&body[..])),
+        _ => return Err(Failure::UnsupportedEncoding),
+    };
+    let mut out = Vec::with_capacity((body.len() * 4).min(limit + 1));
+    // One byte past the limit tells a body that is over it.
+    match (&mut reader).take(limit as u64 + 1).read_to_end(&mut out) {
+        Ok(_) if out.len() > limit => Err(Failure::TooLarge),
+        Ok(_) => Ok(Bytes::from(out)),
+        Err(_) => Err(Failure::BadEncoding),
+    }
 }
 
 fn is_json(headers: &HeaderMap) -> bool {

@@ -21,6 +21,10 @@ pub enum Failure {
     InvalidJson,
     /// An object of the body the guard reads holds a key twice.
     AmbiguousJson,
+    /// The body is not compressed as its `Content-Encoding` says.
+    BadEncoding,
+    /// The body is compressed in a way the guard cannot read.
+    UnsupportedEncoding,
     /// No upstream could be reached.
     UpstreamUnreachable,
     /// The upstream did not answer in time.
@@ -35,7 +39,10 @@ impl Failure {
     fn status(self) -> StatusCode {
         match self {
             Failure::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Failure::InvalidJson | Failure::AmbiguousJson => StatusCode::BAD_REQUEST,
+            Failure::InvalidJson | Failure::AmbiguousJson | Failure::BadEncoding => {
+                StatusCode::BAD_REQUEST
+            }
+            Failure::UnsupportedEncoding => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Failure::UpstreamUnreachable | Failure::UpstreamBroken => StatusCode::BAD_GATEWAY,
             Failure::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Failure::NoRoute => StatusCode::NOT_FOUND,
@@ -47,6 +54,8 @@ impl Failure {
             Failure::TooLarge => "request_too_large",
             Failure::InvalidJson => "invalid_json",
             Failure::AmbiguousJson => "ambiguous_json",
+            Failure::BadEncoding => "invalid_encoding",
+            Failure::UnsupportedEncoding => "unsupported_content_encoding",
             Failure::UpstreamUnreachable => "upstream_unreachable",
             Failure::UpstreamTimeout => "upstream_timeout",
             Failure::UpstreamBroken => "upstream_error",
@@ -61,6 +70,12 @@ impl Failure {
             Failure::AmbiguousJson => {
                 "The request body gives a key twice in one object; which value counts is ambiguous."
             }
+            Failure::BadEncoding => {
+                "The request body could not be decompressed as its Content-Encoding says."
+            }
+            Failure::UnsupportedEncoding => {
+                "This gateway reads request bodies uncompressed or in gzip or deflate; send the body in one of those."
+            }
             Failure::UpstreamUnreachable => "The upstream API could not be reached.",
             Failure::UpstreamTimeout => "The upstream API did not answer in time.",
             Failure::UpstreamBroken => "The upstream API's response could not be read.",
@@ -72,7 +87,10 @@ impl Failure {
     fn anthropic_type(self) -> &'static str {
         match self {
             Failure::TooLarge => "request_too_large",
-            Failure::InvalidJson | Failure::AmbiguousJson => "invalid_request_error",
+            Failure::InvalidJson
+            | Failure::AmbiguousJson
+            | Failure::BadEncoding
+            | Failure::UnsupportedEncoding => "invalid_request_error",
             Failure::NoRoute => "not_found_error",
             _ => "api_error",
         }
