@@ -908,6 +908,12 @@ async fn tool_input_is_guarded_anthropic() {
     proxy.stop().await;
 }
 
+/// Advice the rules block, cut where neither half is blocked alone.
+const ADVICE_CUT: [&str; 2] = [
+    "They could put all their sav",
+    "ings into Dogecoin right now.",
+];
+
 /// An Anthropic stream that thinks in `thoughts` (a thinking block, signed)
 /// before it answers `answer`, as raw SSE for the mock.
 fn anthropic_thinking_stream(thoughts: &[&str], answer: &str) -> String {
@@ -968,14 +974,7 @@ async fn streamed_thinking_is_guarded_anthropic() {
     let question = messages("Should I invest?", true);
     let post = |raw: String| relay_stream(&proxy, "/v1/messages", raw, &question);
 
-    let body = post(anthropic_thinking_stream(
-        &[
-            "They could put all their sav",
-            "ings into Dogecoin right now.",
-        ],
-        "Budget first.",
-    ))
-    .await;
+    let body = post(anthropic_thinking_stream(&ADVICE_CUT, "Budget first.")).await;
     assert!(!body.contains("Dogecoin"), "{body}");
     assert!(!body.contains("Budget"), "{body}");
     let (_, stop, names) = anthropic_stream_text(&body);
@@ -1016,14 +1015,7 @@ async fn streamed_reasoning_is_guarded_openai() {
         openai_raw_stream(&deltas, "stop")
     };
 
-    let body = post(stream(
-        &[
-            "They could put all their sav",
-            "ings into Dogecoin right now.",
-        ],
-        "Budget first.",
-    ))
-    .await;
+    let body = post(stream(&ADVICE_CUT, "Budget first.")).await;
     assert!(!body.contains("Dogecoin"), "{body}");
     assert!(!body.contains("Budget"), "{body}");
     let (_, finishes, done) = openai_stream_text(&body);

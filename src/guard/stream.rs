@@ -1388,57 +1388,48 @@ impl Guard {
     /// of another choice ends only its own; the stream's end is this
     /// guard's).
     fn block(&mut self) -> Vec<Bytes> {
-        // A choice still open: its end not sent, nor blocked already.
-        let open = |guard: &Guard| !guard.ended && !guard.blocked;
-        let filtered = |guard: &Guard| sse(None, &guard.openai_chunk("", json!("content_filter")));
-        let mut ends: Vec<Bytes> = Vec::new();
-        if open(self) {
-            ends.push(filtered(self));
-        }
+        // Its choice is still open: its end not sent, nor blocked already.
+        let open = !self.ended && !self.blocked;
         self.blocked = true;
         self.finished = true;
         if self.setup.endpoint == Endpoint::Responses {
             return vec![self.responses_ending()];
         }
+        if self.dialect == Dialect::Anthropic {
+            let mut frames = Vec::new();
+            if self.block_open {
+                frames.push(sse(
+                    Some("content_block_stop"),
+                    &json!({"type": "content_block_stop", "index": self.block}),
+                ));
+            }
+            frames.push(sse(
+                Some("message_delta"),
+                &json!({"type": "message_delta", "delta": {"stop_reason": "refusal", "stop_sequence": null}, "usage": {"output_tokens": 0}}),
+            ));
+            frames.push(sse(Some("message_stop"), &json!({"type": "message_stop"})));
+            return frames;
+        }
+        let filtered = |guard: &Guard| sse(None, &guard.openai_chunk("", json!("content_filter")));
+        let mut frames: Vec<Bytes> = open.then(|| filtered(self)).into_iter().collect();
         if self.choice != 0 {
-            return ends;
+            return frames;
         }
         for guard in &mut self.others {
-            if open(guard) {
+            if !guard.ended && !guard.blocked {
                 guard.finished = true;
                 guard.ended = true;
-                ends.push(filtered(guard));
+                frames.push(filtered(guard));
             }
         }
-        match self.dialect {
-            Dialect::Anthropic => {
-                let mut frames = Vec::new();
-                if self.block_open {
-                    frames.push(sse(
-                        Some("content_block_stop"),
-                        &json!({"type": "content_block_stop", "index": self.block}),
-                    ));
-                }
-                frames.push(sse(
-                    Some("message_delta"),
-                    &json!({"type": "message_delta", "delta": {"stop_reason": "refusal", "stop_sequence": null}, "usage": {"output_tokens": 0}}),
-                ));
-                frames.push(sse(Some("message_stop"), &json!({"type": "message_stop"})));
-                frames
-            }
-            Dialect::OpenAi if self.setup.include_usage && self.usage.is_none() => {
-                self.awaiting_usage = true;
-                ends
-            }
-            Dialect::OpenAi if self.setup.include_usage => {
-                ends.extend([self.usage_frame(), Bytes::from_static(DONE)]);
-                ends
-            }
-            Dialect::OpenAi => {
-                ends.push(Bytes::from_static(DONE));
-                ends
-            }
+        if self.setup.include_usage && self.usage.is_none() {
+            self.awaiting_usage = true;
+        } else if self.setup.include_usage {
+            frames.extend([self.usage_frame(), Bytes::from_static(DONE)]);
+        } else {
+            frames.push(Bytes::from_static(DONE));
         }
+        frames
     }
 
     /// A blocked Responses API stream's last event: the response it began
