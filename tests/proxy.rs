@@ -764,12 +764,7 @@ async fn streamed_tool_input_is_guarded_anthropic() {
             "content_block_stop",
             json!({"type": "content_block_stop", "index": 0}),
         );
-        raw += &event(
-            "message_delta",
-            json!({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": null},
-            "usage": {"output_tokens": 9}}),
-        );
-        raw + &event("message_stop", json!({"type": "message_stop"}))
+        raw + &anthropic_end("tool_use")
     };
     let question = messages("Write my note.", true);
     let post = |raw: String| relay_stream(&proxy, "/v1/messages", raw, &question);
@@ -956,12 +951,18 @@ fn anthropic_thinking_stream(thoughts: &[&str], answer: &str) -> String {
         "content_block_stop",
         json!({"type": "content_block_stop", "index": 1}),
     );
-    raw += &event(
+    raw + &anthropic_end("end_turn")
+}
+
+/// An Anthropic stream's last events: `message_delta` with `stop_reason`,
+/// then `message_stop`.
+fn anthropic_end(stop_reason: &str) -> String {
+    let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
+    event(
         "message_delta",
-        json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null},
+        json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null},
         "usage": {"output_tokens": 9}}),
-    );
-    raw + &event("message_stop", json!({"type": "message_stop"}))
+    ) + &event("message_stop", json!({"type": "message_stop"}))
 }
 
 /// Extended thinking reaches the client too, so it is response text: a
