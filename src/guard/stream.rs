@@ -86,6 +86,9 @@ use crate::rules::{Action, Hit, RuleSet, Scope};
 
 use event::{Event, Shape, Text};
 
+/// The most choices a stream may have (OpenAI's limit on `n`).
+const MAX_CHOICES: usize = 128;
+
 /// OpenAI's last event.
 const DONE: &[u8] = b"data: [DONE]\n\n";
 
@@ -484,8 +487,12 @@ impl Guard {
     }
 
     /// A chunk of another choice, guarded by that choice's guard; when it
-    /// blocks, the whole stream ends blocked.
+    /// blocks, the whole stream ends blocked. A stream of more choices than
+    /// the API allows is malformed (each choice holds a guard's state).
     fn on_other_choice(&mut self, index: u64, event: SseEvent) -> Vec<Bytes> {
+        if self.others.len() + 1 >= MAX_CHOICES && !self.others.iter().any(|g| g.choice == index) {
+            return self.by_mode(event, Kind::Malformed);
+        }
         let guard = self.other_choice(index);
         let mut frames = guard.on_event(event);
         if guard.blocked {
@@ -2607,6 +2614,25 @@ mod tests {
             blocked > 30 && redacted > 30,
             "{blocked} blocked, {redacted} redacted"
         );
+    }
+
+    #[test]
+    /// An upstream that numbers more choices than the API allows ends the
+    /// stream as malformed rather than hold a guard for each.
+    fn a_stream_of_too_many_choices_is_malformed() {
+        let chunk = |index: u64| {
+            let chunk =
+                json!({"choices": [{"index": index, "delta": {"content": "Budget first. "}}]});
+            (None, chunk)
+        };
+        let mut events: Vec<(Option<&str>, Value)> = (0..1000).map(chunk).collect();
+        events.push((None, json!("[DONE]")));
+        for mode in [StreamMode::Holdback, StreamMode::Buffer] {
+            let (guard, frames) = guard_stream(Endpoint::ChatCompletions, mode, events.clone());
+            assert!(guard.malformed, "{mode:?}");
+            assert_eq!(guard.others.len(), MAX_CHOICES - 1, "{mode:?}");
+            sent_events(&frames);
+        }
     }
 
     #[test]
