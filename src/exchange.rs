@@ -260,6 +260,9 @@ impl Stored {
     }
 }
 
+/// The members of a Responses API output item that hold response text.
+const OUTPUT_ITEM: [&str; 3] = ["arguments", "content", "summary"];
+
 /// The texts found so far in a body.
 #[derive(Default)]
 struct Texts<'a> {
@@ -475,38 +478,33 @@ impl<'a> Texts<'a> {
     /// arguments, a message's content, a reasoning item's summary and
     /// content.
     fn output_item(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        reader.object(OUTPUT_ITEM, |reader, key| self.output_member(reader, key))
+    }
+
+    /// The member at `key` of [`OUTPUT_ITEM`] of an output item.
+    fn output_member(&mut self, reader: &mut Reader<'a>, key: usize) -> Result<(), ReadError> {
         let scope = Scope::Response;
-        reader.object(
-            ["arguments", "content", "summary"],
-            |reader, key| match key {
-                0 => self.text(reader, scope),
-                _ => self.objects(reader, |texts, reader| {
-                    reader.object(["text", "refusal"], |reader, _| texts.text(reader, scope))
-                }),
-            },
-        )
+        match key {
+            0 => self.text(reader, scope),
+            _ => self.objects(reader, |texts, reader| {
+                reader.object(["text", "refusal"], |reader, _| texts.text(reader, scope))
+            }),
+        }
     }
 
     /// A stored conversation item, the reader at its start: read as an
     /// output item unless it is a message of another role than the
     /// assistant's (the user's own words are not the model's answer).
     fn stored_item(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
-        let span = reader.span()?;
-        let mut role = None;
-        let mut item = reader.part(span.clone());
-        if !item.is_object()? {
-            return Ok(());
-        }
-        item.object(["role"], |reader, _| {
-            role = reader.string()?.map(|t| t.value);
-            Ok(())
-        })?;
-        if role.is_some_and(|role| role != "assistant") {
-            return Ok(());
-        }
-        let mut item = reader.part(span);
-        item.is_object()?;
-        self.output_item(&mut item)
+        let [arguments, content, summary] = OUTPUT_ITEM;
+        reader.decided_object(
+            ["role", arguments, content, summary],
+            |reader| Ok(reader.string()?.is_some_and(|t| t.value != "assistant")),
+            |reader, &not_the_model, key| match not_the_model {
+                true => reader.skip(),
+                false => self.output_member(reader, key - 1),
+            },
+        )
     }
 
     /// An OpenAI chat completion's message: its content, its refusal, the
