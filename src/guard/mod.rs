@@ -140,7 +140,8 @@ pub struct ResponseScan {
     pub hits: Vec<Hit>,
     /// The response texts as the client gets them (redacted).
     pub texts: Vec<String>,
-    /// The body as it goes to the client, when a `redact` hit rewrote it.
+    /// The body as it goes to the client, when a `redact` hit rewrote it
+    /// (and without its `logprobs`, whose tokens are the text as written).
     pub redacted: Option<Bytes>,
 }
 
@@ -164,7 +165,22 @@ pub fn scan_response(rules: &RuleSet, body: &[u8], response_texts: &[Text]) -> R
     ResponseScan {
         hits,
         texts,
-        redacted: (!edits.is_empty()).then(|| json::splice(body, &edits)),
+        redacted: (!edits.is_empty()).then(|| without_logprobs(json::splice(body, &edits))),
+    }
+}
+
+/// A redacted answer without its `logprobs` (see [`strip_logprobs`]);
+/// the body as it was when it has none.
+fn without_logprobs(body: Bytes) -> Bytes {
+    if memchr::memmem::find(&body, b"\"logprobs\"").is_none() {
+        return body;
+    }
+    match serde_json::from_slice::<Value>(&body) {
+        Ok(mut value) => match strip_logprobs(&mut value) {
+            true => Bytes::from(value.to_string()),
+            false => body,
+        },
+        Err(_) => body,
     }
 }
 

@@ -955,8 +955,7 @@ async fn guarded(
         ));
     }
     // Byte for byte what the upstream sent, unless the guard changed it.
-    let redacted = scanned.redacted.map(respond::without_logprobs);
-    let body = refused.or(redacted).unwrap_or(body);
+    let body = refused.or(scanned.redacted).unwrap_or(body);
     let mut out = Response::new(respond::full(body));
     *out.status_mut() = status;
     copy_response_headers(&upstream_headers, out.headers_mut());

@@ -10,7 +10,6 @@ use serde_json::{Value, json};
 
 use super::ProxyBody;
 use crate::exchange::{Dialect, Endpoint};
-use crate::guard;
 
 /// A failure of the proxy, as the client sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -188,21 +187,6 @@ pub fn refusal(endpoint: Endpoint, body: &[u8], message: &str) -> Bytes {
         .unwrap_or_else(|| json!({}));
     refuse_in_place(endpoint, &mut body, message);
     Bytes::from(body.to_string())
-}
-
-/// A redacted answer without its `logprobs` (see
-/// [`guard::strip_logprobs`]); the body as it was when it has none.
-pub fn without_logprobs(body: Bytes) -> Bytes {
-    if memchr::memmem::find(&body, b"\"logprobs\"").is_none() {
-        return body;
-    }
-    match serde_json::from_slice::<Value>(&body) {
-        Ok(mut value) => match guard::strip_logprobs(&mut value) {
-            true => Bytes::from(value.to_string()),
-            false => body,
-        },
-        Err(_) => body,
-    }
 }
 
 fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {

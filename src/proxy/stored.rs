@@ -141,10 +141,7 @@ pub(super) async fn fetch(
             }
         }
     } else {
-        scanned
-            .redacted
-            .map(respond::without_logprobs)
-            .unwrap_or(body)
+        scanned.redacted.unwrap_or(body)
     };
     let mut out = Response::new(respond::full(body));
     *out.status_mut() = head.status;
