@@ -558,24 +558,53 @@ async fn passthrough(
     request_id: &str,
 ) -> Response<ProxyBody> {
     let dialect = dialect_of_path(req.uri().path());
+    match relay(state, req, dialect, request_id, false).await {
+        Ok(relayed) => stream_back(relayed.response, relayed.deadline, request_id, None),
+        Err(out) => out,
+    }
+}
+
+/// A request sent upstream as the client wrote it: its route's upstream and
+/// stream mode, and the upstream's response head.
+struct Relayed {
+    upstream: String,
+    stream_mode: Option<StreamMode>,
+    response: Response<Incoming>,
+    deadline: tokio::time::Instant,
+}
+
+/// Sends `req` upstream as it came (method, path and query, headers less
+/// hop-by-hop ones, body streamed) on the route of its path; with
+/// `uncompressed`, asking for the answer uncompressed, for the guard to
+/// read. A failure is answered in `dialect`.
+async fn relay(
+    state: &State,
+    req: Request<Incoming>,
+    dialect: Dialect,
+    request_id: &str,
+    uncompressed: bool,
+) -> Result<Relayed, Response<ProxyBody>> {
     let Some(route) = state.config.route(req.uri().path(), None) else {
-        return respond::failure(dialect, Failure::NoRoute, request_id);
+        return Err(respond::failure(dialect, Failure::NoRoute, request_id));
     };
-    let upstream = route.upstream.clone();
-    let headers = upstream_headers(state, &upstream, dialect, req.headers());
+    let (upstream, stream_mode) = (route.upstream.clone(), route.stream_mode);
+    let mut headers = upstream_headers(state, &upstream, dialect, req.headers());
+    if uncompressed {
+        headers.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+    }
     let (parts, body) = req.into_parts();
-    match forward(
-        state,
-        &upstream,
-        parts.method,
-        &parts.uri,
-        headers,
-        Either::Right(body),
-    )
-    .await
-    {
-        Ok((response, deadline)) => stream_back(response, deadline, request_id, None),
-        Err(failure) => respond::failure(dialect, failure, request_id),
+    let body = Either::Right(body);
+    match forward(state, &upstream, parts.method, &parts.uri, headers, body).await {
+        Ok((response, deadline)) => Ok(Relayed {
+            upstream,
+            stream_mode,
+            response,
+            deadline,
+        }),
+        Err(failure) => Err(respond::failure(dialect, failure, request_id)),
     }
 }
 

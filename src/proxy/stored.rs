@@ -13,12 +13,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use http::{HeaderValue, Request, Response, header};
-use http_body_util::Either;
+use http::{Request, Response, header};
 use hyper::body::Incoming;
 
 use super::respond::{self, Failure};
-use super::{ProxyBody, State, upstream};
+use super::{ProxyBody, Relayed, State, upstream};
 use crate::config::OnBlock;
 use crate::exchange::{Dialect, Endpoint, ResponseBody, Stored};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
@@ -37,30 +36,16 @@ pub(super) async fn fetch(
     request_id: &str,
 ) -> Response<ProxyBody> {
     let dialect = Dialect::OpenAi;
-    let Some(route) = state.config.route(req.uri().path(), None) else {
-        return respond::failure(dialect, Failure::NoRoute, request_id);
+    let Relayed {
+        upstream,
+        stream_mode,
+        response,
+        deadline,
+    } = match super::relay(state, req, dialect, request_id, true).await {
+        Ok(relayed) => relayed,
+        Err(out) => return out,
     };
-    let upstream = route.upstream.clone();
-    let stream_mode = route.stream_mode.unwrap_or(state.config.guard.stream_mode);
-    let mut headers = super::upstream_headers(state, &upstream, dialect, req.headers());
-    headers.insert(
-        header::ACCEPT_ENCODING,
-        HeaderValue::from_static("identity"),
-    );
-    let (parts, body) = req.into_parts();
-    let sent = super::forward(
-        state,
-        &upstream,
-        parts.method,
-        &parts.uri,
-        headers,
-        Either::Right(body),
-    )
-    .await;
-    let (response, deadline) = match sent {
-        Ok(sent) => sent,
-        Err(failure) => return respond::failure(dialect, failure, request_id),
-    };
+    let stream_mode = stream_mode.unwrap_or(state.config.guard.stream_mode);
     if !response.status().is_success() {
         return super::stream_back(response, deadline, request_id, None);
     }
