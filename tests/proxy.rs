@@ -742,12 +742,7 @@ async fn streamed_tool_call_arguments_and_refusals_are_guarded_openai() {
 async fn streamed_tool_input_is_guarded_anthropic() {
     let (_mock, proxy) = start().await;
     let raw = |fragments: &[&str]| {
-        let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
-        let mut raw = event(
-            "message_start",
-            json!({"type": "message_start", "message": {"id": "msg_t", "type": "message",
-            "role": "assistant", "content": [], "model": "c", "stop_reason": null, "usage": {"input_tokens": 3, "output_tokens": 1}}}),
-        );
+        let mut raw = anthropic_start();
         raw += &event(
             "content_block_start",
             json!({"type": "content_block_start", "index": 0,
@@ -804,7 +799,6 @@ async fn streamed_tool_input_is_guarded_anthropic() {
 async fn text_in_a_block_start_is_guarded_anthropic() {
     let (_mock, proxy) = start().await;
     let raw = |first: &str, rest: &str| {
-        let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
         [
             event(
                 "message_start",
@@ -912,12 +906,7 @@ const ADVICE_CUT: [&str; 2] = [
 /// An Anthropic stream that thinks in `thoughts` (a thinking block, signed)
 /// before it answers `answer`, as raw SSE for the mock.
 fn anthropic_thinking_stream(thoughts: &[&str], answer: &str) -> String {
-    let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
-    let mut raw = event(
-        "message_start",
-        json!({"type": "message_start", "message": {"id": "msg_t", "type": "message",
-        "role": "assistant", "content": [], "model": "c", "stop_reason": null, "usage": {"input_tokens": 3, "output_tokens": 1}}}),
-    );
+    let mut raw = anthropic_start();
     raw += &event(
         "content_block_start",
         json!({"type": "content_block_start", "index": 0,
@@ -954,10 +943,23 @@ fn anthropic_thinking_stream(thoughts: &[&str], answer: &str) -> String {
     raw + &anthropic_end("end_turn")
 }
 
+/// One SSE event named `name`.
+fn event(name: &str, data: Value) -> String {
+    format!("event: {name}\ndata: {data}\n\n")
+}
+
+/// An Anthropic stream's first event, `message_start`.
+fn anthropic_start() -> String {
+    event(
+        "message_start",
+        json!({"type": "message_start", "message": {"id": "msg_t", "type": "message",
+        "role": "assistant", "content": [], "model": "c", "stop_reason": null, "usage": {"input_tokens": 3, "output_tokens": 1}}}),
+    )
+}
+
 /// An Anthropic stream's last events: `message_delta` with `stop_reason`,
 /// then `message_stop`.
 fn anthropic_end(stop_reason: &str) -> String {
-    let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
     event(
         "message_delta",
         json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null},
