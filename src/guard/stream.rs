@@ -739,6 +739,15 @@ impl Guard {
                 block: shape.block,
             };
         }
+        // Another choice's text chunk, known by that choice's shape (its
+        // index is among the fixed bytes), goes to its guard unread here.
+        if let Some(other) = self
+            .others
+            .iter()
+            .find(|guard| guard.shape.as_ref().is_some_and(|s| s.text(data).is_some()))
+        {
+            return Kind::Choice(other.choice);
+        }
         let Ok(fields) = Event::read(data) else {
             return Kind::Malformed;
         };
