@@ -247,9 +247,9 @@ impl Stored {
     /// What a `GET` of `path` fetches, if it is a stored answer (after
     /// any prefix, as for [`Endpoint::from_path`]).
     pub fn from_path(path: &str) -> Option<Stored> {
-        let (_, tail) = path.trim_end_matches('/').rsplit_once("/v1/")?;
-        let segments: Vec<&str> = tail.split('/').collect();
-        match segments.as_slice() {
+        let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
+        let v1 = segments.iter().rposition(|segment| *segment == "v1")?;
+        match &segments[v1 + 1..] {
             ["responses", _] => Some(Stored::Response),
             ["chat", "completions"] => Some(Stored::ChatCompletions),
             ["chat", "completions", _] => Some(Stored::ChatCompletion),
