@@ -117,6 +117,17 @@ impl<'a> RequestBody<'a> {
     /// object the guard reads holds one of the keys it reads twice.
     pub fn read(endpoint: Endpoint, body: &'a [u8]) -> Result<RequestBody<'a>, ReadError> {
         let mut reader = Reader::bytes(body)?;
+        let read = RequestBody::read_value(&mut reader, endpoint)?;
+        reader.finish()?;
+        Ok(read)
+    }
+
+    /// Reads a request, the reader at its start (nothing of a value that
+    /// is not an object).
+    fn read_value(
+        reader: &mut Reader<'a>,
+        endpoint: Endpoint,
+    ) -> Result<RequestBody<'a>, ReadError> {
         let mut read = RequestBody::default();
         // The system prompt and instructions come first in `texts`,
         // wherever the body has them.
@@ -164,11 +175,146 @@ impl<'a> RequestBody<'a> {
                 _ => reader.skip(),
             })?;
         }
-        reader.finish()?;
         first.found.append(&mut rest.found);
         read.texts = first.found;
         Ok(read)
     }
+}
+
+/// One request of an Anthropic message batch (`POST /v1/messages/batches`):
+/// its `custom_id`, and its `params` read as a `/v1/messages` request, with
+/// the places of the whole batch body.
+#[derive(Debug)]
+pub struct BatchRequest<'a> {
+    pub custom_id: Option<Cow<'a, str>>,
+    pub params: RequestBody<'a>,
+}
+
+/// Reads the requests of an Anthropic message batch; an error as for
+/// [`RequestBody::read`].
+pub fn read_batch(body: &[u8]) -> Result<Vec<BatchRequest<'_>>, ReadError> {
+    let mut reader = Reader::bytes(body)?;
+    let mut requests = Vec::new();
+    if reader.is_object()? {
+        reader.object(["requests"], |reader, _| {
+            if !reader.is(Peek::Array)? {
+                return Ok(());
+            }
+            reader.array(|reader| {
+                let mut request = BatchRequest {
+                    custom_id: None,
+                    params: RequestBody::default(),
+                };
+                if reader.is_object()? {
+                    reader.object(["custom_id", "params"], |reader, key| {
+                        match key {
+                            0 => request.custom_id = reader.string()?.map(|t| t.value),
+                            _ => {
+                                request.params =
+                                    RequestBody::read_value(reader, Endpoint::Messages)?
+                            }
+                        }
+                        Ok(())
+                    })?;
+                }
+                requests.push(request);
+                Ok(())
+            })
+        })?;
+    }
+    reader.finish()?;
+    Ok(requests)
+}
+
+/// The answer in one line of a batch's results: an Anthropic
+/// `result.message`, or the `response.body` of an OpenAI batch's output
+/// file (a chat completion, completion or response, by its `object`).
+#[derive(Debug)]
+pub struct BatchAnswer<'a> {
+    pub endpoint: Endpoint,
+    /// Its texts, as [`ResponseBody::read`] finds them.
+    pub texts: Vec<Text<'a>>,
+}
+
+/// One line of a batch's results, or of a file that may hold them.
+#[derive(Debug)]
+pub struct BatchLine<'a> {
+    /// Whether the line is a batch's: an object with a `custom_id`.
+    pub batch: bool,
+    /// Its answer, if it has one (a failed or canceled request has none).
+    pub answer: Option<BatchAnswer<'a>>,
+}
+
+/// Reads one line of a batch's results (JSON Lines) in `dialect`; an
+/// error as for [`RequestBody::read`].
+pub fn read_batch_line(dialect: Dialect, line: &[u8]) -> Result<BatchLine<'_>, ReadError> {
+    let mut reader = Reader::bytes(line)?;
+    let mut span = None;
+    let mut batch = false;
+    if reader.is_object()? {
+        let (outer, inner) = match dialect {
+            Dialect::Anthropic => ("result", "message"),
+            Dialect::OpenAi => ("response", "body"),
+        };
+        reader.object(["custom_id", outer], |reader, key| {
+            if key == 0 {
+                batch = reader.string()?.is_some();
+                return Ok(());
+            }
+            if !reader.is_object()? {
+                return Ok(());
+            }
+            reader.object([inner], |reader, _| {
+                span = Some(reader.span()?);
+                Ok(())
+            })
+        })?;
+    }
+    reader.finish()?;
+    let answer = match span {
+        Some(span) => batch_answer(&reader, dialect, span)?,
+        None => None,
+    };
+    Ok(BatchLine { batch, answer })
+}
+
+/// The answer of a batch's line that lies at `span`, if it is one.
+fn batch_answer<'a>(
+    reader: &Reader<'a>,
+    dialect: Dialect,
+    span: Range<usize>,
+) -> Result<Option<BatchAnswer<'a>>, ReadError> {
+    let endpoint = match dialect {
+        Dialect::Anthropic => Some(Endpoint::Messages),
+        Dialect::OpenAi => {
+            let mut object = None;
+            let mut part = reader.part(span.clone());
+            if part.is_object()? {
+                part.object(["object"], |reader, _| {
+                    object = reader.string()?.map(|t| t.value);
+                    Ok(())
+                })?;
+            }
+            match object.as_deref() {
+                Some("chat.completion") => Some(Endpoint::ChatCompletions),
+                Some("text_completion") => Some(Endpoint::Completions),
+                Some("response") => Some(Endpoint::Responses),
+                _ => None,
+            }
+        }
+    };
+    let Some(endpoint) = endpoint else {
+        return Ok(None);
+    };
+    let mut part = reader.part(span);
+    let mut texts = Texts::default();
+    if part.is_object()? {
+        texts.answer(&mut part, endpoint)?;
+    }
+    Ok(Some(BatchAnswer {
+        endpoint,
+        texts: texts.found,
+    }))
 }
 
 /// What the guard reads of a (non-streaming) response body.
@@ -255,6 +401,41 @@ impl Stored {
             ["chat", "completions", _] => Some(Stored::ChatCompletion),
             ["conversations", _, "items"] => Some(Stored::Items),
             ["conversations", _, "items", _] => Some(Stored::Item),
+            _ => None,
+        }
+    }
+}
+
+/// A request about batches, whose prompts or answers would otherwise pass
+/// unread: Anthropic message batches, and the files that hold an OpenAI
+/// batch's output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Batch {
+    /// `POST /v1/messages/batches`: its requests are scanned as prompts.
+    Create,
+    /// `GET /v1/messages/batches[/{id}]`, `POST .../{id}/cancel`: batch
+    /// objects, whose `results_url` must lead back through the proxy.
+    Objects,
+    /// `GET /v1/messages/batches/{id}/results`
+    Results,
+    /// `GET /v1/files/{id}/content`: a batch's output, or another file.
+    FileContent,
+}
+
+impl Batch {
+    /// What a request of `method` to `path` is about, if batches (after
+    /// any prefix, as for [`Endpoint::from_path`]).
+    pub fn from_request(method: &http::Method, path: &str) -> Option<Batch> {
+        let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
+        let v1 = segments.iter().rposition(|segment| *segment == "v1")?;
+        let post = *method == http::Method::POST;
+        let get = *method == http::Method::GET;
+        match (&segments[v1 + 1..], post, get) {
+            (["messages", "batches"], true, _) => Some(Batch::Create),
+            (["messages", "batches"] | ["messages", "batches", _], _, true) => Some(Batch::Objects),
+            (["messages", "batches", _, "cancel"], true, _) => Some(Batch::Objects),
+            (["messages", "batches", _, "results"], _, true) => Some(Batch::Results),
+            (["files", _, "content"], _, true) => Some(Batch::FileContent),
             _ => None,
         }
     }

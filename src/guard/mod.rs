@@ -5,6 +5,8 @@
 
 pub mod stream;
 
+use std::ops::Range;
+
 use bytes::Bytes;
 
 use serde_json::Value;
@@ -21,11 +23,19 @@ pub struct RequestScan {
     /// The relevance of each context text to the prompt, for the response
     /// stage's verdict.
     pub relevance: Vec<f64>,
-    /// The body as it goes upstream, when a `redact` hit rewrote it.
-    pub redacted: Option<Bytes>,
+    /// The texts a `redact` hit rewrote: where each lies in the body and
+    /// its new value.
+    pub edits: Vec<(Range<usize>, String)>,
     /// The prompt and context texts as forwarded (redacted), for the
     /// exchange record.
     pub texts: RequestTexts,
+}
+
+impl RequestScan {
+    /// The body as it goes upstream, when a `redact` hit rewrote it.
+    pub fn redacted(&self, body: &[u8]) -> Option<Bytes> {
+        (!self.edits.is_empty()).then(|| json::splice(body, &self.edits))
+    }
 }
 
 /// The texts of a request by scope, after redaction.
@@ -41,7 +51,6 @@ pub fn scan_request(
     rules: &RuleSet,
     risk: &RiskConfig,
     context_tags: &[String],
-    body: &[u8],
     request_texts: &[Text],
 ) -> RequestScan {
     let mut hits = Vec::new();
@@ -96,7 +105,7 @@ pub fn scan_request(
     RequestScan {
         verdict: risk::assess(risk, hits, &relevance),
         relevance,
-        redacted: (!edits.is_empty()).then(|| json::splice(body, &edits)),
+        edits,
         texts,
     }
 }
@@ -212,6 +221,15 @@ pub fn block_message(hits: &[Hit]) -> String {
         .unwrap_or_else(|| {
             "This exchange was blocked by the content policy: its combined risk is too high.".into()
         })
+}
+
+/// The scope a block is reported in: the first blocking rule's; a block
+/// by total risk is that of the text `scanned` (a request's: the prompt).
+pub fn block_scope(hits: &[Hit], scanned: Scope) -> &'static str {
+    hits.iter()
+        .find(|h| h.action == Action::Block)
+        .map_or(scanned, |h| h.scope)
+        .as_str()
 }
 
 /// The ids of the rules that hit, once each, in order.
@@ -359,8 +377,8 @@ mod tests {
         let unreadable = String::from_utf8_lossy(body);
         if request {
             let read = RequestBody::read(endpoint, body).expect(&unreadable);
-            let scan = scan_request(rules, &RiskConfig::default(), tags, body, &read.texts);
-            (read.texts, scan.redacted)
+            let scan = scan_request(rules, &RiskConfig::default(), tags, &read.texts);
+            (read.texts, scan.redacted(body))
         } else {
             let read = ResponseBody::read(endpoint, body).expect(&unreadable);
             let scan = scan_response(rules, body, &read.texts);

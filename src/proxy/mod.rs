@@ -8,6 +8,7 @@
 //! `GET`s of answers the API stored are scanned as responses (`stored`).
 //! Every other path and method is passed through, bodies streamed both ways.
 
+mod batch;
 pub mod respond;
 mod stored;
 pub mod upstream;
@@ -34,7 +35,7 @@ use serde_json::Value;
 use tokio::net::TcpListener;
 
 use crate::config::{Config, OnBlock, StreamMode};
-use crate::exchange::{Dialect, Endpoint, RequestBody, ResponseBody, Stored};
+use crate::exchange::{Batch, Dialect, Endpoint, RequestBody, ResponseBody, Stored};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json::ReadError;
@@ -46,7 +47,7 @@ use crate::record::{
 };
 use crate::risk::{self, Decision, Verdict};
 use crate::rules::store::RuleStore;
-use crate::rules::{Hit, RuleSet};
+use crate::rules::{Hit, RuleSet, Scope};
 use crate::telemetry::Metrics;
 use respond::Failure;
 use upstream::{UpstreamBody, UpstreamClient, build_client};
@@ -346,7 +347,10 @@ async fn handle(
     }
     Ok(match endpoint {
         Some(endpoint) => guarded(&state, req, endpoint, &request_id, started).await,
-        None => passthrough(&state, req, &request_id).await,
+        None => match Batch::from_request(req.method(), req.uri().path()) {
+            Some(batch) => batch::handle(&state, req, batch, &request_id).await,
+            None => passthrough(&state, req, &request_id).await,
+        },
     })
 }
 
@@ -667,43 +671,13 @@ async fn guarded(
     let dialect = endpoint.dialect();
     let route_label = endpoint.route();
     let (parts, body) = req.into_parts();
-    let bytes = match Limited::new(body, state.config.guard.max_body_bytes)
-        .collect()
-        .await
-    {
-        Ok(collected) => collected.to_bytes(),
-        Err(error) => {
-            let failure = if error
-                .downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some()
-            {
-                Failure::TooLarge
-            } else {
-                Failure::InvalidJson
-            };
-            return respond::failure(dialect, failure, request_id);
-        }
-    };
-    // A compressed body is read as it is written, and goes up uncompressed.
-    let encoding = parts.headers.get(header::CONTENT_ENCODING);
-    let decoded = encoding.is_some_and(|e| e.as_bytes() != b"identity");
-    let bytes = match decoded {
-        true => match decode(encoding, bytes, state.config.guard.max_body_bytes) {
-            Ok(bytes) => bytes,
-            Err(failure) => return respond::failure(dialect, failure, request_id),
-        },
-        false => bytes,
+    let (bytes, decoded) = match read_request(state, &parts.headers, body).await {
+        Ok(read) => read,
+        Err(failure) => return respond::failure(dialect, failure, request_id),
     };
     let read = match RequestBody::read(endpoint, &bytes) {
         Ok(read) => read,
-        Err(error) => {
-            let failure = if matches!(error, ReadError::Ambiguous(_)) {
-                Failure::AmbiguousJson
-            } else {
-                Failure::InvalidJson
-            };
-            return respond::failure(dialect, failure, request_id);
-        }
+        Err(error) => return respond::failure(dialect, Failure::unreadable(&error), request_id),
     };
     let model = read.model.as_deref().map(str::to_owned);
     let (streaming, include_usage) = (read.stream, read.include_usage);
@@ -719,7 +693,6 @@ async fn guarded(
         &rules,
         &state.config.risk,
         &state.config.guard.context_tags,
-        &bytes,
         &read.texts,
     );
     let texts = std::mem::take(&mut scan.texts);
@@ -752,14 +725,7 @@ async fn guarded(
     };
     if scan.verdict.decision == Decision::Block {
         record_verdict(&state.metrics, &scan.verdict);
-        // The scope of the first blocking rule; a block by total risk is the
-        // prompt's.
-        let scope = scan
-            .verdict
-            .hits
-            .iter()
-            .find(|h| h.action == crate::rules::Action::Block)
-            .map_or("prompt", |h| h.scope.as_str());
+        let scope = guard::block_scope(&scan.verdict.hits, Scope::Prompt);
         state
             .metrics
             .blocks
@@ -798,7 +764,7 @@ async fn guarded(
     );
     let sent = Instant::now();
     // Byte for byte what the client sent, unless a redaction rewrote it.
-    let body = scan.redacted.take().unwrap_or(bytes);
+    let body = scan.redacted(&bytes).unwrap_or(bytes);
     let forwarded = forward(
         state,
         &upstream,
@@ -956,7 +922,7 @@ async fn guarded(
         let response_hits: Vec<Hit> = verdict
             .hits
             .iter()
-            .filter(|h| h.scope == crate::rules::Scope::Response)
+            .filter(|h| h.scope == Scope::Response)
             .cloned()
             .collect();
         let message = block_message(if response_hits.is_empty() {
@@ -992,6 +958,34 @@ async fn guarded(
     respond::tag(&mut out, request_id, Some(verdict.decision.as_str()));
     ending(draft, status);
     out
+}
+
+/// A guarded request's body, read whole (to at most
+/// `guard.max_body_bytes`) and decompressed as its `Content-Encoding`
+/// says; whether it was compressed (it goes upstream uncompressed).
+async fn read_request(
+    state: &State,
+    headers: &HeaderMap,
+    body: Incoming,
+) -> Result<(Bytes, bool), Failure> {
+    let limit = state.config.guard.max_body_bytes;
+    let bytes = match Limited::new(body, limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) => {
+            let too_large = error
+                .downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some();
+            return Err(match too_large {
+                true => Failure::TooLarge,
+                false => Failure::InvalidJson,
+            });
+        }
+    };
+    let encoding = headers.get(header::CONTENT_ENCODING);
+    match encoding.is_some_and(|e| e.as_bytes() != b"identity") {
+        true => Ok((decode(encoding, bytes, limit)?, true)),
+        false => Ok((bytes, false)),
+    }
 }
 
 /// A request body compressed as `encoding` says (`gzip` or `deflate`),

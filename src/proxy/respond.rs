@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 
 use super::ProxyBody;
 use crate::exchange::{Dialect, Endpoint};
+use crate::json::ReadError;
 
 /// A failure of the proxy, as the client sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +36,14 @@ pub enum Failure {
 }
 
 impl Failure {
+    /// The failure of a request body the guard could not read.
+    pub fn unreadable(error: &ReadError) -> Failure {
+        match error {
+            ReadError::Ambiguous(_) => Failure::AmbiguousJson,
+            _ => Failure::InvalidJson,
+        }
+    }
+
     fn status(self) -> StatusCode {
         match self {
             Failure::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -154,7 +163,23 @@ pub fn blocked(
     rules: &[String],
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let body = match dialect {
+    let body = blocked_body(dialect, scope, message, rules, request_id);
+    let mut response = json_response(StatusCode::BAD_REQUEST, &body, request_id, Some("block"));
+    response
+        .headers_mut()
+        .insert("x-should-retry", HeaderValue::from_static("false"));
+    response
+}
+
+/// The body of [`blocked`]'s 400.
+pub fn blocked_body(
+    dialect: Dialect,
+    scope: &str,
+    message: &str,
+    rules: &[String],
+    request_id: &str,
+) -> Value {
+    match dialect {
         Dialect::OpenAi => json!({"error": {
             "message": message,
             "type": "invalid_request_error",
@@ -166,12 +191,7 @@ pub fn blocked(
             "type": "invalid_request_error",
             "message": message,
         }}),
-    };
-    let mut response = json_response(StatusCode::BAD_REQUEST, &body, request_id, Some("block"));
-    response
-        .headers_mut()
-        .insert("x-should-retry", HeaderValue::from_static("false"));
-    response
+    }
 }
 
 /// Rewrites a successful response body into a refusal: OpenAI
@@ -189,7 +209,7 @@ pub fn refusal(endpoint: Endpoint, body: &[u8], message: &str) -> Bytes {
     Bytes::from(body.to_string())
 }
 
-fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {
+pub fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {
     match endpoint {
         Endpoint::ChatCompletions => {
             if let Some(choices) = body.get_mut("choices").and_then(Value::as_array_mut) {

@@ -24,6 +24,7 @@ use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json::ReadError;
 use crate::risk::{self, Decision, Verdict};
+use crate::rules::Scope;
 
 /// The route label of these fetches in the metrics.
 const ROUTE: &str = "stored";
@@ -76,7 +77,15 @@ pub(super) async fn fetch(
             include_usage: false,
         };
         let counted = state.clone();
-        let done = move |outcome: StreamOutcome| count(&counted, &upstream, &outcome.verdict);
+        let done = move |outcome: StreamOutcome| {
+            count(
+                &counted,
+                ROUTE,
+                &upstream,
+                Scope::Response,
+                &outcome.verdict,
+            )
+        };
         let body = guard_body(setup, upstream::body_stream(body, deadline), done);
         let mut out = Response::new(body);
         *out.status_mut() = head.status;
@@ -108,7 +117,7 @@ pub(super) async fn fetch(
         Err(_) => (guard::scan_plain_response(&rules, &body), false),
     };
     let verdict = risk::assess(&state.config.risk, scanned.hits, &[]);
-    count(state, &upstream, &verdict);
+    count(state, ROUTE, &upstream, Scope::Response, &verdict);
     let body = if verdict.decision == Decision::Block {
         let message = block_message(&verdict.hits);
         tracing::info!(request_id, rules = ?rule_ids(&verdict.hits), "stored answer blocked");
@@ -136,16 +145,18 @@ pub(super) async fn fetch(
     out
 }
 
-/// Counts a fetch's verdict, its hits and risk.
-fn count(state: &State, upstream: &str, verdict: &Verdict) {
+/// Counts the verdict of a text scanned outside an exchange (a fetch, a
+/// batch's request or answer) on `route`: its hits, risk and block.
+pub(super) fn count(state: &State, route: &str, upstream: &str, scanned: Scope, verdict: &Verdict) {
     let metrics = &state.metrics;
     super::record_verdict(metrics, verdict);
     let decision = verdict.decision;
     metrics
         .requests
-        .with_label_values(&[ROUTE, upstream, decision.as_str()])
+        .with_label_values(&[route, upstream, decision.as_str()])
         .inc();
     if decision == Decision::Block {
-        metrics.blocks.with_label_values(&[ROUTE, "response"]).inc();
+        let scope = guard::block_scope(&verdict.hits, scanned);
+        metrics.blocks.with_label_values(&[route, scope]).inc();
     }
 }

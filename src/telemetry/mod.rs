@@ -105,7 +105,7 @@ impl Metrics {
         );
         let upstream_errors = counter(
             "fairgate_upstream_errors_total",
-            "Upstream failures by kind (connect, timeout, body, ambiguous, encoded, not_json).",
+            "Upstream failures by kind (connect, timeout, body, ambiguous, encoded, not_json, malformed).",
             &["upstream", "kind"],
         );
         let stream_errors = counter(

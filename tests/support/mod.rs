@@ -4,9 +4,11 @@
 //! The mock answers in the dialect of the path it is called on. A request
 //! header `x-mock-reply` (JSON) says what to answer:
 //! `{"text": "...", "chunks": ["..", ".."], "status": 500, "delay_ms": 100,
-//! "raw_sse": "...", "raw_json": "..."}` (a `raw_json` body goes out as
-//! written, with `content_type` and `content_encoding` headers when the
-//! script gives them); without it the mock echoes "Hello from the mock.".
+//! "raw_sse": "...", "raw_json": "...", "raw_pieces": "..."}` (a `raw_json`
+//! body goes out as written, with `content_type` and `content_encoding`
+//! headers when the script gives them; `raw_sse` and `raw_pieces` go out
+//! in pieces of 7 bytes, the latter with its `content_type`); without it
+//! the mock echoes "Hello from the mock.".
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -123,7 +125,9 @@ async fn mock_reply(
             &json!({"error": {"message": "mock failure", "type": "server_error"}}),
         ));
     }
-    let raw = script.get("raw_json").or(script.get("raw_sse")).is_some();
+    let raw = ["raw_json", "raw_sse", "raw_pieces"]
+        .iter()
+        .any(|key| script.get(key).is_some());
     if method == "GET" && !raw {
         return Ok(json_reply(
             200,
@@ -163,6 +167,11 @@ async fn mock_reply(
     }
     if let Some(raw) = script.get("raw_sse").and_then(Value::as_str) {
         return Ok(sse_reply(raw.to_owned(), pause));
+    }
+    if let Some(raw) = script.get("raw_pieces").and_then(Value::as_str) {
+        let content_type = script.get("content_type").and_then(Value::as_str);
+        let content_type = content_type.unwrap_or("application/octet-stream");
+        return Ok(pieces_reply(raw.to_owned(), pause, content_type));
     }
     if path == "/v1/responses" {
         return Ok(match stream {
@@ -367,6 +376,11 @@ fn json_reply(status: u16, body: &Value) -> Response<MockBody> {
 /// An SSE body sent in small pieces, `pause_ms` apart, as a real upstream
 /// sends it.
 fn sse_reply(body: String, pause_ms: u64) -> Response<MockBody> {
+    pieces_reply(body, pause_ms, "text/event-stream")
+}
+
+/// `body` in pieces of 7 bytes, `pause_ms` apart.
+fn pieces_reply(body: String, pause_ms: u64, content_type: &str) -> Response<MockBody> {
     let pieces: Vec<Bytes> = body
         .as_bytes()
         .chunks(7)
@@ -381,7 +395,7 @@ fn sse_reply(body: String, pause_ms: u64) -> Response<MockBody> {
     });
     Response::builder()
         .status(200)
-        .header("content-type", "text/event-stream")
+        .header("content-type", content_type)
         .body(http_body_util::StreamBody::new(stream).boxed())
         .unwrap()
 }

@@ -1,0 +1,458 @@
+//! Batches, which would otherwise be a way around the rules: the requests
+//! of an Anthropic message batch are scanned when it is created, and its
+//! results and an OpenAI batch's output file as they are fetched.
+//!
+//! - `POST /v1/messages/batches`: each request's `params` is read as a
+//!   `/v1/messages` request. One that a rule blocks fails the whole batch
+//!   with the 400 a blocked prompt gets, its message naming the request by
+//!   its index and `custom_id`; `redact` hits are redacted in place.
+//! - Batch objects (created, retrieved, listed, canceled): their
+//!   `results_url`, which the SDKs follow, leads back to the proxy as the
+//!   client reached it; else the results would come from the API directly.
+//! - Results (`GET /v1/messages/batches/{id}/results`), and files
+//!   (`GET /v1/files/{id}/content`) whose first line is a batch's line (an
+//!   object with a `custom_id`): relayed line by line, as they arrive, each
+//!   answer scanned as a response. A blocked answer becomes the refusal its
+//!   request would have got (with `on_block: error`, the error, as a failed
+//!   request of the batch); `redact` hits are redacted in place. A line
+//!   that is not JSON, or longer than `guard.max_response_bytes`, ends the
+//!   body with an error. Other files pass unread.
+//!
+//! There is no exchange record: the proxy sees no batch request from its
+//! prompt to its answer.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, header};
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use serde_json::{Value, json};
+
+use super::respond::{self, Failure};
+use super::stored::count;
+use super::{BoxError, ProxyBody, Relayed, State, upstream};
+use crate::config::OnBlock;
+use crate::exchange::{self, Batch, BatchAnswer, Dialect};
+use crate::guard::{self, block_message, rule_ids};
+use crate::json;
+use crate::risk::{self, Decision};
+use crate::rules::{RuleSet, Scope};
+
+/// The route label of a batch's requests in the metrics.
+const REQUESTS: &str = "batches";
+/// The route label of a batch's answers.
+const RESULTS: &str = "batch_results";
+
+/// A request about batches ([`Batch`]), relayed as the guard allows.
+pub(super) async fn handle(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    batch: Batch,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    match batch {
+        Batch::Create => create(state, req, request_id).await,
+        Batch::Objects => objects(state, req, request_id).await,
+        Batch::Results => results(state, req, Dialect::Anthropic, request_id).await,
+        Batch::FileContent => results(state, req, Dialect::OpenAi, request_id).await,
+    }
+}
+
+/// Creates a message batch whose requests the rules allow.
+async fn create(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::Anthropic;
+    let origin = client_origin(req.headers(), req.uri());
+    let (parts, body) = req.into_parts();
+    let (bytes, decoded) = match super::read_request(state, &parts.headers, body).await {
+        Ok(read) => read,
+        Err(failure) => return respond::failure(dialect, failure, request_id),
+    };
+    let requests = match exchange::read_batch(&bytes) {
+        Ok(requests) => requests,
+        Err(error) => return respond::failure(dialect, Failure::unreadable(&error), request_id),
+    };
+    let Some(route) = state.config.route(parts.uri.path(), None) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    let upstream = route.upstream.clone();
+    let rules = state.rules.snapshot();
+    let mut edits = Vec::new();
+    for (index, request) in requests.iter().enumerate() {
+        let scan = guard::scan_request(
+            &rules,
+            &state.config.risk,
+            &state.config.guard.context_tags,
+            &request.params.texts,
+        );
+        count(state, REQUESTS, &upstream, Scope::Prompt, &scan.verdict);
+        if scan.verdict.decision == Decision::Block {
+            let hits = &scan.verdict.hits;
+            let named = match &request.custom_id {
+                Some(id) => format!("requests.{index} (custom_id {id:?})"),
+                None => format!("requests.{index}"),
+            };
+            let message = format!("{named}: {}", block_message(hits));
+            let scope = guard::block_scope(hits, Scope::Prompt);
+            tracing::info!(request_id, index, rules = ?rule_ids(hits), "batch request blocked");
+            return respond::blocked(dialect, scope, &message, &rule_ids(hits), request_id);
+        }
+        edits.extend(scan.edits);
+    }
+    let body = match edits.is_empty() {
+        true => bytes,
+        false => json::splice(&bytes, &edits),
+    };
+    let mut headers = super::upstream_headers(state, &upstream, dialect, &parts.headers);
+    if decoded {
+        headers.remove(header::CONTENT_ENCODING);
+    }
+    headers.insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
+    let body = http_body_util::Either::Left(Full::new(body));
+    match super::forward(state, &upstream, Method::POST, &parts.uri, headers, body).await {
+        Ok((response, deadline)) => {
+            let relayed = Relayed {
+                upstream,
+                stream_mode: None,
+                response,
+                deadline,
+            };
+            with_results_here(state, relayed, origin, request_id).await
+        }
+        Err(failure) => respond::failure(dialect, failure, request_id),
+    }
+}
+
+/// Relays batch objects with their `results_url` leading to the proxy.
+async fn objects(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let origin = client_origin(req.headers(), req.uri());
+    match super::relay(state, req, Dialect::Anthropic, request_id, true).await {
+        Ok(relayed) => with_results_here(state, relayed, origin, request_id).await,
+        Err(out) => out,
+    }
+}
+
+/// The scheme and authority by which the client reached the proxy:
+/// `X-Forwarded-Proto` and `X-Forwarded-Host` where a proxy in front of it
+/// sets them, else plain HTTP and `Host`.
+fn client_origin(headers: &HeaderMap, uri: &Uri) -> Option<String> {
+    let first = |name: &str| {
+        let value = headers.get(name)?.to_str().ok()?;
+        let first = value.split(',').next()?.trim();
+        (!first.is_empty()).then_some(first)
+    };
+    let host = first("x-forwarded-host")
+        .or_else(|| first(header::HOST.as_str()))
+        .or_else(|| uri.authority().map(|a| a.as_str()))?;
+    let scheme = first("x-forwarded-proto").unwrap_or("http");
+    Some(format!("{scheme}://{host}"))
+}
+
+/// A batch object, or a list of them, relayed with each `results_url`
+/// leading to `origin`, the proxy as the client reached it.
+async fn with_results_here(
+    state: &State,
+    relayed: Relayed,
+    origin: Option<String>,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let Relayed {
+        upstream,
+        response,
+        deadline,
+        ..
+    } = relayed;
+    let (Some(origin), Some(config)) = (origin, state.config.upstreams.get(&upstream)) else {
+        return super::stream_back(response, deadline, request_id, None);
+    };
+    let (head, body) = response.into_parts();
+    let limit = state.config.guard.max_response_bytes;
+    let body = match upstream::read_body(body, limit, deadline).await {
+        Ok(body) => body,
+        Err(error) => {
+            tracing::warn!(%error, "batch object could not be read");
+            state
+                .metrics
+                .upstream_errors
+                .with_label_values(&[&upstream, "body"])
+                .inc();
+            return respond::failure(Dialect::Anthropic, Failure::UpstreamBroken, request_id);
+        }
+    };
+    let body = results_here(body, config.url.trim_end_matches('/'), &origin);
+    let mut out = Response::new(respond::full(body));
+    *out.status_mut() = head.status;
+    super::copy_response_headers(&head.headers, out.headers_mut());
+    respond::tag(&mut out, request_id, None);
+    out
+}
+
+/// `body` with the `results_url` of its batch object, or of each in its
+/// `data`, at `origin`: the upstream's `base` (or whatever scheme and host
+/// the URL has) replaced. The body as it was when none changes.
+fn results_here(body: Bytes, base: &str, origin: &str) -> Bytes {
+    if memchr::memmem::find(&body, b"\"results_url\"").is_none() {
+        return body;
+    }
+    let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
+        return body;
+    };
+    let mut changed = false;
+    let mut point = |object: &mut Value| {
+        let Some(Value::String(url)) = object.get_mut("results_url") else {
+            return;
+        };
+        let path = match url.strip_prefix(base) {
+            Some(path) => path.to_owned(),
+            None => match url.parse::<Uri>() {
+                Ok(uri) => uri.path_and_query().map_or("/", |p| p.as_str()).to_owned(),
+                Err(_) => return,
+            },
+        };
+        *url = format!("{origin}{path}");
+        changed = true;
+    };
+    point(&mut value);
+    if let Some(data) = value.get_mut("data").and_then(Value::as_array_mut) {
+        data.iter_mut().for_each(point);
+    }
+    match changed {
+        true => Bytes::from(value.to_string()),
+        false => body,
+    }
+}
+
+/// Relays a batch's results (or a file that may be a batch's output) line
+/// by line, each answer as the guard allows.
+async fn results(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    dialect: Dialect,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let Relayed {
+        upstream,
+        response,
+        deadline,
+        ..
+    } = match super::relay(state, req, dialect, request_id, true).await {
+        Ok(relayed) => relayed,
+        Err(out) => return out,
+    };
+    if !response.status().is_success() {
+        return super::stream_back(response, deadline, request_id, None);
+    }
+    let (head, body) = response.into_parts();
+    if head
+        .headers
+        .get(header::CONTENT_ENCODING)
+        .is_some_and(|v| v.as_bytes() != b"identity")
+    {
+        state
+            .metrics
+            .upstream_errors
+            .with_label_values(&[&upstream, "encoded"])
+            .inc();
+        return respond::failure(dialect, Failure::UpstreamBroken, request_id);
+    }
+    let lines = Lines {
+        rules: state.rules.snapshot(),
+        state: state.clone(),
+        upstream,
+        dialect,
+        request_id: request_id.to_owned(),
+        // Anthropic's results are a batch's; a file tells by its first line.
+        reading: (dialect == Dialect::Anthropic).then_some(true),
+        pending: Vec::new(),
+    };
+    let chunks = upstream::body_stream(body, deadline);
+    let body = futures_util::stream::unfold(Some((lines, chunks)), |state| async move {
+        let (mut lines, mut chunks) = state?;
+        loop {
+            let out = match chunks.next().await {
+                Some(Ok(chunk)) => lines.push(chunk),
+                Some(Err(error)) => Err(error),
+                None => return lines.finish().map(|out| (out.map(Frame::data), None)),
+            };
+            match out {
+                Ok(out) if out.is_empty() => continue,
+                Ok(out) => return Some((Ok(Frame::data(out)), Some((lines, chunks)))),
+                Err(error) => return Some((Err(error), None)),
+            }
+        }
+    });
+    let mut out = Response::new(StreamBody::new(body).boxed_unsync());
+    *out.status_mut() = head.status;
+    super::copy_response_headers(&head.headers, out.headers_mut());
+    respond::tag(&mut out, request_id, None);
+    out
+}
+
+/// A batch's results as they arrive: the part of a line not yet whole, and
+/// what is known of the body.
+struct Lines {
+    state: Arc<State>,
+    rules: Arc<RuleSet>,
+    upstream: String,
+    dialect: Dialect,
+    request_id: String,
+    /// Whether the lines are a batch's and read: unknown until a file's
+    /// first line tells; `false` passes the rest as it comes.
+    reading: Option<bool>,
+    pending: Vec<u8>,
+}
+
+impl Lines {
+    /// The lines `chunk` completes, as the guard allows.
+    fn push(&mut self, chunk: Bytes) -> Result<Bytes, BoxError> {
+        if self.reading == Some(false) {
+            return Ok(chunk);
+        }
+        self.pending.extend_from_slice(&chunk);
+        let mut out = Vec::new();
+        let mut start = 0;
+        while let Some(end) = memchr::memchr(b'\n', &self.pending[start..]) {
+            let line = start..start + end + 1;
+            start = line.end;
+            let pending = std::mem::take(&mut self.pending);
+            let read = self.line(&pending[line], &mut out);
+            self.pending = pending;
+            read?;
+            if self.reading == Some(false) {
+                break;
+            }
+        }
+        self.pending.drain(..start);
+        let undecided = self.reading.is_none();
+        if self.reading == Some(false)
+            || undecided && self.pending.first().is_some_and(|b| *b != b'{')
+        {
+            // Not a batch's lines: the rest as it came.
+            self.reading = Some(false);
+            out.append(&mut self.pending);
+        } else if self.pending.len() > self.state.config.guard.max_response_bytes {
+            if !undecided {
+                return Err(self.broken("a line longer than guard.max_response_bytes"));
+            }
+            self.reading = Some(false);
+            out.append(&mut self.pending);
+        }
+        Ok(Bytes::from(out))
+    }
+
+    /// The last line, if the body does not end with a line break.
+    fn finish(&mut self) -> Option<Result<Bytes, BoxError>> {
+        if self.pending.is_empty() {
+            return None;
+        }
+        let pending = std::mem::take(&mut self.pending);
+        if self.reading == Some(false) {
+            return Some(Ok(Bytes::from(pending)));
+        }
+        let mut out = Vec::new();
+        Some(self.line(&pending, &mut out).map(|()| Bytes::from(out)))
+    }
+
+    /// One line (its line break included), as the guard allows.
+    fn line(&mut self, line: &[u8], out: &mut Vec<u8>) -> Result<(), BoxError> {
+        let text_end = line.len()
+            - line
+                .iter()
+                .rev()
+                .take_while(|b| **b == b'\n' || **b == b'\r')
+                .count();
+        let (text, ending) = line.split_at(text_end);
+        if text.trim_ascii().is_empty() {
+            out.extend_from_slice(line);
+            return Ok(());
+        }
+        match exchange::read_batch_line(self.dialect, text) {
+            Ok(read) if self.reading.is_some() || read.batch => {
+                self.reading = Some(true);
+                match read.answer {
+                    Some(answer) => out.extend_from_slice(&self.answer(text, answer)),
+                    None => out.extend_from_slice(text),
+                }
+                out.extend_from_slice(ending);
+            }
+            Err(error) if self.reading.is_some() => {
+                tracing::warn!(%error, "a line of a batch's results is not JSON");
+                return Err(self.broken("a line that is not JSON"));
+            }
+            _ => {
+                self.reading = Some(false);
+                out.extend_from_slice(line);
+            }
+        }
+        Ok(())
+    }
+
+    /// A line whose answer is scanned: as it came, redacted, or refused.
+    fn answer(&self, line: &[u8], answer: BatchAnswer) -> Bytes {
+        let state = &self.state;
+        let scanned = guard::scan_response(&self.rules, line, &answer.texts);
+        let verdict = risk::assess(&state.config.risk, scanned.hits, &[]);
+        count(state, RESULTS, &self.upstream, Scope::Response, &verdict);
+        if verdict.decision != Decision::Block {
+            return scanned
+                .redacted
+                .unwrap_or_else(|| Bytes::copy_from_slice(line));
+        }
+        let message = block_message(&verdict.hits);
+        let ids = rule_ids(&verdict.hits);
+        tracing::info!(request_id = self.request_id, rules = ?ids, "batch answer blocked");
+        // The line was read as JSON already.
+        let mut value: Value = serde_json::from_slice(line).unwrap_or_default();
+        let error = || {
+            let id = &self.request_id;
+            respond::blocked_body(self.dialect, "response", &message, &ids, id)
+        };
+        match (self.dialect, state.config.guard.on_block) {
+            (Dialect::Anthropic, OnBlock::Refusal) => {
+                refuse(&mut value["result"]["message"], &answer, &message)
+            }
+            (Dialect::OpenAi, OnBlock::Refusal) => {
+                refuse(&mut value["response"]["body"], &answer, &message)
+            }
+            // As a request of the batch that failed.
+            (Dialect::Anthropic, OnBlock::Error) => {
+                value["result"] = json!({"type": "errored", "error": error()});
+            }
+            (Dialect::OpenAi, OnBlock::Error) => {
+                value["response"]["status_code"] = json!(400);
+                value["response"]["body"] = error();
+            }
+        }
+        Bytes::from(value.to_string())
+    }
+
+    /// The error that ends the body, counted.
+    fn broken(&self, what: &str) -> BoxError {
+        self.state
+            .metrics
+            .upstream_errors
+            .with_label_values(&[&self.upstream, "malformed"])
+            .inc();
+        format!("the batch's results hold {what}").into()
+    }
+}
+
+/// Turns a batch line's answer into its refusal.
+fn refuse(value: &mut Value, answer: &BatchAnswer, message: &str) {
+    if !value.is_object() {
+        *value = json!({});
+    }
+    respond::refuse_in_place(answer.endpoint, value, message);
+}
