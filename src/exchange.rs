@@ -920,6 +920,99 @@ mod tests {
                 ResponseBody::read(endpoint, body).map(|read| read.texts.len())
             });
         }
+        let batch = json!({"requests": [{"custom_id": "a", "params": request}]});
+        every_cut_fails(&batch.to_string(), &|body: &[u8]| {
+            read_batch(body).map(|read| read[0].params.texts.len())
+        });
+        let mut body = response.clone();
+        body["object"] = json!("chat.completion");
+        for (dialect, line) in [
+            (Dialect::Anthropic, json!({"result": {"message": response}})),
+            (Dialect::OpenAi, json!({"response": {"body": body}})),
+        ] {
+            every_cut_fails(&line.to_string(), &|line: &[u8]| {
+                let read = read_batch_line(dialect, line)?;
+                Ok(read.answer.map_or(0, |answer| answer.texts.len()))
+            });
+        }
+    }
+
+    #[test]
+    fn batch_requests_are_told_by_method_and_path() {
+        use http::Method;
+        let cases = [
+            (Method::POST, "/v1/messages/batches", Some(Batch::Create)),
+            (
+                Method::POST,
+                "/anthropic/v1/messages/batches/",
+                Some(Batch::Create),
+            ),
+            (Method::GET, "/v1/messages/batches", Some(Batch::Objects)),
+            (
+                Method::GET,
+                "/v1/messages/batches/msgbatch_1",
+                Some(Batch::Objects),
+            ),
+            (
+                Method::POST,
+                "/v1/messages/batches/msgbatch_1/cancel",
+                Some(Batch::Objects),
+            ),
+            (
+                Method::GET,
+                "/v1/messages/batches/msgbatch_1/results",
+                Some(Batch::Results),
+            ),
+            (
+                Method::GET,
+                "/v1/files/file-1/content",
+                Some(Batch::FileContent),
+            ),
+            (Method::DELETE, "/v1/messages/batches/msgbatch_1", None),
+            (
+                Method::POST,
+                "/v1/messages/batches/msgbatch_1/results",
+                None,
+            ),
+            (Method::GET, "/v1/files/file-1", None),
+            (Method::GET, "/v1/messages", None),
+        ];
+        for (method, path, batch) in cases {
+            assert_eq!(Batch::from_request(&method, path), batch, "{method} {path}");
+        }
+    }
+
+    #[test]
+    fn batch_lines_are_read_in_each_dialect() {
+        let line = json!({"custom_id": "a", "result": {"type": "succeeded", "message": {
+            "content": [{"type": "text", "text": "hi"}]}}})
+        .to_string();
+        let read = read_batch_line(Dialect::Anthropic, line.as_bytes()).unwrap();
+        assert!(read.batch);
+        let answer = read.answer.unwrap();
+        assert_eq!(answer.endpoint, Endpoint::Messages);
+        assert_eq!(answer.texts[0].text, "hi");
+        assert_eq!(&line[answer.texts[0].span.clone()], "\"hi\"");
+        // OpenAI's by the answer's `object`; one it does not know, and a
+        // failed request, have no answer.
+        for (object, endpoint) in [
+            ("response", Some(Endpoint::Responses)),
+            ("text_completion", Some(Endpoint::Completions)),
+            ("list", None),
+        ] {
+            let line =
+                json!({"response": {"body": {"object": object, "output": []}}, "custom_id": "b"});
+            let line = line.to_string();
+            let read = read_batch_line(Dialect::OpenAi, line.as_bytes()).unwrap();
+            assert!(read.batch);
+            assert_eq!(read.answer.map(|a| a.endpoint), endpoint, "{object}");
+        }
+        let failed = r#"{"custom_id": "c", "response": null, "error": {"message": "x"}}"#;
+        let read = read_batch_line(Dialect::OpenAi, failed.as_bytes()).unwrap();
+        assert!(read.batch && read.answer.is_none());
+        let other = read_batch_line(Dialect::OpenAi, br#"{"text": "x"}"#).unwrap();
+        assert!(!other.batch);
+        assert!(read_batch_line(Dialect::OpenAi, b"{\"custom_id\": ").is_err());
     }
 
     #[test]
