@@ -174,29 +174,27 @@ async fn with_results_here(
         deadline,
         ..
     } = relayed;
-    let (Some(origin), Some(config)) = (origin, state.config.upstreams.get(&upstream)) else {
+    let dialect = Dialect::Anthropic;
+    let config = state.config.upstreams.get(&upstream);
+    let (Some(origin), Some(config)) = (origin, config) else {
         return super::stream_back(response, deadline, request_id, None);
     };
+    if super::is_encoded(response.headers()) {
+        // Asked for uncompressed: a body that is not could not be rewritten.
+        return super::upstream_broken(state, &upstream, "encoded", dialect, request_id);
+    }
     let (head, body) = response.into_parts();
     let limit = state.config.guard.max_response_bytes;
     let body = match upstream::read_body(body, limit, deadline).await {
         Ok(body) => body,
         Err(error) => {
             tracing::warn!(%error, "batch object could not be read");
-            state
-                .metrics
-                .upstream_errors
-                .with_label_values(&[&upstream, "body"])
-                .inc();
-            return respond::failure(Dialect::Anthropic, Failure::UpstreamBroken, request_id);
+            return super::upstream_broken(state, &upstream, "body", dialect, request_id);
         }
     };
     let body = results_here(body, config.url.trim_end_matches('/'), &origin);
-    let mut out = Response::new(respond::full(body));
-    *out.status_mut() = head.status;
-    super::copy_response_headers(&head.headers, out.headers_mut());
-    respond::tag(&mut out, request_id, None);
-    out
+    let body = respond::full(body);
+    super::guarded_response(head.status, &head.headers, body, request_id, None)
 }
 
 /// `body` with the `results_url` of its batch object, or of each in its
@@ -255,17 +253,8 @@ async fn results(
         return super::stream_back(response, deadline, request_id, None);
     }
     let (head, body) = response.into_parts();
-    if head
-        .headers
-        .get(header::CONTENT_ENCODING)
-        .is_some_and(|v| v.as_bytes() != b"identity")
-    {
-        state
-            .metrics
-            .upstream_errors
-            .with_label_values(&[&upstream, "encoded"])
-            .inc();
-        return respond::failure(dialect, Failure::UpstreamBroken, request_id);
+    if super::is_encoded(&head.headers) {
+        return super::upstream_broken(state, &upstream, "encoded", dialect, request_id);
     }
     let lines = Lines {
         rules: state.rules.snapshot(),
@@ -293,11 +282,8 @@ async fn results(
             }
         }
     });
-    let mut out = Response::new(StreamBody::new(body).boxed_unsync());
-    *out.status_mut() = head.status;
-    super::copy_response_headers(&head.headers, out.headers_mut());
-    respond::tag(&mut out, request_id, None);
-    out
+    let body = StreamBody::new(body).boxed_unsync();
+    super::guarded_response(head.status, &head.headers, body, request_id, None)
 }
 
 /// A batch's results as they arrive: the part of a line not yet whole, and

@@ -636,6 +636,49 @@ fn copy_response_headers(from: &HeaderMap, to: &mut HeaderMap) {
     }
 }
 
+/// The response with a body the guard read (uncompressed, as fairgate
+/// asked for it): the upstream's status and headers, tagged.
+fn guarded_response(
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: ProxyBody,
+    request_id: &str,
+    verdict: Option<&str>,
+) -> Response<ProxyBody> {
+    let mut out = Response::new(body);
+    *out.status_mut() = status;
+    copy_response_headers(headers, out.headers_mut());
+    out.headers_mut().remove(header::CONTENT_ENCODING);
+    respond::tag(&mut out, request_id, verdict);
+    out
+}
+
+/// The 502 for an upstream answer that cannot be relayed, counted by
+/// `kind` (see `fairgate_upstream_errors_total`).
+fn upstream_broken(
+    state: &State,
+    upstream: &str,
+    kind: &str,
+    dialect: Dialect,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    state
+        .metrics
+        .upstream_errors
+        .with_label_values(&[upstream, kind])
+        .inc();
+    respond::failure(dialect, Failure::UpstreamBroken, request_id)
+}
+
+/// Whether an upstream body is compressed although fairgate asked for it
+/// uncompressed: the guard cannot read what the client would, so it is
+/// not relayed.
+fn is_encoded(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_ENCODING)
+        .is_some_and(|v| v.as_bytes() != b"identity")
+}
+
 /// Counts the hits and risk of a verdict.
 fn record_verdict(metrics: &Metrics, verdict: &Verdict) {
     for hit in &verdict.hits {
@@ -844,12 +887,7 @@ async fn guarded(
         end_early(draft, out.status(), Some(upstream_time));
         out
     };
-    // fairgate asked for the body uncompressed; one encoded anyway is not
-    // relayed, since the guard cannot read what the client would.
-    if upstream_headers
-        .get(header::CONTENT_ENCODING)
-        .is_some_and(|v| v.as_bytes() != b"identity")
-    {
+    if is_encoded(&upstream_headers) {
         tracing::warn!("upstream answer is compressed although fairgate asked for it uncompressed");
         return broken("encoded", draft);
     }
@@ -950,12 +988,9 @@ async fn guarded(
         ));
     }
     // Byte for byte what the upstream sent, unless the guard changed it.
-    let body = refused.or(scanned.redacted).unwrap_or(body);
-    let mut out = Response::new(respond::full(body));
-    *out.status_mut() = status;
-    copy_response_headers(&upstream_headers, out.headers_mut());
-    out.headers_mut().remove(header::CONTENT_ENCODING);
-    respond::tag(&mut out, request_id, Some(verdict.decision.as_str()));
+    let body = respond::full(refused.or(scanned.redacted).unwrap_or(body));
+    let verdict_name = Some(verdict.decision.as_str());
+    let out = guarded_response(status, &upstream_headers, body, request_id, verdict_name);
     ending(draft, status);
     out
 }
@@ -1098,12 +1133,8 @@ fn guarded_stream(
         );
     };
     let body = guard_body(setup, upstream::body_stream(body, deadline), done);
-    let mut out = Response::new(body);
-    *out.status_mut() = status;
-    copy_response_headers(&headers, out.headers_mut());
-    out.headers_mut().remove(header::CONTENT_ENCODING);
-    respond::tag(&mut out, &request_id, Some(scan.verdict.decision.as_str()));
-    out
+    let verdict = Some(scan.verdict.decision.as_str());
+    guarded_response(status, &headers, body, &request_id, verdict)
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use std::time::Instant;
 use http::{Request, Response, header};
 use hyper::body::Incoming;
 
-use super::respond::{self, Failure};
+use super::respond;
 use super::{ProxyBody, Relayed, State, upstream};
 use crate::config::OnBlock;
 use crate::exchange::{Dialect, Endpoint, ResponseBody, Stored};
@@ -52,14 +52,7 @@ pub(super) async fn fetch(
     }
     let rules = state.rules.snapshot();
     let (head, body) = response.into_parts();
-    let broken = |kind: &str| {
-        state
-            .metrics
-            .upstream_errors
-            .with_label_values(&[&upstream, kind])
-            .inc();
-        respond::failure(dialect, Failure::UpstreamBroken, request_id)
-    };
+    let broken = |kind| super::upstream_broken(state, &upstream, kind, dialect, request_id);
     if head
         .headers
         .get(header::CONTENT_TYPE)
@@ -87,17 +80,9 @@ pub(super) async fn fetch(
             )
         };
         let body = guard_body(setup, upstream::body_stream(body, deadline), done);
-        let mut out = Response::new(body);
-        *out.status_mut() = head.status;
-        super::copy_response_headers(&head.headers, out.headers_mut());
-        respond::tag(&mut out, request_id, None);
-        return out;
+        return super::guarded_response(head.status, &head.headers, body, request_id, None);
     }
-    if head
-        .headers
-        .get(header::CONTENT_ENCODING)
-        .is_some_and(|v| v.as_bytes() != b"identity")
-    {
+    if super::is_encoded(&head.headers) {
         return broken("encoded");
     }
     let limit = state.config.guard.max_response_bytes;
@@ -137,12 +122,8 @@ pub(super) async fn fetch(
     } else {
         scanned.redacted.unwrap_or(body)
     };
-    let mut out = Response::new(respond::full(body));
-    *out.status_mut() = head.status;
-    super::copy_response_headers(&head.headers, out.headers_mut());
-    out.headers_mut().remove(header::CONTENT_ENCODING);
-    respond::tag(&mut out, request_id, Some(verdict.decision.as_str()));
-    out
+    let (body, verdict) = (respond::full(body), Some(verdict.decision.as_str()));
+    super::guarded_response(head.status, &head.headers, body, request_id, verdict)
 }
 
 /// Counts the verdict of a text scanned outside an exchange (a fetch, a
