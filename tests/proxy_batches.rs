@@ -300,3 +300,31 @@ async fn an_openai_batch_output_file_is_scanned_and_other_files_pass_unread() {
     }
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_batch_object_or_results_sent_compressed_despite_the_ask_are_not_relayed() {
+    let (mock, proxy) = start().await;
+    let results = format!("{}/v1/messages/batches/msgbatch_1/results", mock.url());
+    for path in [
+        "/v1/messages/batches/msgbatch_1",
+        "/v1/messages/batches/msgbatch_1/results",
+    ] {
+        let script = json!({"raw_json": batch_object(Some(results.clone())).to_string(),
+            "content_encoding": "br"});
+        let response = proxy.get(path, script).await;
+        assert_eq!(response.status(), 502, "{path}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["type"], "error", "{path}: in the Anthropic dialect");
+    }
+    // fairgate asked for both uncompressed.
+    for received in mock.requests() {
+        assert_eq!(received.header("accept-encoding"), Some("identity"));
+    }
+    let metrics = proxy.metrics().await;
+    let errors = support::metric(
+        &metrics,
+        r#"fairgate_upstream_errors_total{kind="encoded",upstream="anthropic"}"#,
+    );
+    assert_eq!(errors, Some(2.0), "{metrics}");
+    proxy.stop().await;
+}
