@@ -95,6 +95,10 @@ pub struct Text<'a> {
     pub scope: Scope,
     pub text: Cow<'a, str>,
     pub span: Range<usize>,
+    /// The text of something else the body carries, which a redaction
+    /// could not reach (the transcript of audio): a `redact` hit in it
+    /// blocks.
+    pub whole: bool,
 }
 
 /// What the guard reads of a request body.
@@ -467,9 +471,26 @@ impl<'a> Texts<'a> {
                 scope,
                 text: text.value,
                 span: text.token,
+                whole: false,
             });
         }
         Ok(())
+    }
+
+    /// The `transcript` of an audio object (the reader at its start,
+    /// anything else skipped): what the audio says, in [`Text::whole`].
+    fn transcript(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        if !reader.is_object()? {
+            return Ok(());
+        }
+        reader.object(["transcript"], |reader, _| {
+            let found = self.found.len();
+            self.text(reader, Scope::Response)?;
+            if let Some(text) = self.found.get_mut(found) {
+                text.whole = true;
+            }
+            Ok(())
+        })
     }
 
     /// Each item of an array that is an object, by `object` (the reader at
@@ -689,8 +710,9 @@ impl<'a> Texts<'a> {
     }
 
     /// An OpenAI chat completion's message: its content, its refusal, the
-    /// arguments of its tool calls, and the reasoning of OpenAI-compatible
-    /// servers (`reasoning_content`, `reasoning`).
+    /// arguments of its tool calls, the transcript of its audio, and the
+    /// reasoning of OpenAI-compatible servers (`reasoning_content`,
+    /// `reasoning`).
     fn message(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         let scope = Scope::Response;
         if !reader.is_object()? {
@@ -699,13 +721,15 @@ impl<'a> Texts<'a> {
         reader.object(
             [
                 "tool_calls",
+                "audio",
                 "content",
                 "refusal",
                 "reasoning_content",
                 "reasoning",
             ],
             |reader, key| match key {
-                1.. => self.text(reader, scope),
+                2.. => self.text(reader, scope),
+                1 => self.transcript(reader),
                 _ => self.objects(reader, |texts, reader| {
                     reader.object(["function"], |reader, _| {
                         if reader.is_object()? {

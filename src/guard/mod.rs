@@ -58,7 +58,10 @@ pub fn scan_request(
     let mut contexts = Vec::new();
     let mut texts = RequestTexts::default();
     let mut edits = Vec::new();
-    for Text { scope, text, span } in request_texts {
+    for Text {
+        scope, text, span, ..
+    } in request_texts
+    {
         let mut rewritten = String::new();
         let mut changed = false;
         for (range, part_scope) in split_context(text, *scope, context_tags) {
@@ -160,8 +163,17 @@ pub fn scan_response(rules: &RuleSet, body: &[u8], response_texts: &[Text]) -> R
     let mut hits = Vec::new();
     let mut texts = Vec::new();
     let mut edits = Vec::new();
-    for Text { text, span, .. } in response_texts {
-        let found = rules.scan(Scope::Response, text);
+    for Text {
+        text, span, whole, ..
+    } in response_texts
+    {
+        let mut found = rules.scan(Scope::Response, text);
+        if *whole {
+            // What it is the text of cannot be redacted: the text blocks.
+            for hit in found.iter_mut().filter(|h| h.action == Action::Redact) {
+                hit.action = Action::Block;
+            }
+        }
         if found.iter().any(|h| h.action == Action::Redact) {
             let redacted = redact(text, &found);
             texts.push(redacted.clone());

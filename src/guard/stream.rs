@@ -37,7 +37,8 @@
 //! OpenAI; a tool's `input_json_delta`, Anthropic; reasoning: Anthropic
 //! `thinking` blocks, whose signature covers their text, the Responses
 //! API's reasoning summaries and text, the `reasoning_content` or
-//! `reasoning` of OpenAI-compatible servers) is response text too. In
+//! `reasoning` of OpenAI-compatible servers; the transcript of a chat
+//! completion's audio, with the audio that says it) is response text too. In
 //! `holdback` its events are held whole, unsent, until the content block
 //! or the response ends (in a chat completion, which has no blocks, until
 //! text follows): then that text is scanned in full and the events go out

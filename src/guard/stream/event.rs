@@ -82,6 +82,9 @@ pub struct Delta<'a> {
     pub arguments: Vec<Text<'a>>,
     /// `thinking`, `reasoning_content` and `reasoning`, in order.
     pub reasoning: Vec<Text<'a>>,
+    /// Whether it carries `audio` (OpenAI), and the audio's `transcript`.
+    pub audio: bool,
+    pub transcript: Option<Text<'a>>,
 }
 
 /// An OpenAI choice.
@@ -207,11 +210,22 @@ impl<'a> Delta<'a> {
             "thinking",
             "reasoning_content",
             "reasoning",
+            "audio",
         ];
         reader
             .object(keys, |reader, key| {
                 if key == 5 {
                     return delta.read_tool_calls(reader);
+                }
+                if key == 9 {
+                    delta.audio = reader.is_object()?;
+                    return match delta.audio {
+                        true => reader.object(["transcript"], |reader, _| {
+                            delta.transcript = reader.string()?;
+                            Ok(())
+                        }),
+                        false => Ok(()),
+                    };
                 }
                 let string = reader.string()?;
                 match key {
@@ -250,8 +264,10 @@ impl<'a> Delta<'a> {
 
     /// The text of a delta that the guard cannot re-frame and so holds
     /// whole: a refusal, tool-call arguments (a call's opening, with none
-    /// yet, too), a tool's input, reasoning. An empty refusal or reasoning,
-    /// which some servers send beside every piece of text, holds nothing.
+    /// yet, too), a tool's input, reasoning, audio (its transcript; a
+    /// piece of the audio alone, too, since it says what the transcript
+    /// writes). An empty refusal or reasoning, which some servers send
+    /// beside every piece of text, holds nothing.
     pub fn held_text(&self) -> Option<String> {
         let refusal = self.refusal.as_ref().filter(|t| !t.value.is_empty());
         let reasoning = self.reasoning.iter().filter(|t| !t.value.is_empty());
@@ -259,6 +275,7 @@ impl<'a> Delta<'a> {
             && self.partial_json.is_none()
             && self.arguments.is_empty()
             && reasoning.clone().next().is_none()
+            && !self.audio
         {
             return None;
         }
@@ -266,7 +283,8 @@ impl<'a> Delta<'a> {
             .into_iter()
             .chain(&self.partial_json)
             .chain(&self.arguments)
-            .chain(reasoning);
+            .chain(reasoning)
+            .chain(&self.transcript);
         Some(parts.map(|t| &*t.value).collect())
     }
 }
