@@ -2534,6 +2534,70 @@ mod tests {
     }
 
     #[test]
+    /// Chat completion streams of audio: the transcript cut at random, the
+    /// audio's pieces between its pieces. The audio arrives whole with its
+    /// transcript, or none of it: a transcript that a rule would block or
+    /// redact ends the stream with `content_filter`.
+    fn audio_streams_send_no_audio_of_a_transcript_a_rule_stops() {
+        let mut rng = crate::testing::Lcg(13);
+        let (mut blocked, mut passed) = (0, 0);
+        for round in 0..200 {
+            let text = random_text(&mut rng, 20);
+            let chunk = |delta: Value, finish: Value| {
+                let data = json!({"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+                (None, data)
+            };
+            let audio = json!({"id": "a", "transcript": ""});
+            let mut events = vec![chunk(
+                json!({"role": "assistant", "audio": audio}),
+                Value::Null,
+            )];
+            let mut sounds = Vec::new();
+            for piece in random_cuts(&mut rng, &text, 9) {
+                if rng.below(2) == 0 {
+                    let sound = format!("QUJD{}", sounds.len());
+                    events.push(chunk(json!({"audio": {"data": sound}}), Value::Null));
+                    sounds.push(sound);
+                }
+                events.push(chunk(json!({"audio": {"transcript": piece}}), Value::Null));
+            }
+            events.push(chunk(json!({}), json!("stop")));
+            events.push((None, json!("[DONE]")));
+            let mode = *rng.pick(&[StreamMode::Holdback, StreamMode::Buffer]);
+            let (guard, frames) = guard_stream(Endpoint::ChatCompletions, mode, events);
+            let context = format!("round {round}, {mode:?}");
+
+            let sent = sent_events(&frames);
+            let (mut transcript, mut heard) = (String::new(), Vec::new());
+            for data in sent.iter().filter_map(|(_, data)| data.as_ref()) {
+                let audio = data.pointer("/choices/0/delta/audio");
+                let said = audio.and_then(|a| a["transcript"].as_str());
+                transcript.push_str(said.unwrap_or(""));
+                heard.extend(audio.and_then(|a| a["data"].as_str()).map(str::to_owned));
+            }
+            assert_nothing_stopped_sent(std::slice::from_ref(&transcript), &sent, &context);
+            let stops = RULES.scan(Scope::Response, &text);
+            if guard.blocked {
+                blocked += 1;
+                assert!(heard.is_empty() && transcript.is_empty(), "{context}");
+                let ending = sent.iter().rev().find_map(|(_, data)| {
+                    data.as_ref()?.pointer("/choices/0/finish_reason")?.as_str()
+                });
+                assert_eq!(ending, Some("content_filter"), "{context}");
+                continue;
+            }
+            passed += 1;
+            let stopping = |h: &Hit| matches!(h.action, Action::Block | Action::Redact);
+            assert!(!stops.iter().any(stopping), "{context}: {text:?}");
+            assert_eq!((transcript, heard), (text, sounds), "{context}");
+        }
+        assert!(
+            blocked > 30 && passed > 30,
+            "{blocked} blocked, {passed} passed"
+        );
+    }
+
+    #[test]
     /// Chat completion streams of two or three choices (`n` > 1), their
     /// chunks interleaved at random: each choice is guarded as a text of
     /// its own, arrives under its own index redacted as the rules redact
