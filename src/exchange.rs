@@ -230,6 +230,34 @@ pub fn read_batch(body: &[u8]) -> Result<Vec<BatchRequest<'_>>, ReadError> {
     Ok(requests)
 }
 
+/// Reads one line of an OpenAI batch's input file (`custom_id`, `method`,
+/// `url`, `body`): its `body` read as a request to the guarded endpoint
+/// its `url` names (nothing of one that names none); an error as for
+/// [`RequestBody::read`].
+pub fn read_batch_input(line: &[u8]) -> Result<BatchRequest<'_>, ReadError> {
+    let mut reader = Reader::bytes(line)?;
+    let (mut custom_id, mut params) = (None, RequestBody::default());
+    if reader.is_object()? {
+        reader.decided_object(
+            ["url", "custom_id", "body"],
+            |reader| Ok(reader.string()?.and_then(|t| Endpoint::from_path(&t.value))),
+            |reader, endpoint, key| match (key, endpoint) {
+                (1, _) => {
+                    custom_id = reader.string()?.map(|t| t.value);
+                    Ok(())
+                }
+                (2, Some(endpoint)) => {
+                    params = RequestBody::read_value(reader, *endpoint)?;
+                    Ok(())
+                }
+                _ => reader.skip(),
+            },
+        )?;
+    }
+    reader.finish()?;
+    Ok(BatchRequest { custom_id, params })
+}
+
 /// The answer in one line of a batch's results: an Anthropic
 /// `result.message`, or the `response.body` of an OpenAI batch's output
 /// file (a chat completion, completion or response, by its `object`).
@@ -412,7 +440,7 @@ impl Stored {
 
 /// A request about batches, whose prompts or answers would otherwise pass
 /// unread: Anthropic message batches, and the files that hold an OpenAI
-/// batch's output.
+/// batch's input and output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Batch {
     /// `POST /v1/messages/batches`: its requests are scanned as prompts.
@@ -424,6 +452,9 @@ pub enum Batch {
     Results,
     /// `GET /v1/files/{id}/content`: a batch's output, or another file.
     FileContent,
+    /// `POST /v1/files`: a batch's input (`purpose` `batch`), or another
+    /// file.
+    Upload,
 }
 
 impl Batch {
@@ -440,6 +471,7 @@ impl Batch {
             (["messages", "batches", _, "cancel"], true, _) => Some(Batch::Objects),
             (["messages", "batches", _, "results"], _, true) => Some(Batch::Results),
             (["files", _, "content"], _, true) => Some(Batch::FileContent),
+            (["files"], true, _) => Some(Batch::Upload),
             _ => None,
         }
     }
@@ -944,6 +976,10 @@ mod tests {
                 ResponseBody::read(endpoint, body).map(|read| read.texts.len())
             });
         }
+        let input = json!({"body": request, "custom_id": "a", "url": "/v1/chat/completions"});
+        every_cut_fails(&input.to_string(), &|line: &[u8]| {
+            read_batch_input(line).map(|read| read.params.texts.len())
+        });
         let batch = json!({"requests": [{"custom_id": "a", "params": request}]});
         every_cut_fails(&batch.to_string(), &|body: &[u8]| {
             read_batch(body).map(|read| read[0].params.texts.len())
@@ -999,6 +1035,8 @@ mod tests {
                 None,
             ),
             (Method::GET, "/v1/files/file-1", None),
+            (Method::POST, "/v1/files", Some(Batch::Upload)),
+            (Method::GET, "/v1/files", None),
             (Method::GET, "/v1/messages", None),
         ];
         for (method, path, batch) in cases {

@@ -1,11 +1,20 @@
 //! Batches, which would otherwise be a way around the rules: the requests
-//! of an Anthropic message batch are scanned when it is created, and its
-//! results and an OpenAI batch's output file as they are fetched.
+//! of an Anthropic message batch are scanned when it is created, those of
+//! an OpenAI batch when its input file is uploaded, and the results of
+//! either as they are fetched.
 //!
 //! - `POST /v1/messages/batches`: each request's `params` is read as a
 //!   `/v1/messages` request. One that a rule blocks fails the whole batch
 //!   with the 400 a blocked prompt gets, its message naming the request by
 //!   its index and `custom_id`; `redact` hits are redacted in place.
+//! - `POST /v1/files` of a form whose `purpose` is `batch`: each line of
+//!   its `file` is read as a request to the endpoint its `url` names; a
+//!   blocked one refuses the upload (the OpenAI 400, naming the line and
+//!   `custom_id`), `redact` hits are redacted in place (the form is
+//!   written again). Other uploads go up as they came. A form is read whole
+//!   up to `guard.max_body_bytes`; a larger one goes on unread once its
+//!   start shows a `purpose` other than `batch` (one whose `purpose` comes
+//!   after its file passes unread; a batch's that large gets 413).
 //! - Batch objects (created, retrieved, listed, canceled): their
 //!   `results_url`, which the SDKs follow, leads back to the proxy as the
 //!   client reached it; else the results would come from the API directly.
@@ -23,7 +32,7 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, header};
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -57,7 +66,222 @@ pub(super) async fn handle(
         Batch::Objects => objects(state, req, request_id).await,
         Batch::Results => results(state, req, Dialect::Anthropic, request_id).await,
         Batch::FileContent => results(state, req, Dialect::OpenAi, request_id).await,
+        Batch::Upload => upload(state, req, request_id).await,
     }
+}
+
+/// Uploads a file: a batch's input (a form whose `purpose` is `batch`)
+/// with each request read as a prompt, any other file as it came.
+///
+/// The body is read whole when it is at most `guard.max_body_bytes`;
+/// a larger one goes on unread once its start shows it is not a batch's
+/// (a batch's input that large is refused with 413).
+async fn upload(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let boundary = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| multer::parse_boundary(v).ok());
+    let Some(boundary) = boundary else {
+        return super::passthrough(state, req, request_id).await;
+    };
+    let limit = state.config.guard.max_body_bytes;
+    let (parts, mut body) = req.into_parts();
+    let mut start = BytesMut::new();
+    let whole = loop {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    start.extend_from_slice(&data);
+                }
+                if start.len() > limit {
+                    break false;
+                }
+            }
+            Some(Err(_)) => return respond::failure(dialect, Failure::InvalidJson, request_id),
+            None => break true,
+        }
+    };
+    let encoding = parts.headers.get(header::CONTENT_ENCODING);
+    let encoded = encoding.is_some_and(|e| e.as_bytes() != b"identity");
+    let Some(route) = state.config.route(parts.uri.path(), None) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    let upstream = route.upstream.clone();
+    let mut headers = super::upstream_headers(state, &upstream, dialect, &parts.headers);
+    let body = if !whole {
+        // Too large to read whole: what its start says decides.
+        if encoded || purpose(&start.clone().freeze(), &boundary).await.as_deref() == Some("batch")
+        {
+            return respond::failure(dialect, Failure::TooLarge, request_id);
+        }
+        upstream::read_on(start.freeze(), body)
+    } else {
+        let mut form = start.freeze();
+        if encoded {
+            form = match super::decode(encoding, form, limit) {
+                Ok(form) => form,
+                Err(failure) => return respond::failure(dialect, failure, request_id),
+            };
+            headers.remove(header::CONTENT_ENCODING);
+        }
+        match batch_input(state, &upstream, form, &boundary, request_id).await {
+            Ok(form) => http_body_util::Either::Left(Full::new(form)),
+            Err(refused) => return refused,
+        }
+    };
+    let uri = &parts.uri;
+    match super::forward(state, &upstream, Method::POST, uri, headers, body).await {
+        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Err(failure) => respond::failure(dialect, failure, request_id),
+    }
+}
+
+/// The fields of a form (`multipart/form-data`), in order: each one's
+/// headers and data; as many as read before an error.
+async fn fields(form: &Bytes, boundary: &str) -> (Vec<(HeaderMap, Bytes)>, bool) {
+    let form = form.clone();
+    let stream = futures_util::stream::iter([Ok::<_, std::convert::Infallible>(form)]);
+    let mut multipart = multer::Multipart::new(stream, boundary);
+    let mut fields = Vec::new();
+    loop {
+        match multipart.next_field().await {
+            Ok(Some(field)) => {
+                let headers = field.headers().clone();
+                match field.bytes().await {
+                    Ok(data) => fields.push((headers, data)),
+                    Err(_) => return (fields, false),
+                }
+            }
+            Ok(None) => return (fields, true),
+            Err(_) => return (fields, false),
+        }
+    }
+}
+
+/// The name a form field's `Content-Disposition` gives it.
+fn field_name(headers: &HeaderMap) -> Option<&str> {
+    let disposition = headers.get(header::CONTENT_DISPOSITION)?.to_str().ok()?;
+    disposition.split(';').find_map(|part| {
+        let value = part.trim().strip_prefix("name=")?;
+        Some(value.trim_matches('"'))
+    })
+}
+
+/// The `purpose` of a form, or of its start, when it has one.
+async fn purpose(form: &Bytes, boundary: &str) -> Option<String> {
+    let (fields, _) = fields(form, boundary).await;
+    let (_, data) = fields
+        .iter()
+        .find(|(headers, _)| field_name(headers) == Some("purpose"))?;
+    Some(String::from_utf8_lossy(data).trim().to_owned())
+}
+
+/// An upload form as it goes up: a batch's input with its requests
+/// scanned (redacted in place), refused when one is blocked; any other
+/// form as it came.
+async fn batch_input(
+    state: &State,
+    upstream: &str,
+    form: Bytes,
+    boundary: &str,
+    request_id: &str,
+) -> Result<Bytes, Response<ProxyBody>> {
+    let dialect = Dialect::OpenAi;
+    let (mut fields, complete) = fields(&form, boundary).await;
+    let is = |headers: &HeaderMap, name| field_name(headers) == Some(name);
+    let batch = fields
+        .iter()
+        .any(|(headers, data)| is(headers, "purpose") && data.trim_ascii() == b"batch");
+    if !batch || !complete {
+        // A broken form goes up as it came: the API answers it.
+        return Ok(form);
+    }
+    let Some((_, file)) = fields.iter_mut().find(|(headers, _)| is(headers, "file")) else {
+        return Ok(form);
+    };
+    let rules = state.rules.snapshot();
+    let mut edits = Vec::new();
+    let mut at = 0;
+    for (index, line) in file.split(|b| *b == b'\n').enumerate() {
+        let offset = at;
+        at += line.len() + 1;
+        if line.trim_ascii().is_empty() {
+            continue;
+        }
+        let request = match exchange::read_batch_input(line) {
+            Ok(request) => request,
+            Err(error) => {
+                return Err(respond::failure(
+                    dialect,
+                    Failure::unreadable(&error),
+                    request_id,
+                ));
+            }
+        };
+        let scan = guard::scan_request(
+            &rules,
+            &state.config.risk,
+            &state.config.guard.context_tags,
+            &request.params.texts,
+        );
+        count(state, REQUESTS, upstream, Scope::Prompt, &scan.verdict);
+        if scan.verdict.decision == Decision::Block {
+            let named = name_request(&format!("line {}", index + 1), &request.custom_id);
+            return Err(blocked(dialect, &named, &scan.verdict.hits, request_id));
+        }
+        let shift = |span: &std::ops::Range<usize>| span.start + offset..span.end + offset;
+        edits.extend(
+            scan.edits
+                .iter()
+                .map(|(span, text)| (shift(span), text.clone())),
+        );
+    }
+    if edits.is_empty() {
+        return Ok(form);
+    }
+    *file = json::splice(file, &edits);
+    let mut out = BytesMut::with_capacity(form.len() + 64);
+    for (headers, data) in &fields {
+        out.extend_from_slice(format!("--{boundary}\r\n").as_bytes());
+        for (name, value) in headers {
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(data);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    Ok(out.freeze())
+}
+
+/// How a blocked request of a batch is named: its place and `custom_id`.
+fn name_request(place: &str, custom_id: &Option<std::borrow::Cow<str>>) -> String {
+    match custom_id {
+        Some(id) => format!("{place} (custom_id {id:?})"),
+        None => place.to_owned(),
+    }
+}
+
+/// The 400 of a batch one of whose requests is blocked, `named`.
+fn blocked(
+    dialect: Dialect,
+    named: &str,
+    hits: &[crate::rules::Hit],
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let message = format!("{named}: {}", block_message(hits));
+    let scope = guard::block_scope(hits, Scope::Prompt);
+    tracing::info!(request_id, named, rules = ?rule_ids(hits), "batch request blocked");
+    respond::blocked(dialect, scope, &message, &rule_ids(hits), request_id)
 }
 
 /// Creates a message batch whose requests the rules allow.
@@ -92,15 +316,8 @@ async fn create(
         );
         count(state, REQUESTS, &upstream, Scope::Prompt, &scan.verdict);
         if scan.verdict.decision == Decision::Block {
-            let hits = &scan.verdict.hits;
-            let named = match &request.custom_id {
-                Some(id) => format!("requests.{index} (custom_id {id:?})"),
-                None => format!("requests.{index}"),
-            };
-            let message = format!("{named}: {}", block_message(hits));
-            let scope = guard::block_scope(hits, Scope::Prompt);
-            tracing::info!(request_id, index, rules = ?rule_ids(hits), "batch request blocked");
-            return respond::blocked(dialect, scope, &message, &rule_ids(hits), request_id);
+            let named = name_request(&format!("requests.{index}"), &request.custom_id);
+            return blocked(dialect, &named, &scan.verdict.hits, request_id);
         }
         edits.extend(scan.edits);
     }

@@ -600,7 +600,7 @@ async fn relay(
         );
     }
     let (parts, body) = req.into_parts();
-    let body = Either::Right(body);
+    let body = Either::Right(Either::Left(body));
     match forward(state, &upstream, parts.method, &parts.uri, headers, body).await {
         Ok((response, deadline)) => Ok(Relayed {
             upstream,

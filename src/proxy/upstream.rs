@@ -26,8 +26,21 @@ use super::respond::Failure;
 use crate::config::UpstreamConfig;
 
 /// A request body sent upstream: a guarded request's (read and scanned) or
-/// a passed-through request's, streamed as it arrives.
-pub type UpstreamBody = Either<Full<Bytes>, Incoming>;
+/// a passed-through request's, streamed as it arrives (its start, when the
+/// proxy has read that, sent first: [`ReadOn`]).
+pub type UpstreamBody = Either<Full<Bytes>, Either<Incoming, ReadOn>>;
+
+/// A client's body of which the proxy read the start (a file upload too
+/// large to read whole): that start, then the rest as it arrives.
+pub type ReadOn = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
+
+/// The body of [`ReadOn`]: `start`, then `rest`.
+pub fn read_on(start: Bytes, rest: Incoming) -> UpstreamBody {
+    let start = futures_util::stream::iter([Ok(hyper::body::Frame::data(start))]);
+    let rest = http_body_util::BodyStream::new(rest);
+    let body = http_body_util::StreamBody::new(start.chain(rest));
+    Either::Right(Either::Right(BodyExt::boxed(body)))
+}
 
 /// A pooled client for one upstream.
 pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
