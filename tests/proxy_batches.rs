@@ -410,6 +410,9 @@ async fn an_upload_too_large_to_read_goes_on_unless_it_is_a_batch_s() {
     let form = upload_form("assistants", &file);
     let response = upload(&proxy, form.clone()).await;
     assert_eq!(response.status(), 200);
-    assert_eq!(mock.requests()[0].body, form, "sent whole, start and rest");
+    let sent = &mock.requests()[0];
+    assert_eq!(sent.body, form, "sent whole, start and rest");
+    let length = form.len().to_string();
+    assert_eq!(sent.header("content-length"), Some(length.as_str()));
     proxy.stop().await;
 }

@@ -120,6 +120,10 @@ async fn upload(
         {
             return respond::failure(dialect, Failure::TooLarge, request_id);
         }
+        // Sent with the length the client gave, not chunked.
+        if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
+            headers.insert(header::CONTENT_LENGTH, length.clone());
+        }
         upstream::read_on(start.freeze(), body)
     } else {
         let mut form = start.freeze();
