@@ -30,6 +30,7 @@
 //! There is no exchange record: the proxy sees no batch request from its
 //! prompt to its answer.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
@@ -43,7 +44,7 @@ use super::respond::{self, Failure};
 use super::stored::count;
 use super::{BoxError, ProxyBody, Relayed, State, upstream};
 use crate::config::OnBlock;
-use crate::exchange::{self, Batch, BatchAnswer, Dialect};
+use crate::exchange::{self, Batch, BatchAnswer, BatchRequest, Dialect};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json;
 use crate::risk::{self, Decision};
@@ -228,23 +229,13 @@ async fn batch_input(
                 ));
             }
         };
-        let scan = guard::scan_request(
-            &rules,
-            &state.config.risk,
-            &state.config.guard.context_tags,
-            &request.params.texts,
-        );
-        count(state, REQUESTS, upstream, Scope::Prompt, &scan.verdict);
-        if scan.verdict.decision == Decision::Block {
-            let named = name_request(&format!("line {}", index + 1), &request.custom_id);
-            return Err(blocked(dialect, &named, &scan.verdict.hits, request_id));
-        }
-        let shift = |span: &std::ops::Range<usize>| span.start + offset..span.end + offset;
-        edits.extend(
-            scan.edits
-                .iter()
-                .map(|(span, text)| (shift(span), text.clone())),
-        );
+        let place = format!("line {}", index + 1);
+        let found = scan_one(
+            state, &rules, upstream, dialect, &place, &request, request_id,
+        )
+        .map_err(|refused| *refused)?;
+        let shift = |span: Range<usize>| span.start + offset..span.end + offset;
+        edits.extend(found.into_iter().map(|(span, text)| (shift(span), text)));
     }
     if edits.is_empty() {
         return Ok(form);
@@ -267,25 +258,38 @@ async fn batch_input(
     Ok(out.freeze())
 }
 
-/// How a blocked request of a batch is named: its place and `custom_id`.
-fn name_request(place: &str, custom_id: &Option<std::borrow::Cow<str>>) -> String {
-    match custom_id {
+/// Texts a redaction rewrites: where each lies and its new value.
+type Edits = Vec<(Range<usize>, String)>;
+
+/// One request of a batch, at `place` (`requests.1`, `line 2`), scanned
+/// as a prompt and counted: its redactions, or the 400 that refuses the
+/// batch when it is blocked (naming it by its place and `custom_id`).
+fn scan_one(
+    state: &State,
+    rules: &RuleSet,
+    upstream: &str,
+    dialect: Dialect,
+    place: &str,
+    request: &BatchRequest,
+    request_id: &str,
+) -> Result<Edits, Box<Response<ProxyBody>>> {
+    let guard = &state.config.guard;
+    let texts = &request.params.texts;
+    let scan = guard::scan_request(rules, &state.config.risk, &guard.context_tags, texts);
+    count(state, REQUESTS, upstream, Scope::Prompt, &scan.verdict);
+    if scan.verdict.decision != Decision::Block {
+        return Ok(scan.edits);
+    }
+    let hits = &scan.verdict.hits;
+    let named = match &request.custom_id {
         Some(id) => format!("{place} (custom_id {id:?})"),
         None => place.to_owned(),
-    }
-}
-
-/// The 400 of a batch one of whose requests is blocked, `named`.
-fn blocked(
-    dialect: Dialect,
-    named: &str,
-    hits: &[crate::rules::Hit],
-    request_id: &str,
-) -> Response<ProxyBody> {
+    };
     let message = format!("{named}: {}", block_message(hits));
     let scope = guard::block_scope(hits, Scope::Prompt);
     tracing::info!(request_id, named, rules = ?rule_ids(hits), "batch request blocked");
-    respond::blocked(dialect, scope, &message, &rule_ids(hits), request_id)
+    let refused = respond::blocked(dialect, scope, &message, &rule_ids(hits), request_id);
+    Err(Box::new(refused))
 }
 
 /// Creates a message batch whose requests the rules allow.
@@ -312,18 +316,13 @@ async fn create(
     let rules = state.rules.snapshot();
     let mut edits = Vec::new();
     for (index, request) in requests.iter().enumerate() {
-        let scan = guard::scan_request(
-            &rules,
-            &state.config.risk,
-            &state.config.guard.context_tags,
-            &request.params.texts,
-        );
-        count(state, REQUESTS, &upstream, Scope::Prompt, &scan.verdict);
-        if scan.verdict.decision == Decision::Block {
-            let named = name_request(&format!("requests.{index}"), &request.custom_id);
-            return blocked(dialect, &named, &scan.verdict.hits, request_id);
+        let place = format!("requests.{index}");
+        match scan_one(
+            state, &rules, &upstream, dialect, &place, request, request_id,
+        ) {
+            Ok(found) => edits.extend(found),
+            Err(refused) => return *refused,
         }
-        edits.extend(scan.edits);
     }
     let body = match edits.is_empty() {
         true => bytes,
