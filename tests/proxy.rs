@@ -5,6 +5,8 @@
 
 mod support;
 
+use std::time::Duration;
+
 use serde_json::{Value, json};
 use support::{anthropic_stream_text, client, openai_stream_text, start};
 
@@ -968,7 +970,7 @@ fn anthropic_end(stop_reason: &str) -> String {
 }
 
 /// Extended thinking reaches the client too, so it is response text: a
-/// thinking block is held whole until its end (its signature covers its
+/// short thinking block is held until its end (its signature covers its
 /// text, so it can be neither re-framed nor redacted), then sent as it
 /// came, or the stream ends with the refusal before any of it.
 #[tokio::test]
@@ -999,7 +1001,68 @@ async fn streamed_thinking_is_guarded_anthropic() {
     proxy.stop().await;
 }
 
-/// The reasoning of OpenAI-compatible servers (`reasoning_content`) is
+/// Long reasoning streams: its events go out as they came once their text
+/// lies further back than any match, while the upstream is still thinking
+/// (here it never ends), not all at once when the block or answer ends.
+#[tokio::test]
+async fn long_reasoning_streams_before_it_ends() {
+    let (_mock, proxy) = start().await;
+    let thought = "Index funds spread the risk. ";
+    let thinking: String = (0..80)
+        .map(|_| {
+            event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "thinking_delta", "thinking": thought}}),
+            )
+        })
+        .collect();
+    let start = event(
+        "content_block_start",
+        json!({"type": "content_block_start", "index": 0,
+        "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
+    );
+    let anthropic = anthropic_start() + &start + &thinking;
+    let chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": 0, "delta": {"content": null, "reasoning_content": thought}, "finish_reason": null}]});
+    let openai = format!("data: {chunk}\n\n").repeat(80);
+    let cases = [
+        (
+            "/v1/messages",
+            messages("Should I invest?", true),
+            anthropic,
+            "thinking_delta",
+        ),
+        (
+            "/v1/chat/completions",
+            chat("Should I invest?", true),
+            openai,
+            "reasoning_content",
+        ),
+    ];
+    for (path, request, raw, marker) in cases {
+        let script = json!({"raw_sse": raw, "hold_open": true});
+        let mut response = proxy.post(path, script, &request).await;
+        let mut got = String::new();
+        let wait = tokio::time::timeout(Duration::from_secs(10), async {
+            while got.matches(thought).count() < 20 {
+                let chunk = response
+                    .chunk()
+                    .await
+                    .unwrap()
+                    .expect("the stream stays open");
+                got.push_str(&String::from_utf8_lossy(&chunk));
+            }
+        });
+        assert!(wait.await.is_ok(), "{path}: only this arrived: {got:?}");
+        assert!(got.contains(marker), "{got}");
+        // As the upstream sent it, up to where it was released.
+        assert!(raw.starts_with(&got[..got.rfind("\n\n").unwrap()]), "{got}");
+    }
+    proxy.stop().await;
+}
+
+/// Short reasoning of OpenAI-compatible servers (`reasoning_content`) is
 /// held until the answer starts: sent as it came, before the answer, or
 /// the stream ends with `content_filter` before any of it.
 #[tokio::test]

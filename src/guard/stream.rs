@@ -39,16 +39,19 @@
 //! API's reasoning summaries and text, the `reasoning_content` or
 //! `reasoning` of OpenAI-compatible servers; the transcript of a chat
 //! completion's audio, with the audio that says it) is response text too. In
-//! `holdback` its events are held whole, unsent, until the content block
-//! or the response ends (in a chat completion, which has no blocks, until
-//! text follows): then that text is scanned in full and the events go out
-//! as they came, or the stream ends blocked. A client cannot use a tool
-//! call before its arguments are complete, so this costs it nothing;
-//! reasoning shown live arrives at once when it ends, and the answer after
-//! it is not delayed. Such text cannot be redacted piece by piece (nor,
-//! signed, at all), so a `redact` hit in it blocks. Other events (roles,
-//! usage, pings, signatures) pass through in order, but behind held events
-//! still unsent. A malformed event ends the stream cleanly after what was
+//! `holdback` its events are held back as text is, but whole: an event
+//! goes out unchanged, as it came, once all of its text lies further back
+//! than the longest match (checked every 64 bytes, as text is), so long
+//! reasoning and calls stream, only later. The rest go out when the
+//! content block or the response ends (in a chat completion, which has no
+//! blocks, when text follows), once all the text is scanned; or the stream
+//! ends blocked, closing a thinking block whose start went out. Held
+//! events never overtake text sent before them. Audio waits for its end:
+//! a piece of audio may say words its transcript has not sent yet. Such
+//! text cannot be redacted piece by piece (nor, signed, at all), so a
+//! `redact` hit in it blocks. Other events (roles, usage, pings,
+//! signatures) pass through in order, but behind held events still
+//! unsent. A malformed event ends the stream cleanly after what was
 //! already checked, and is counted.
 //!
 //! The Responses API's events repeat text: a part's `.done` event, the
@@ -325,6 +328,14 @@ fn parse_event(raw: Bytes) -> Option<SseEvent> {
 /// occupies and its content block, when it carries text.
 type Held = (SseEvent, Option<(usize, usize, u64)>);
 
+/// An event that waits in holdback behind held text: where `held_text`
+/// ended once its text was in, and the content block it opens.
+struct HeldFrame {
+    raw: Bytes,
+    end: usize,
+    opens: Option<u64>,
+}
+
 /// What an event means to the guard.
 enum Kind {
     /// Response text, with the content block it belongs to (Anthropic).
@@ -333,11 +344,17 @@ enum Kind {
         block: u64,
     },
     /// Text the guard cannot re-frame, in an event it holds whole: a
-    /// refusal, tool-call arguments, a tool's input. `finished` when the
-    /// event also ends the response.
+    /// refusal, tool-call arguments, a tool's input, reasoning, audio.
+    /// `finished` when the event also ends the response; `opens`, the
+    /// content block it starts (an Anthropic thinking block); `whole`
+    /// when no event of its kind may go out before its whole text is read
+    /// (audio, which says what its transcript says, sent ahead of it or
+    /// behind it).
     Held {
         text: String,
         finished: bool,
+        opens: Option<u64>,
+        whole: bool,
     },
     /// A content block ends (Anthropic `content_block_stop`).
     BlockEnd,
@@ -373,11 +390,17 @@ pub struct Guard {
     /// The text of the [`Kind::Held`] events so far; a line break between
     /// content blocks.
     held_text: String,
-    /// The hits of `held_text` at its last scan, and how much it saw.
+    /// The hits found in `held_text`, and how much of it the last scan
+    /// saw.
     held_hits: Vec<Hit>,
     held_checked: usize,
-    /// Holdback: the [`Kind::Held`] events not yet sent.
-    held_frames: Vec<Bytes>,
+    /// Holdback: the [`Kind::Held`] events not yet sent, and the others
+    /// that wait behind them; how far into `held_text` the events sent
+    /// reached; whether those unsent must wait for the end of their text
+    /// (audio).
+    held_frames: Vec<HeldFrame>,
+    held_released: usize,
+    held_whole: bool,
     /// Hits in text that Responses API events repeat but the stream did
     /// not carry.
     repeated_hits: Vec<Hit>,
@@ -444,6 +467,8 @@ impl Guard {
             held_hits: Vec::new(),
             held_checked: 0,
             held_frames: Vec::new(),
+            held_released: 0,
+            held_whole: false,
             repeated_hits: Vec::new(),
             template: None,
             part_templates: Vec::new(),
@@ -800,6 +825,8 @@ impl Guard {
             return Kind::Held {
                 text: format!("{content}{held}"),
                 finished: choice.finished,
+                opens: None,
+                whole: choice.delta.audio,
             };
         }
         let text = match self.setup.endpoint {
@@ -888,6 +915,8 @@ impl Guard {
                     .map(|t| t.value.to_string())
                     .unwrap_or_default(),
                 finished: false,
+                opens: None,
+                whole: false,
             },
             // They repeat the text of the deltas held before them, or (an
             // annotation) point into text that may not be released yet.
@@ -900,6 +929,8 @@ impl Guard {
             ) => Kind::Held {
                 text: String::new(),
                 finished: false,
+                opens: None,
+                whole: false,
             },
             Some("response.completed" | "response.incomplete" | "response.failed") => Kind::Final,
             Some("response.created" | "response.in_progress" | "response.queued") => {
@@ -930,13 +961,15 @@ impl Guard {
                         Some(text) => Kind::Held {
                             text,
                             finished: false,
+                            opens: None,
+                            whole: false,
                         },
                         None => Kind::Other,
                     },
                 }
             }
-            // A thinking block is held whole, its start too: its text is
-            // signed, so it can be neither re-framed nor redacted.
+            // A thinking block's events are held, its start too: its text
+            // is signed, so it can be neither re-framed nor redacted.
             Some("content_block_start")
                 if event.content_block.kind.as_deref() == Some("thinking") =>
             {
@@ -944,6 +977,8 @@ impl Guard {
                 Kind::Held {
                     text: event.content_block.held_text().unwrap_or_default(),
                     finished: false,
+                    opens: Some(event.index.unwrap_or(0)),
+                    whole: false,
                 }
             }
             Some("content_block_start") => Kind::BlockStart {
@@ -1057,11 +1092,28 @@ impl Guard {
                 self.block_open = true;
                 self.after_held(event.raw)
             }
-            Kind::Held { text, finished } => {
+            Kind::Held {
+                text,
+                finished,
+                opens,
+                whole,
+            } => {
                 self.held_text.push_str(&text);
-                self.held_frames.push(event.raw);
+                self.held_whole |= whole;
+                self.held_frames.push(HeldFrame {
+                    raw: event.raw,
+                    end: self.held_text.len(),
+                    opens,
+                });
                 if finished {
                     return self.check(true);
+                }
+                // Held events go out behind any text before them.
+                if !self.held_whole
+                    && self.released == self.acc.len()
+                    && self.held_text.len() - self.held_checked >= CHECK_STEP
+                {
+                    return self.check_held();
                 }
                 Vec::new()
             }
@@ -1097,7 +1149,11 @@ impl Guard {
         if self.held_frames.is_empty() {
             return vec![frame];
         }
-        self.held_frames.push(frame);
+        self.held_frames.push(HeldFrame {
+            raw: frame,
+            end: self.held_text.len(),
+            opens: None,
+        });
         Vec::new()
     }
 
@@ -1142,19 +1198,67 @@ impl Guard {
         };
         let mut frames = self.release(safe);
         if final_check {
-            frames.append(&mut self.held_frames);
+            frames.append(&mut self.release_held(self.held_text.len()));
         }
         frames
     }
 
-    /// Scans the held text whole, when it grew since the last scan: it is
-    /// short (arguments, refusals), and its events wait for this scan.
-    fn scan_held(&mut self) {
+    /// Holdback of held text, as of text: scans its unsent part (and
+    /// enough before it); blocks, or sends the held events whose text
+    /// lies far enough back. They go out as they came, so a long thinking
+    /// block or call streams, only later, rather than arriving at once.
+    fn check_held(&mut self) -> Vec<Bytes> {
+        let view = self.scan_held();
+        if self.should_block() {
+            return self.block();
+        }
+        let hold = self.hold();
+        let from = window_start(&self.held_text, self.held_released, hold);
+        let view = view.unwrap_or_else(|| Normalized::new(&self.held_text[from..]));
+        let text = &self.held_text;
+        let safe = safe_end(text, self.held_released, from, &view, hold, &self.held_hits);
+        self.release_held(safe)
+    }
+
+    /// Sends the held events whose text ends by `safe` (and the events
+    /// waiting behind them); all of them when `safe` is the end.
+    fn release_held(&mut self, safe: usize) -> Vec<Bytes> {
+        let count = self
+            .held_frames
+            .iter()
+            .take_while(|f| f.end <= safe)
+            .count();
+        let mut frames = Vec::with_capacity(count);
+        for frame in self.held_frames.drain(..count) {
+            self.held_released = frame.end;
+            if let Some(block) = frame.opens {
+                // A block the client saw start must be ended, if blocked.
+                self.block = block;
+                self.block_open = true;
+            }
+            frames.push(frame.raw);
+        }
+        if self.held_frames.is_empty() {
+            self.held_whole = false;
+        }
+        frames
+    }
+
+    /// Scans the held text not scanned yet (and enough before it: see
+    /// `window_start`), keeping new hits; returns the window's normalized
+    /// view when the scan made one.
+    fn scan_held(&mut self) -> Option<Normalized> {
         if self.held_checked == self.held_text.len() {
-            return;
+            return None;
         }
         self.held_checked = self.held_text.len();
-        self.held_hits = self.setup.rules.scan(Scope::Response, &self.held_text);
+        let from = window_start(&self.held_text, self.held_released, self.hold());
+        scan_into(
+            &self.setup.rules,
+            &self.held_text,
+            from,
+            &mut self.held_hits,
+        )
     }
 
     /// The request's hits and the response's so far.
@@ -1180,15 +1284,8 @@ impl Guard {
         text
     }
 
-    /// Where the scan window starts: far enough before the released point
-    /// that any match ending in unreleased text lies inside it.
     fn window_start(&self) -> usize {
-        let hold = self.hold();
-        let back = self.released.saturating_sub(hold);
-        if back == 0 {
-            return 0;
-        }
-        clean_point_at_or_before(&self.acc, back).unwrap_or(0)
+        window_start(&self.acc, self.released, self.hold())
     }
 
     fn hold(&self) -> usize {
@@ -1199,26 +1296,7 @@ impl Guard {
     /// Scans `acc[window_start..]`, keeping new hits; returns the window's
     /// normalized view when the scan made one.
     fn scan_window(&mut self, window_start: usize) -> Option<Normalized> {
-        let (found, view) = self
-            .setup
-            .rules
-            .scan_with_view(Scope::Response, &self.acc[window_start..]);
-        for mut hit in found {
-            hit.start += window_start;
-            hit.end += window_start;
-            // A match can grow as text arrives ("a@b.co", then "a@b.com"):
-            // the longest is the one that counts.
-            match self
-                .hits
-                .iter_mut()
-                .find(|h| h.rule == hit.rule && h.start == hit.start)
-            {
-                Some(known) if known.end < hit.end => *known = hit,
-                Some(_) => {}
-                None => self.hits.push(hit),
-            }
-        }
-        view
+        scan_into(&self.setup.rules, &self.acc, window_start, &mut self.hits)
     }
 
     /// Whether a hit blocks, or the total risk does. Held text cannot be
@@ -1239,25 +1317,14 @@ impl Guard {
     /// The end of the text that can be released now.
     fn safe_end(&self, window_start: usize, normalized: &Normalized) -> usize {
         let hold = self.hold();
-        if normalized.text.len() <= hold {
-            return self.released;
-        }
-        let mut cut = normalized.text.len() - hold;
-        while !normalized.text.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        let at = window_start + normalized.original_span(cut..cut).start;
-        let Some(mut safe) = clean_point_at_or_before(&self.acc, at).filter(|&p| p > self.released)
-        else {
-            return self.released;
-        };
-        // Never split a redaction.
-        for hit in &self.hits {
-            if hit.action == Action::Redact && hit.start < safe && safe < hit.end {
-                safe = hit.start;
-            }
-        }
-        safe.max(self.released)
+        safe_end(
+            &self.acc,
+            self.released,
+            window_start,
+            normalized,
+            hold,
+            &self.hits,
+        )
     }
 
     /// Appends a text event's text to `acc`, with its logprobs.
@@ -1593,6 +1660,69 @@ fn repeated_texts<'a>(value: &'a mut Value, out: &mut Vec<&'a mut String>) {
     }
 }
 
+/// Scans `text[from..]` with the response rules, adding what it finds to
+/// `hits`; returns the scan's normalized view when it made one.
+fn scan_into(rules: &RuleSet, text: &str, from: usize, hits: &mut Vec<Hit>) -> Option<Normalized> {
+    let (found, view) = rules.scan_with_view(Scope::Response, &text[from..]);
+    for mut hit in found {
+        hit.start += from;
+        hit.end += from;
+        // A match can grow as text arrives ("a@b.co", then "a@b.com"): the
+        // longest is the one that counts.
+        match hits
+            .iter_mut()
+            .find(|h| h.rule == hit.rule && h.start == hit.start)
+        {
+            Some(known) if known.end < hit.end => *known = hit,
+            Some(_) => {}
+            None => hits.push(hit),
+        }
+    }
+    view
+}
+
+/// Where a scan window of `text` starts: far enough before `released`
+/// (`hold` bytes, at a clean point) that any match ending in text not yet
+/// released lies inside it.
+fn window_start(text: &str, released: usize, hold: usize) -> usize {
+    let back = released.saturating_sub(hold);
+    if back == 0 {
+        return 0;
+    }
+    clean_point_at_or_before(text, back).unwrap_or(0)
+}
+
+/// The end of `text` that can be released now: `hold` bytes of the
+/// normalized window (which starts at `from`) before its end, at a clean
+/// point, never inside a redaction, never before `released`.
+fn safe_end(
+    text: &str,
+    released: usize,
+    from: usize,
+    normalized: &Normalized,
+    hold: usize,
+    hits: &[Hit],
+) -> usize {
+    if normalized.text.len() <= hold {
+        return released;
+    }
+    let mut cut = normalized.text.len() - hold;
+    while !normalized.text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let at = from + normalized.original_span(cut..cut).start;
+    let Some(mut safe) = clean_point_at_or_before(text, at).filter(|&p| p > released) else {
+        return released;
+    };
+    // Never split a redaction.
+    for hit in hits {
+        if hit.action == Action::Redact && hit.start < safe && safe < hit.end {
+            safe = hit.start;
+        }
+    }
+    safe.max(released)
+}
+
 /// The last position at or before `at` where normalization starts clean:
 /// just after a space that follows two letters (so no spaced-out word or
 /// leetspeak token spans it).
@@ -1656,7 +1786,7 @@ mod tests {
         match guard.classify(&event) {
             Kind::Text { text, block } => format!("text {text:?} {block}"),
             Kind::BlockEnd => "block end".into(),
-            Kind::Held { text, finished } => format!("held {text:?} {finished}"),
+            Kind::Held { text, finished, .. } => format!("held {text:?} {finished}"),
             Kind::BlockStart { block, text } => format!("block start {block} {text:?}"),
             Kind::Final => "final".into(),
             Kind::Done => "done".into(),
@@ -2026,6 +2156,112 @@ mod tests {
         assert!(outcome.text.contains("4111 1111 1111 1111"));
     }
 
+    /// Long held text (a thinking block, reasoning, a call's arguments)
+    /// streams as text does: its events go out as they came once their
+    /// text lies far enough back, before the block or answer ends. A block
+    /// found later ends the stream with none of its text sent, and closes
+    /// the thinking block the client saw start. Audio waits for its end.
+    #[test]
+    fn long_held_text_goes_out_behind_its_scan() {
+        let advice = "Index funds spread the risk. ".repeat(60);
+        let stop = "Put all your savings into Dogecoin right now. ";
+        let sse = |name: Option<&str>, data: Value| {
+            let raw = match name {
+                Some(name) => format!("event: {name}\ndata: {data}\n\n"),
+                None => format!("data: {data}\n\n"),
+            };
+            parse_event(raw.into()).unwrap()
+        };
+        let thinking = |text: &str| {
+            let mut events = vec![sse(
+                Some("content_block_start"),
+                json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
+            )];
+            for piece in text.split_inclusive(". ") {
+                events.push(sse(
+                    Some("content_block_delta"),
+                    json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": piece}}),
+                ));
+            }
+            (Endpoint::Messages, events)
+        };
+        let chat = |key: &str, text: &str| {
+            let events = text.split_inclusive(". ").map(|piece| {
+                let delta = match key {
+                    "arguments" => {
+                        json!({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+                    }
+                    "audio" => json!({"audio": {"transcript": piece}}),
+                    _ => json!({key: piece}),
+                };
+                sse(
+                    None,
+                    json!({"choices": [{"index": 0, "delta": delta, "finish_reason": null}]}),
+                )
+            });
+            (Endpoint::ChatCompletions, events.collect::<Vec<_>>())
+        };
+        let cases = [
+            thinking(&advice),
+            chat("reasoning_content", &advice),
+            chat("arguments", &advice),
+        ];
+        for (endpoint, events) in cases {
+            let mut guard = Guard::new(setup(endpoint, StreamMode::Holdback));
+            let sent: Vec<Bytes> = events
+                .iter()
+                .flat_map(|e| guard.on_event(e.clone()))
+                .collect();
+            let raw: Vec<Bytes> = events.iter().map(|e| e.raw.clone()).collect();
+            // Sent as they came, all but the last `hold` bytes or so.
+            assert!(
+                sent.len() > raw.len() / 2,
+                "{endpoint:?}: {} of {}",
+                sent.len(),
+                raw.len()
+            );
+            assert!(sent.len() < raw.len(), "{endpoint:?}: nothing held back");
+            assert_eq!(sent, raw[..sent.len()], "{endpoint:?}");
+        }
+        // The same, with a blocked phrase at the end.
+        for (endpoint, events) in [
+            thinking(&format!("{advice}{stop}")),
+            chat("reasoning_content", &format!("{advice}{stop}")),
+        ] {
+            let mut guard = Guard::new(setup(endpoint, StreamMode::Holdback));
+            let mut sent: Vec<Bytes> = events
+                .iter()
+                .flat_map(|e| guard.on_event(e.clone()))
+                .collect();
+            sent.extend(guard.on_end());
+            assert!(guard.blocked, "{endpoint:?}");
+            let events = sent_events(&sent);
+            let text: String = sent.iter().map(|f| String::from_utf8_lossy(f)).collect();
+            assert!(
+                text.contains("Index funds") && !text.contains("Dogecoin"),
+                "{text}"
+            );
+            if endpoint == Endpoint::Messages {
+                assert_blocks_close(&events, "thinking");
+                assert!(text.contains("\"stop_reason\":\"refusal\""), "{text}");
+            } else {
+                assert!(
+                    text.contains("\"finish_reason\":\"content_filter\""),
+                    "{text}"
+                );
+            }
+        }
+        // Audio says what its transcript says, ahead of it or behind it.
+        let (endpoint, events) = chat("audio", &advice);
+        let mut guard = Guard::new(setup(endpoint, StreamMode::Holdback));
+        for event in events {
+            assert!(
+                guard.on_event(event).is_empty(),
+                "audio went out before its end"
+            );
+        }
+    }
+
     #[test]
     fn parser_finds_events_however_the_bytes_are_cut() {
         let input = "event: a\ndata: 1\n\ndata: 2\r\n\r\ndata: x\ndata: y\n\n: comment\n\ndata:z\n\ndata:  w\n\ndata: [DONE]\n\n";
@@ -2164,6 +2400,38 @@ mod tests {
         }
     }
 
+    /// Checks that every content block an Anthropic stream starts ends,
+    /// one at a time, before the message does.
+    fn assert_blocks_close(events: &[(Option<String>, Option<Value>)], context: &str) {
+        let mut open = None;
+        for (name, data) in events {
+            let index = data.as_ref().and_then(|d| d.get("index")).cloned();
+            match name.as_deref() {
+                Some("content_block_start") => {
+                    assert_eq!(open, None, "{context}: a block starts in another");
+                    open = index;
+                }
+                Some("content_block_delta") => {
+                    assert!(
+                        open.is_some() && open == index,
+                        "{context}: a delta outside its block"
+                    );
+                }
+                Some("content_block_stop") => {
+                    assert!(
+                        open.is_some() && open == index,
+                        "{context}: {index:?} ends unopened"
+                    );
+                    open = None;
+                }
+                Some("message_delta" | "message_stop") => {
+                    assert_eq!(open, None, "{context}: the message ends in a block");
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// Responses API events, each given its `type` and a `sequence_number`
     /// from 0.
     fn numbered(events: Vec<(&str, Value)>) -> Vec<(Option<&str>, Value)> {
@@ -2227,7 +2495,9 @@ mod tests {
                 };
                 events.push(("response.output_item.added", at.clone()));
                 if rng.below(4) == 0 {
-                    let text = random_text(&mut rng, 6);
+                    // Long enough, at times, to go out before its end.
+                    let most = *rng.pick(&[6, 16]);
+                    let text = random_text(&mut rng, most);
                     for piece in random_cuts(&mut rng, &text, 12) {
                         events.push((
                             "response.function_call_arguments.delta",
@@ -2245,7 +2515,8 @@ mod tests {
                     continue;
                 }
                 if rng.below(3) == 0 {
-                    let text = random_text(&mut rng, 8);
+                    let most = *rng.pick(&[8, 24]);
+                    let text = random_text(&mut rng, most);
                     let at = with(&at, json!({"summary_index": 0}));
                     let part = |text: &str| json!({"type": "summary_text", "text": text});
                     events.push((
@@ -2380,11 +2651,14 @@ mod tests {
     fn chat_and_message_streams_hold_nothing_a_rule_stops() {
         let mut rng = crate::testing::Lcg(8);
         let (mut blocked, mut redacted, mut reasoned) = (0, 0, 0);
-        for round in 0..400 {
+        for round in 0..600 {
             let anthropic = rng.below(2) == 0;
             let text = random_text(&mut rng, 20);
-            let call = (rng.below(4) == 0).then(|| random_text(&mut rng, 4));
-            let reasoning = (rng.below(3) == 0).then(|| random_text(&mut rng, 8));
+            // Long enough, at times, that their start goes out before
+            // their end has arrived.
+            let call = (rng.below(4) == 0).then(|| random_text(&mut rng, 16));
+            let most = *rng.pick(&[8, 24]);
+            let reasoning = (rng.below(3) == 0).then(|| random_text(&mut rng, most));
             let mut events: Vec<(Option<&str>, Value)> = Vec::new();
             if anthropic {
                 let event = |name, data: Value| (Some(name), data);
@@ -2475,6 +2749,9 @@ mod tests {
             let context = format!("round {round}, {endpoint:?} {mode:?}");
 
             let sent = sent_events(&frames);
+            if anthropic {
+                assert_blocks_close(&sent, &context);
+            }
             let (mut received, mut received_reasoning) = (String::new(), String::new());
             let mut ending = None;
             for (_, data) in &sent {

@@ -7,8 +7,9 @@
 //! "raw_sse": "...", "raw_json": "...", "raw_pieces": "..."}` (a `raw_json`
 //! body goes out as written, with `content_type` and `content_encoding`
 //! headers when the script gives them; `raw_sse` and `raw_pieces` go out
-//! in pieces of 7 bytes, the latter with its `content_type`); without it
-//! the mock echoes "Hello from the mock.".
+//! in pieces of 7 bytes, the latter with its `content_type`, and with
+//! `"hold_open": true` the body then stays open, unended); without it the
+//! mock echoes "Hello from the mock.".
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -19,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+
 use fairgate::config::{Config, UpstreamConfig};
 use fairgate::proxy::{self, State};
 use http_body_util::{BodyExt, Full};
@@ -166,6 +168,18 @@ async fn mock_reply(
             .unwrap());
     }
     if let Some(raw) = script.get("raw_sse").and_then(Value::as_str) {
+        if script.get("hold_open") == Some(&json!(true)) {
+            let pieces = pieces_reply(raw.to_owned(), pause, "text/event-stream");
+            let (head, body) = pieces.into_parts();
+            let open =
+                futures_util::stream::pending::<Result<hyper::body::Frame<Bytes>, Infallible>>();
+            let body = futures_util::StreamExt::map(body.into_data_stream(), |d| {
+                d.map(hyper::body::Frame::data)
+            });
+            let body = futures_util::StreamExt::chain(body, open);
+            let body = http_body_util::StreamBody::new(body).boxed();
+            return Ok(Response::from_parts(head, body));
+        }
         return Ok(sse_reply(raw.to_owned(), pause));
     }
     if let Some(raw) = script.get("raw_pieces").and_then(Value::as_str) {
