@@ -45,10 +45,12 @@ def reply_text(body):
 
 
 def thinking_text(body):
-    """What the mock thinks before it answers, when asked to think."""
+    """What the mock thinks before it answers, when asked to think (at
+    length: a long preamble first)."""
     if "think" not in last_words(body):
         return None
-    return RISKY if "risky" in last_words(body) else "A budget comes first, then savings."
+    preamble = "Weighing the options. " * 60 if "at length" in last_words(body) else ""
+    return preamble + (RISKY if "risky" in last_words(body) else "A budget comes first, then savings.")
 
 
 def chunks(text):
@@ -394,6 +396,21 @@ def main():
             assert final.content == [], final.content
             assert not any("Dogecoin" in str(e) for e in events), events
 
+        def anthropic_long_thinking_blocked_late():
+            # The preamble streams before the risky end arrives; the SDK
+            # gets a thinking block that ends unsigned, then the refusal.
+            with an.messages.stream(model="claude-x", max_tokens=4096,
+                                    thinking={"type": "enabled", "budget_tokens": 2048},
+                                    messages=[{"role": "user", "content": "think at length: something risky"}]) as stream:
+                events = list(stream)
+                final = stream.get_final_message()
+            assert final.stop_reason == "refusal", final.stop_reason
+            assert not any("Dogecoin" in str(e) for e in events), events
+            thinking = final.content[0]
+            assert thinking.type == "thinking", final.content
+            assert thinking.thinking.startswith("Weighing the options. " * 10), thinking.thinking
+            assert thinking.signature == "", thinking.signature
+
         def anthropic_batch_results():
             batch = an.messages.batches.create(requests=[
                 {"custom_id": "safe", "params": {"model": "claude-x", "max_tokens": 50,
@@ -484,6 +501,7 @@ def main():
         check("anthropic blocked stream ends with refusal", anthropic_blocked_stream)
         check("anthropic thinking stream arrives signed as sent", anthropic_thinking_stream)
         check("anthropic blocked thinking stream ends with refusal", anthropic_blocked_thinking_stream)
+        check("anthropic long thinking streams, then a late block ends it", anthropic_long_thinking_blocked_late)
     finally:
         proxy.terminate()
         try:
