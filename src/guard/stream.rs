@@ -1197,7 +1197,7 @@ impl Guard {
             self.safe_end(window_start, &view)
         };
         let mut frames = self.release(safe);
-        if final_check {
+        if final_check && !self.held_frames.is_empty() {
             frames.append(&mut self.release_held(self.held_text.len()));
         }
         frames
