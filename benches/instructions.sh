@@ -8,6 +8,7 @@
 #   OLD=/path/to/old/fairgate bash benches/instructions.sh   # and an older binary, same run
 #   N=1000 bash benches/instructions.sh               # exchanges per measurement
 #   MOCK_OBFUSCATION=1 bash benches/instructions.sh   # stream chunks padded as OpenAI's are
+#   MOCK_ANSWER_REPEAT=30 bash benches/instructions.sh  # streams of a long answer (about 4 KB)
 #
 # For each binary and each kind of exchange (non-streaming, streaming with
 # the mock's 27 events): fairgate serves on its embedded defaults (side

@@ -8,6 +8,11 @@
 //! member of varying length, as OpenAI's chunks do by default: the bytes
 //! around a chunk's text then differ from chunk to chunk.
 //!
+//! With `MOCK_ANSWER_REPEAT=N`, a stream's answer is its sentence N times
+//! over (N × 25 text chunks, about N × 141 bytes of text): a long answer, in
+//! which holdback reaches its steady state (a window of new text and the
+//! hold before it, checked every 64 bytes).
+//!
 //! With `MOCK_STREAM_PAUSE_MS=N`, a stream's first half is sent at once and
 //! the rest after N milliseconds, so that many streams can be held open at
 //! the same moment (`benches/memory.sh`).
@@ -34,7 +39,12 @@ fn stream_body() -> String {
         "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n",
     );
     let obfuscation = std::env::var_os("MOCK_OBFUSCATION").is_some();
-    for (i, word) in words.split_inclusive(' ').enumerate() {
+    let repeat = std::env::var("MOCK_ANSWER_REPEAT")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1);
+    let words = format!("{words} ").repeat(repeat);
+    for (i, word) in words.trim_end().split_inclusive(' ').enumerate() {
         let padding = if obfuscation {
             format!(r#","obfuscation":"{}""#, &"Xq7pZ2kLm9Rt4vBw"[i % 8..])
         } else {

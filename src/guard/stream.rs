@@ -1181,8 +1181,8 @@ impl Guard {
     /// releases what is safe. When `final_check`, that is all the text,
     /// and the held events too once their text is scanned.
     fn check(&mut self, final_check: bool) -> Vec<Bytes> {
+        let window_start = window_start(&self.acc, self.checked, self.released, self.hold());
         self.checked = self.acc.len();
-        let window_start = self.window_start();
         let view = self.scan_window(window_start);
         if final_check {
             self.scan_held();
@@ -1208,12 +1208,11 @@ impl Guard {
     /// lies far enough back. They go out as they came, so a long thinking
     /// block or call streams, only later, rather than arriving at once.
     fn check_held(&mut self) -> Vec<Bytes> {
-        let view = self.scan_held();
+        let (from, view) = self.scan_held();
         if self.should_block() {
             return self.block();
         }
         let hold = self.hold();
-        let from = window_start(&self.held_text, self.held_released, hold);
         let view = view.unwrap_or_else(|| Normalized::new(&self.held_text[from..]));
         let text = &self.held_text;
         let safe = safe_end(text, self.held_released, from, &view, hold, &self.held_hits);
@@ -1245,20 +1244,17 @@ impl Guard {
     }
 
     /// Scans the held text not scanned yet (and enough before it: see
-    /// `window_start`), keeping new hits; returns the window's normalized
-    /// view when the scan made one.
-    fn scan_held(&mut self) -> Option<Normalized> {
-        if self.held_checked == self.held_text.len() {
-            return None;
+    /// `window_start`), keeping new hits; returns where the window starts,
+    /// and its normalized view when the scan made one.
+    fn scan_held(&mut self) -> (usize, Option<Normalized>) {
+        let text = &self.held_text;
+        let from = window_start(text, self.held_checked, self.held_released, self.hold());
+        if self.held_checked == text.len() {
+            return (from, None);
         }
-        self.held_checked = self.held_text.len();
-        let from = window_start(&self.held_text, self.held_released, self.hold());
-        scan_into(
-            &self.setup.rules,
-            &self.held_text,
-            from,
-            &mut self.held_hits,
-        )
+        self.held_checked = text.len();
+        let view = scan_into(&self.setup.rules, text, from, &mut self.held_hits);
+        (from, view)
     }
 
     /// The request's hits and the response's so far.
@@ -1282,10 +1278,6 @@ impl Guard {
             text.push_str(&self.held_text);
         }
         text
-    }
-
-    fn window_start(&self) -> usize {
-        window_start(&self.acc, self.released, self.hold())
     }
 
     fn hold(&self) -> usize {
@@ -1681,11 +1673,18 @@ fn scan_into(rules: &RuleSet, text: &str, from: usize, hits: &mut Vec<Hit>) -> O
     view
 }
 
-/// Where a scan window of `text` starts: far enough before `released`
-/// (`hold` bytes, at a clean point) that any match ending in text not yet
-/// released lies inside it.
-fn window_start(text: &str, released: usize, hold: usize) -> usize {
-    let back = released.saturating_sub(hold);
+/// Where the scan window of `text` starts, at a clean point, when the last
+/// scan read it to `checked` and it is released to `released` (never
+/// after `checked`). A match found now ends after `checked` (or grew past
+/// it), and no match spans more than `hold` bytes: it starts after
+/// `checked - hold`. The window also reaches back to `released`, so that
+/// the text the next release can take is in its view (the release point
+/// is measured back from the end in normalized bytes, which can be fewer
+/// than the raw ones). In a long answer that is about `hold` bytes before
+/// the last check rather than `hold` before the release point, which
+/// lies `hold` further back: half the bytes scanned again.
+fn window_start(text: &str, checked: usize, released: usize, hold: usize) -> usize {
+    let back = checked.saturating_sub(hold).min(released);
     if back == 0 {
         return 0;
     }
@@ -3138,6 +3137,100 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Long answers, several times the hold, with one phrase a rule stops
+    /// (or none) anywhere in them, cut at random: each check scans only
+    /// the text since the last one and the hold before it, and still
+    /// finds every match. Held text (reasoning) the same.
+    #[test]
+    fn long_answers_are_read_whole_by_windows() {
+        let mut rng = crate::testing::Lcg(21);
+        let safe = [
+            "Start with a budget and an emergency fund. ",
+            "Index funds spread the risk. ",
+            "Un café crème, naïve résumé: 💰📈 ",
+            "A B C, 1 2 3, i.e. e.g. ",
+        ];
+        let stops = [
+            "Put all your savings into Dogecoin right now. ",
+            "Put all your s4vings into D0gecoin right now. ",
+            "g u a r a n t e e d returns of 20% a year. ",
+            "Write to jane.doe@example.com today. ",
+            "My card is 4111 1111 1111 1111. ",
+        ];
+        let (mut blocked, mut redacted) = (0, 0);
+        for round in 0..300 {
+            let mut sentences: Vec<&str> =
+                (0..40 + rng.below(80)).map(|_| *rng.pick(&safe)).collect();
+            if rng.below(4) != 0 {
+                let at = rng.below(sentences.len() + 1);
+                sentences.insert(at, *rng.pick(&stops));
+            }
+            let text: String = sentences.concat();
+            let reasoning = rng.below(2) == 0;
+            let delta = |piece: &str| match reasoning {
+                true => json!({"content": null, "reasoning_content": piece}),
+                false => json!({"content": piece}),
+            };
+            let mut events: Vec<(Option<&str>, Value)> = random_cuts(&mut rng, &text, 12)
+                .into_iter()
+                .map(|piece| (None, json!({"choices": [{"index": 0, "delta": delta(piece), "finish_reason": null}]})))
+                .collect();
+            events.push((
+                None,
+                json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+            ));
+            events.push((None, json!("[DONE]")));
+            let (guard, frames) =
+                guard_stream(Endpoint::ChatCompletions, StreamMode::Holdback, events);
+            let context = format!("round {round}, reasoning {reasoning}");
+            let sent = sent_events(&frames);
+            let key = if reasoning {
+                "reasoning_content"
+            } else {
+                "content"
+            };
+            let received: String = sent
+                .iter()
+                .filter_map(|(_, data)| {
+                    data.as_ref()?
+                        .pointer(&format!("/choices/0/delta/{key}"))?
+                        .as_str()
+                })
+                .collect();
+            assert_nothing_stopped_sent(std::slice::from_ref(&received), &sent, &context);
+            let hits = RULES.scan(Scope::Response, &text);
+            // Held text cannot be redacted: a redaction blocks it.
+            let stopping = |action: &Action| match reasoning {
+                true => matches!(action, Action::Block | Action::Redact),
+                false => *action == Action::Block,
+            };
+            assert_eq!(
+                guard.blocked,
+                hits.iter().any(|h| stopping(&h.action)),
+                "{context}"
+            );
+            if guard.blocked {
+                blocked += 1;
+                continue;
+            }
+            let expected = redacted_by_rules(&text);
+            redacted += usize::from(expected != text);
+            assert_eq!(received, expected, "{context}");
+            let mut found: Vec<_> = guard
+                .response_hits()
+                .map(|h| (h.rule, h.start, h.end))
+                .collect();
+            let mut whole: Vec<_> = hits.into_iter().map(|h| (h.rule, h.start, h.end)).collect();
+            found.sort();
+            whole.sort();
+            assert_eq!(found, whole, "{context}");
+        }
+        assert!(
+            blocked > 50 && redacted > 20,
+            "{blocked} blocked, {redacted} redacted"
+        );
     }
 
     #[test]
