@@ -1062,6 +1062,41 @@ async fn long_reasoning_streams_before_it_ends() {
     proxy.stop().await;
 }
 
+/// A Japanese answer has no spaces: it streams, released after its
+/// sentence marks, while the upstream is still writing (here it never
+/// ends), rather than held until the end.
+#[tokio::test]
+async fn an_answer_without_spaces_streams() {
+    let (_mock, proxy) = start().await;
+    let sentence = "毎月の予算を立てて、緊急資金を貯めましょう。";
+    // Escaped, so that the mock's script header stays ASCII.
+    let escaped: String = sentence
+        .chars()
+        .map(|c| format!("\\u{:04x}", u32::from(c)))
+        .collect();
+    let chunk = format!(
+        r#"{{"id":"chatcmpl-t","object":"chat.completion.chunk","created":1,"model":"m","choices":[{{"index":0,"delta":{{"content":"{escaped}"}},"finish_reason":null}}]}}"#
+    );
+    let raw = format!("data: {chunk}\n\n").repeat(60);
+    let script = json!({"raw_sse": raw, "hold_open": true});
+    let question = chat("How do I save?", true);
+    let mut response = proxy.post("/v1/chat/completions", script, &question).await;
+    let mut got = String::new();
+    let wait = tokio::time::timeout(Duration::from_secs(10), async {
+        while openai_stream_text(&got).0.matches(sentence).count() < 20 {
+            let chunk = response
+                .chunk()
+                .await
+                .unwrap()
+                .unwrap_or_else(|| panic!("ended: {got:?}"));
+            got.push_str(&String::from_utf8_lossy(&chunk));
+        }
+    });
+    assert!(wait.await.is_ok(), "only this arrived: {got:?}");
+    drop(response);
+    proxy.stop().await;
+}
+
 /// Short reasoning of OpenAI-compatible servers (`reasoning_content`) is
 /// held until the answer starts: sent as it came, before the answer, or
 /// the stream ends with `content_filter` before any of it.

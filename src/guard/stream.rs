@@ -5,7 +5,9 @@
 //! * **`holdback`** (default): the text of the response is released to the
 //!   client only once it lies further back than the longest match any
 //!   response rule can make (plus a margin, and never inside a word that
-//!   normalization may still join with what follows). A match always ends
+//!   normalization may still join with what follows: text is released up
+//!   to a space after a word or a mark, or, in CJK text, which has no
+//!   spaces, after a sentence mark such as 。). A match always ends
 //!   in text not yet released, so **no text that a rule would block reaches
 //!   the client, however the upstream chunks it**. The text is re-framed:
 //!   the client gets well-formed deltas that need not line up with the
@@ -1722,15 +1724,42 @@ fn safe_end(
     safe.max(released)
 }
 
-/// The last position at or before `at` where normalization starts clean:
-/// just after a space that follows two letters (so no spaced-out word or
-/// leetspeak token spans it).
+/// The last position at or before `at` where normalization starts clean,
+/// as it would in the whole text: no word, spaced-out word or whitespace
+/// run spans it. That is just after a space or line break that follows two
+/// letters or a punctuation mark (a gap of two characters ends a run of
+/// spaced-out letters), or just after a CJK sentence mark followed by a
+/// letter (CJK text has no spaces: without such points, a Japanese answer
+/// would be held whole, and rescanned from its start at every check).
 fn clean_point_at_or_before(text: &str, at: usize) -> Option<usize> {
     let bytes = text.as_bytes();
-    let letter = |b: u8| b.is_ascii_alphabetic();
-    (3..=at.min(bytes.len()))
+    (2..=at.min(bytes.len()))
         .rev()
-        .find(|&p| bytes[p - 1] == b' ' && letter(bytes[p - 2]) && letter(bytes[p - 3]))
+        .find(|&p| match bytes[p - 1] {
+            b' ' | b'\n' => ends_word(&text[..p - 1]),
+            // The last bytes of 、 。 ！ ？ in UTF-8.
+            0x81 | 0x82 | 0x9f => {
+                CJK_STOPS.iter().any(|m| bytes[..p].ends_with(m.as_bytes()))
+                    && text[p..].chars().next().is_some_and(char::is_alphanumeric)
+            }
+            _ => false,
+        })
+}
+
+/// Marks that end a CJK sentence or clause: 、 。 ！ ？.
+const CJK_STOPS: [&str; 4] = ["\u{3001}", "\u{3002}", "\u{ff01}", "\u{ff1f}"];
+
+/// Whether `text` ends with two letters or a punctuation mark, so that
+/// a space after it ends its word and any run of spaced-out letters.
+fn ends_word(text: &str) -> bool {
+    let mut chars = text.chars().rev();
+    match chars.next() {
+        Some(c) if c.is_ascii_alphabetic() => chars.next().is_some_and(|c| c.is_ascii_alphabetic()),
+        // `$`, `'` and `@` belong to words.
+        Some(c) if c.is_ascii_punctuation() => !matches!(c, '$' | '\'' | '@'),
+        Some(c) => CJK_STOPS.iter().any(|m| m.starts_with(c)),
+        None => false,
+    }
 }
 
 #[cfg(test)]
@@ -3151,6 +3180,8 @@ mod tests {
             "Index funds spread the risk. ",
             "Un café crème, naïve résumé: 💰📈 ",
             "A B C, 1 2 3, i.e. e.g. ",
+            "毎月の予算を立てて、緊急資金を貯めましょう。",
+            "インデックスファンドはリスクを分散します！\n",
         ];
         let stops = [
             "Put all your savings into Dogecoin right now. ",
@@ -3235,24 +3266,54 @@ mod tests {
 
     #[test]
     fn holdback_releases_text_far_enough_behind() {
-        let mut guard = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
-        let sentence = "Here is my advice for you today, step by step. ";
-        let mut frames = Vec::new();
-        for _ in 0..40 {
-            frames.extend(guard.on_event(openai_delta(sentence)));
+        // Japanese has no spaces: it is released after its sentence marks.
+        for sentence in [
+            "Here is my advice for you today, step by step. ",
+            "毎月の予算を立てて、緊急資金を貯めましょう。",
+        ] {
+            let mut guard = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
+            let mut frames = Vec::new();
+            for _ in 0..40 {
+                frames.extend(guard.on_event(openai_delta(sentence)));
+            }
+            let released = released_text(&frames);
+            let total = sentence.len() * 40;
+            assert!(
+                released.len() >= total - guard.hold() - 64 - sentence.len(),
+                "{} of {total}",
+                released.len()
+            );
+            assert!(
+                released.len() <= total - guard.hold() + sentence.len(),
+                "{} of {total}",
+                released.len()
+            );
+            assert!(!guard.blocked);
         }
-        let released = released_text(&frames);
-        let total = sentence.len() * 40;
-        assert!(
-            released.len() >= total - guard.hold() - 64,
-            "{} of {total}",
-            released.len()
+    }
+
+    #[test]
+    fn clean_points_are_where_no_word_spans() {
+        let points = |text: &str| -> Vec<usize> {
+            let mut points = Vec::new();
+            let mut at = text.len();
+            while let Some(p) = clean_point_at_or_before(text, at) {
+                points.push(p);
+                at = p - 1;
+            }
+            points.reverse();
+            points
+        };
+        // After two letters or a mark, then a space or a line break.
+        assert_eq!(points("ab cd. ef\ngh"), [3, 7, 10]);
+        // Not after a single letter (`a b c` joins), nor a word's `$`.
+        assert_eq!(points("x y 5$ z"), Vec::<usize>::new());
+        // After a CJK mark that a letter follows; not before a space.
+        let text = "予算です。次に、貯金！ 最後";
+        let after = |mark: &str| text.find(mark).unwrap() + mark.len();
+        assert_eq!(
+            points(text),
+            [after("です。"), after("次に、"), after("貯金！ ")]
         );
-        assert!(
-            released.len() <= total - guard.hold() + sentence.len(),
-            "{} of {total}",
-            released.len()
-        );
-        assert!(!guard.blocked);
     }
 }
