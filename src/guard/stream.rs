@@ -176,7 +176,7 @@ where
                 Some(Ok(chunk)) => {
                     let began = Instant::now();
                     let mut frames = Vec::new();
-                    for event in parser.push(&chunk) {
+                    for event in parser.push(chunk) {
                         if !guard.finished {
                             frames.extend(guard.on_event(event));
                         } else if guard.awaiting_usage() {
@@ -211,7 +211,7 @@ where
                     () = &mut wait => break,
                 };
                 let Some(Ok(chunk)) = chunk else { break };
-                for event in parser.push(&chunk) {
+                for event in parser.push(chunk) {
                     if guard.drain_event(&event) {
                         break 'drain;
                     }
@@ -246,26 +246,45 @@ pub struct SseEvent {
 /// Splits a byte stream into events at blank lines.
 #[derive(Default)]
 pub struct SseParser {
+    /// The start of an event whose end has not arrived yet.
     buf: BytesMut,
-    /// How far `buf` is known to hold no event end.
-    scanned: usize,
 }
 
 impl SseParser {
-    pub fn push(&mut self, chunk: &[u8]) -> Vec<SseEvent> {
-        self.buf.extend_from_slice(chunk);
+    /// The events that `chunk` completes. Events that lie whole in the
+    /// chunk are split off it, not copied (an upstream that sends many
+    /// events at once costs no copy, and no buffer of that size kept for
+    /// the rest of the stream); only an event cut between chunks is put
+    /// together in `buf`.
+    pub fn push(&mut self, mut chunk: Bytes) -> Vec<SseEvent> {
         let mut events = Vec::new();
-        while let Some(end) = event_end(&self.buf, self.scanned) {
-            // The event's bytes are split off, not copied.
-            let raw = self.buf.split_to(end).freeze();
-            self.scanned = 0;
-            if let Some(event) = parse_event(raw) {
-                events.push(event);
-            }
+        if !self.buf.is_empty() {
+            let Some(end) = self.end_across(&chunk) else {
+                self.buf.extend_from_slice(&chunk);
+                return events;
+            };
+            self.buf.extend_from_slice(&chunk.split_to(end));
+            events.extend(parse_event(self.buf.split().freeze()));
         }
-        // An end may start on the last two bytes and finish in the next chunk.
-        self.scanned = self.buf.len().saturating_sub(2);
+        while let Some(end) = event_end(&chunk, 0) {
+            events.extend(parse_event(chunk.split_to(end)));
+        }
+        self.buf.extend_from_slice(&chunk);
         events
+    }
+
+    /// Where in `chunk` the event begun in `buf` ends, if it does. `buf`
+    /// holds no end: one can only start on its last two bytes.
+    fn end_across(&self, chunk: &[u8]) -> Option<usize> {
+        let tail = &self.buf[self.buf.len().saturating_sub(2)..];
+        let mut seam = [0u8; 5];
+        let head = chunk.len().min(3);
+        seam[..tail.len()].copy_from_slice(tail);
+        seam[tail.len()..tail.len() + head].copy_from_slice(&chunk[..head]);
+        match event_end(&seam[..tail.len() + head], 0) {
+            Some(end) => Some(end.saturating_sub(tail.len())),
+            None => event_end(chunk, 0),
+        }
     }
 }
 
@@ -2305,9 +2324,12 @@ mod tests {
         for cut in 0..=input.len() {
             for second in cut..=input.len() {
                 let mut parser = SseParser::default();
-                let mut events = parser.push(&input.as_bytes()[..cut]);
-                events.extend(parser.push(&input.as_bytes()[cut..second]));
-                events.extend(parser.push(&input.as_bytes()[second..]));
+                let piece = |range: std::ops::Range<usize>| {
+                    Bytes::copy_from_slice(&input.as_bytes()[range])
+                };
+                let mut events = parser.push(piece(0..cut));
+                events.extend(parser.push(piece(cut..second)));
+                events.extend(parser.push(piece(second..input.len())));
                 let got: Vec<_> = events
                     .iter()
                     .map(|e| (e.event.as_deref(), e.data.as_deref()))
@@ -2316,6 +2338,33 @@ mod tests {
                 let raw: Vec<u8> = events.iter().flat_map(|e| e.raw.to_vec()).collect();
                 assert_eq!(raw, input.as_bytes());
             }
+        }
+    }
+
+    /// The same stream cut into many small pieces at random: the events,
+    /// and their bytes, are the same however it is cut.
+    #[test]
+    fn parser_finds_events_in_pieces_of_any_size() {
+        let input = "event: a\ndata: 1\n\ndata: 2\r\n\r\ndata: x\ndata: y\n\n: c\n\ndata: 3\n\r\n"
+            .repeat(4);
+        let whole: Vec<Bytes> = SseParser::default()
+            .push(Bytes::from(input.clone()))
+            .into_iter()
+            .map(|e| e.raw)
+            .collect();
+        assert_eq!(whole.len(), 20);
+        let mut rng = crate::testing::Lcg(5);
+        for _ in 0..500 {
+            let mut parser = SseParser::default();
+            let mut raw = Vec::new();
+            let mut at = 0;
+            while at < input.len() {
+                let end = (at + 1 + rng.below(6)).min(input.len());
+                let piece = Bytes::copy_from_slice(&input.as_bytes()[at..end]);
+                raw.extend(parser.push(piece).into_iter().map(|e| e.raw));
+                at = end;
+            }
+            assert_eq!(raw, whole);
         }
     }
 
