@@ -176,6 +176,7 @@ where
                 Some(Ok(chunk)) => {
                     let began = Instant::now();
                     let mut frames = Vec::new();
+                    guard.deferring = true;
                     for event in parser.push(chunk) {
                         if !guard.finished {
                             frames.extend(guard.on_event(event));
@@ -184,6 +185,7 @@ where
                             guard.drain_event(&event);
                         }
                     }
+                    frames.extend(guard.deferred_check());
                     guard_time += began.elapsed();
                     frames
                 }
@@ -463,6 +465,12 @@ pub struct Guard {
     /// The client has this guard's final event (OpenAI: its choice's
     /// finish), so a block ends its choice no more.
     ended: bool,
+    /// The events being read arrived together, in one read from the
+    /// upstream: their text is checked once, after the last of them
+    /// ([`Guard::deferred_check`]), rather than every 64 bytes. Their frames
+    /// leave together anyway, so the client gets the same text at the same
+    /// moment, for fewer scans of the window.
+    pub deferring: bool,
     /// Chat completions asked for `logprobs`: each text chunk's
     /// `logprobs.content` entries, with the range of `acc` its text took.
     /// A re-framed chunk carries the entries of the chunks whose text it
@@ -510,6 +518,7 @@ impl Guard {
             choice: 0,
             others: Vec::new(),
             ended: false,
+            deferring: false,
             logprobs: Vec::new(),
             logprobs_sent: 0,
             pending_logprobs: None,
@@ -597,6 +606,19 @@ impl Guard {
             }
             kind => self.by_mode(event, kind),
         };
+        self.outgoing(frames)
+    }
+
+    /// The check put off while `deferring`, when one is due.
+    pub fn deferred_check(&mut self) -> Vec<Bytes> {
+        self.deferring = false;
+        if self.finished
+            || self.setup.mode != StreamMode::Holdback
+            || self.acc.len() - self.checked < CHECK_STEP
+        {
+            return Vec::new();
+        }
+        let frames = self.check(false);
         self.outgoing(frames)
     }
 
@@ -1102,7 +1124,7 @@ impl Guard {
                 self.block = block;
                 self.block_open = true;
                 self.push_text(&text);
-                if self.acc.len() - self.checked >= CHECK_STEP {
+                if !self.deferring && self.acc.len() - self.checked >= CHECK_STEP {
                     frames.append(&mut self.check(false));
                 }
                 frames
@@ -2532,15 +2554,28 @@ mod tests {
     ) -> (Guard, Vec<Bytes>) {
         let mut guard = Guard::new(setup(endpoint, mode));
         let mut frames = Vec::new();
-        for (name, data) in events {
+        // The events arrive in reads of 1 to 4 events, checked together.
+        let mut left_in_read = 0;
+        for (i, (name, data)) in events.into_iter().enumerate() {
+            if left_in_read == 0 {
+                guard.deferring = true;
+                left_in_read = 1 + i % 4;
+            }
             let raw = match name {
                 Some(name) => format!("event: {name}\ndata: {data}\n\n"),
                 // `[DONE]` is written as it reads, not as a JSON string.
                 None if data == "[DONE]" => "data: [DONE]\n\n".to_owned(),
                 None => format!("data: {data}\n\n"),
             };
-            frames.extend(guard.on_event(parse_event(raw.into()).unwrap()));
+            if !guard.finished {
+                frames.extend(guard.on_event(parse_event(raw.into()).unwrap()));
+            }
+            left_in_read -= 1;
+            if left_in_read == 0 {
+                frames.extend(guard.deferred_check());
+            }
         }
+        frames.extend(guard.deferred_check());
         frames.extend(guard.on_end());
         (guard, frames)
     }
