@@ -26,7 +26,9 @@
 //!   time the model takes to write that much. A check rescans a window of
 //!   that size, not the whole response, once every 64 bytes of new text
 //!   (not on every word-sized delta): text is released, and a block found,
-//!   at most 64 bytes later than a check per delta would.
+//!   at most 64 bytes later than a check per delta would. Events that
+//!   arrive in one read from the upstream are checked once, after the
+//!   last of them: their frames leave together anyway.
 //! * **`buffer`**: nothing is sent until the upstream has finished and the
 //!   whole response is scanned; then the stream is replayed (redacted) or
 //!   replaced by the block ending. Guarantees the same, and also that the
