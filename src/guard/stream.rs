@@ -711,7 +711,7 @@ impl Guard {
         if let Ok(mut json) = serde_json::from_str::<Value>(&data)
             && self.check_repeated(&mut json)?
         {
-            rewritten = Some(json.to_string());
+            rewritten = Some(json_text(&json));
         }
         let data = rewritten.as_deref().unwrap_or(&data);
         let Some((number, span)) = event::sequence_number(data) else {
@@ -1046,8 +1046,8 @@ impl Guard {
         self.template = Some(template);
         // No text holds NUL characters; the marker cannot occur otherwise.
         const MARKER: &str = "\0fairgate\0";
-        let frame = self.openai_chunk(MARKER, Value::Null).to_string();
-        let marker = Value::from(MARKER).to_string();
+        let frame = json_text(&self.openai_chunk(MARKER, Value::Null));
+        let marker = json_text(&Value::from(MARKER));
         self.text_frame_parts = frame
             .split_once(&marker)
             .map(|(before, after)| (format!("data: {before}"), format!("{after}\n\n")));
@@ -1654,8 +1654,15 @@ impl Guard {
     }
 }
 
+/// `value` as JSON text. Written straight into a buffer: its `Display`
+/// (`to_string`) goes through the formatter, a call per piece.
+fn json_text(value: &Value) -> String {
+    // A `Value` always serializes: its keys are strings.
+    serde_json::to_string(value).unwrap_or_default()
+}
+
 fn sse(event: Option<&str>, data: &Value) -> Bytes {
-    sse_text(event, &data.to_string())
+    sse_text(event, &json_text(data))
 }
 
 /// An event of `data`, one `data:` line per line of it.
