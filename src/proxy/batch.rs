@@ -115,19 +115,19 @@ async fn upload(
     };
     let upstream = route.upstream.clone();
     let mut headers = super::upstream_headers(state, &upstream, dialect, &parts.headers);
+    let start = start.freeze();
     let body = if !whole {
         // Too large to read whole: what its start says decides.
-        if encoded || purpose(&start.clone().freeze(), &boundary).await.as_deref() == Some("batch")
-        {
+        if encoded || purpose(&fields(&start, &boundary).await.0) == Some(b"batch") {
             return respond::failure(dialect, Failure::TooLarge, request_id);
         }
         // Sent with the length the client gave, not chunked.
         if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
             headers.insert(header::CONTENT_LENGTH, length.clone());
         }
-        upstream::read_on(start.freeze(), body)
+        upstream::read_on(start, body)
     } else {
-        let mut form = start.freeze();
+        let mut form = start;
         if encoded {
             form = match super::decode(encoding, form, limit) {
                 Ok(form) => form,
@@ -178,13 +178,12 @@ fn field_name(headers: &HeaderMap) -> Option<&str> {
     })
 }
 
-/// The `purpose` of a form, or of its start, when it has one.
-async fn purpose(form: &Bytes, boundary: &str) -> Option<String> {
-    let (fields, _) = fields(form, boundary).await;
+/// The value of a form's `purpose` field, when it has one.
+fn purpose(fields: &[(HeaderMap, Bytes)]) -> Option<&[u8]> {
     let (_, data) = fields
         .iter()
         .find(|(headers, _)| field_name(headers) == Some("purpose"))?;
-    Some(String::from_utf8_lossy(data).trim().to_owned())
+    Some(data.trim_ascii())
 }
 
 /// An upload form as it goes up: a batch's input with its requests
@@ -199,15 +198,14 @@ async fn batch_input(
 ) -> Result<Bytes, Response<ProxyBody>> {
     let dialect = Dialect::OpenAi;
     let (mut fields, complete) = fields(&form, boundary).await;
-    let is = |headers: &HeaderMap, name| field_name(headers) == Some(name);
-    let batch = fields
-        .iter()
-        .any(|(headers, data)| is(headers, "purpose") && data.trim_ascii() == b"batch");
-    if !batch || !complete {
+    if purpose(&fields) != Some(b"batch") || !complete {
         // A broken form goes up as it came: the API answers it.
         return Ok(form);
     }
-    let Some((_, file)) = fields.iter_mut().find(|(headers, _)| is(headers, "file")) else {
+    let file = fields
+        .iter_mut()
+        .find(|(headers, _)| field_name(headers) == Some("file"));
+    let Some((_, file)) = file else {
         return Ok(form);
     };
     let rules = state.rules.snapshot();
