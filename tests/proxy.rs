@@ -1062,6 +1062,82 @@ async fn long_reasoning_streams_before_it_ends() {
     proxy.stop().await;
 }
 
+/// Text goes out as soon as no rule's match can be under way in it: here
+/// the upstream writes three sentences (far less than the longest match
+/// the rules allow), then the start of a phrase a rule blocks, and waits.
+/// The client gets the sentences at once, and not the phrase's first word.
+#[tokio::test]
+async fn text_streams_up_to_a_match_under_way() {
+    let (_mock, proxy) = start().await;
+    let said = "Index funds spread the risk. Costs matter. Then ";
+    let pieces = [
+        "Index funds spread ",
+        "the risk. Costs matter. ",
+        "Then put all your ",
+        "savings",
+    ];
+    let openai: String = pieces
+        .iter()
+        .map(|piece| {
+            let chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": null}]});
+            format!("data: {chunk}\n\n")
+        })
+        .collect();
+    let block_start = event(
+        "content_block_start",
+        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+    );
+    let anthropic: String = pieces
+        .iter()
+        .map(|piece| {
+            event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": piece}}),
+            )
+        })
+        .collect();
+    let anthropic = anthropic_start() + &block_start + &anthropic;
+    let cases = [
+        (
+            "/v1/chat/completions",
+            chat("Should I invest?", true),
+            openai,
+        ),
+        (
+            "/v1/messages",
+            messages("Should I invest?", true),
+            anthropic,
+        ),
+    ];
+    for (path, request, raw) in cases {
+        let script = json!({"raw_sse": raw, "hold_open": true});
+        let mut response = proxy.post(path, script, &request).await;
+        let text = |got: &str| match path {
+            "/v1/messages" => anthropic_stream_text(got).0,
+            _ => openai_stream_text(got).0,
+        };
+        let mut got = String::new();
+        let wait = tokio::time::timeout(Duration::from_secs(10), async {
+            while text(&got).len() < said.len() {
+                let chunk = response
+                    .chunk()
+                    .await
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("{path}: ended: {got:?}"));
+                got.push_str(&String::from_utf8_lossy(&chunk));
+            }
+        });
+        assert!(wait.await.is_ok(), "{path}: only this arrived: {got:?}");
+        assert_eq!(text(&got), said, "{path}");
+        // Nothing more comes while the phrase may still go on.
+        let more = tokio::time::timeout(Duration::from_millis(300), response.chunk()).await;
+        assert!(more.is_err(), "{path}: {more:?}");
+    }
+    proxy.stop().await;
+}
+
 /// A Japanese answer has no spaces: it streams, released after its
 /// sentence marks, while the upstream is still writing (here it never
 /// ends), rather than held until the end.

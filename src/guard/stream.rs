@@ -3,16 +3,25 @@
 //! # What each mode guarantees
 //!
 //! * **`holdback`** (default): the text of the response is released to the
-//!   client only once it lies further back than the longest match any
-//!   response rule can make (plus a margin, and never inside a word that
-//!   normalization may still join with what follows: text is released up
-//!   to a space after a word or a mark, or, in CJK text, which has no
-//!   spaces, after a sentence mark such as 。). A match always ends
-//!   in text not yet released, so **no text that a rule would block reaches
-//!   the client, however the upstream chunks it**. The text is re-framed:
-//!   the client gets well-formed deltas that need not line up with the
-//!   upstream's (a chat completion chunk carries the `logprobs` entries of
-//!   the upstream chunks whose text it completes, but for redacted text). On a block the stream ends as the SDKs expect: OpenAI, a
+//!   client only up to where a match of some response rule may be under
+//!   way: a point from which the rules' patterns, run over the text
+//!   since, could still match as more text comes (a phrase half written,
+//!   a secret whose regex has no end). The search for such points reads
+//!   the patterns without their word boundaries, so it may hold back more
+//!   than needed, never less ([`crate::rules::RuleSet::open_match_start`]).
+//!   Text is also never released inside a word that normalization may
+//!   still join with what follows: it is released up to a space after a
+//!   word or a mark, or, in CJK text, which has no spaces, after a
+//!   sentence mark such as 。. Should the search give up (more than 16 KB
+//!   unreleased, or walks too long), text is held back by the longest
+//!   match the rules can make, plus 256 bytes. A match therefore begins in
+//!   text not yet released, so **no text that a rule would block, not even
+//!   its first word, reaches the client, however the upstream chunks
+//!   it**. The text is re-framed: the client gets well-formed deltas that
+//!   need not line up with the upstream's (a chat completion chunk carries
+//!   the `logprobs` entries of the upstream chunks whose text it
+//!   completes, but for redacted text). On a block the stream ends as the
+//!   SDKs expect: OpenAI, a
 //!   chunk with `finish_reason: "content_filter"` and `data: [DONE]` (when
 //!   the client asked for usage, the upstream is read on, unsent, for up to
 //!   10 s until its usage chunk, which goes out before `[DONE]`; a stream
@@ -20,11 +29,12 @@
 //!   of its own, and a block ends every choice not yet finished);
 //!   Anthropic, `content_block_stop`, a `message_delta` with
 //!   `stop_reason: "refusal"`, and `message_stop`. Redactions apply before
-//!   release. *Cost*: the client sees each piece of text about
-//!   `match_limits + 256` bytes later than the upstream sent it (a few
-//!   hundred bytes, some tens of tokens); time to first token grows by the
-//!   time the model takes to write that much. A check rescans a window of
-//!   that size, not the whole response, once every 64 bytes of new text
+//!   release. *Cost*: text that no match may cover goes out at the next
+//!   check; a phrase that a rule would block if it went on waits until it
+//!   ends or turns harmless. A check rescans a window of the longest
+//!   match plus 256 bytes (or back to the release point, if further),
+//!   not the whole response, and looks for matches under way in the text
+//!   not yet released, once every 64 bytes of new text
 //!   (not on every word-sized delta): text is released, and a block found,
 //!   at most 64 bytes later than a check per delta would. Events that
 //!   arrive in one read from the upstream are checked once, after the
@@ -44,9 +54,9 @@
 //! `reasoning` of OpenAI-compatible servers; the transcript of a chat
 //! completion's audio, with the audio that says it) is response text too. In
 //! `holdback` its events are held back as text is, but whole: an event
-//! goes out unchanged, as it came, once all of its text lies further back
-//! than the longest match (checked every 64 bytes, as text is), so long
-//! reasoning and calls stream, only later. The rest go out when the
+//! goes out unchanged, as it came, once all of its text lies before any
+//! match under way (checked every 64 bytes, as text is), so long
+//! reasoning and calls stream. The rest go out when the
 //! content block or the response ends (in a chat completion, which has no
 //! blocks, when text follows), once all the text is scanned; or the stream
 //! ends blocked, closing a thinking block whose start went out. Held
@@ -103,8 +113,13 @@ const DONE: &[u8] = b"data: [DONE]\n\n";
 /// How long a blocked stream waits for the upstream's usage chunk.
 const USAGE_WAIT: Duration = Duration::from_secs(10);
 
-/// Text that stays held back beyond the longest match, in bytes.
+/// Text scanned again before the longest match, in bytes (and held back
+/// beyond it, when the search for matches under way gives up).
 const MARGIN: usize = 256;
+
+/// The most unreleased text in which holdback looks for matches under way,
+/// in bytes; past it, text is held `hold` bytes back instead.
+const OPEN_SEARCH_MOST: usize = 16 << 10;
 
 /// Holdback checks the text once this many bytes have arrived since the
 /// last check (and at the end of each block and of the stream), so that
@@ -1250,8 +1265,8 @@ impl Guard {
 
     /// Holdback of held text, as of text: scans its unsent part (and
     /// enough before it); blocks, or sends the held events whose text
-    /// lies far enough back. They go out as they came, so a long thinking
-    /// block or call streams, only later, rather than arriving at once.
+    /// lies before any match under way. They go out as they came, so a
+    /// long thinking block or call streams rather than arriving at once.
     fn check_held(&mut self) -> Vec<Bytes> {
         let (from, view) = self.scan_held();
         if self.should_block() {
@@ -1260,7 +1275,9 @@ impl Guard {
         let hold = self.hold();
         let view = view.unwrap_or_else(|| Normalized::new(&self.held_text[from..]));
         let text = &self.held_text;
-        let safe = safe_end(text, self.held_released, from, &view, hold, &self.held_hits);
+        let released = self.held_released;
+        let rules = &self.setup.rules;
+        let safe = safe_end(rules, text, released, from, &view, hold, &self.held_hits);
         self.release_held(safe)
     }
 
@@ -1325,6 +1342,8 @@ impl Guard {
         text
     }
 
+    /// The longest match of the response rules, and the margin: how far
+    /// before the last check a scan window starts.
     fn hold(&self) -> usize {
         let limits = self.setup.rules.match_limits(Scope::Response);
         limits.normalized.max(limits.raw) + MARGIN
@@ -1355,6 +1374,7 @@ impl Guard {
     fn safe_end(&self, window_start: usize, normalized: &Normalized) -> usize {
         let hold = self.hold();
         safe_end(
+            &self.setup.rules,
             &self.acc,
             self.released,
             window_start,
@@ -1743,10 +1763,14 @@ fn window_start(text: &str, checked: usize, released: usize, hold: usize) -> usi
     clean_point_at_or_before(text, back).unwrap_or(0)
 }
 
-/// The end of `text` that can be released now: `hold` bytes of the
-/// normalized window (which starts at `from`) before its end, at a clean
-/// point, never inside a redaction, never before `released`.
+/// The end of `text` that can be released now, at a clean point, never
+/// inside a redaction, never before `released`: before any match that may
+/// still be under way (see [`RuleSet::open_match_start`]). Should that
+/// search give up, or the unreleased text grow past [`OPEN_SEARCH_MOST`],
+/// `hold` bytes of the normalized window (which starts at `from`) before
+/// its end, which is as safe for every match up to `hold` long.
 fn safe_end(
+    rules: &RuleSet,
     text: &str,
     released: usize,
     from: usize,
@@ -1754,15 +1778,34 @@ fn safe_end(
     hold: usize,
     hits: &[Hit],
 ) -> usize {
-    if normalized.text.len() <= hold {
+    // What follows the last clean point can still change its view.
+    let Some(clean) = clean_point_in(text, released + 1, text.len()) else {
         return released;
-    }
-    let mut cut = normalized.text.len() - hold;
-    while !normalized.text.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    let at = from + normalized.original_span(cut..cut).start;
-    let Some(mut safe) = clean_point_at_or_before(text, at).filter(|&p| p > released) else {
+    };
+    let open = (clean - released <= OPEN_SEARCH_MOST)
+        .then(|| {
+            let starts = released - from..clean - from;
+            let open = rules.open_match_start(
+                Scope::Response,
+                &text[from..],
+                normalized,
+                starts,
+                clean - from,
+            );
+            open.map(|at| from + at)
+        })
+        .flatten();
+    let at = open.unwrap_or_else(|| {
+        if normalized.text.len() <= hold {
+            return released;
+        }
+        let mut cut = normalized.text.len() - hold;
+        while !normalized.text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        from + normalized.original_span(cut..cut).start
+    });
+    let Some(mut safe) = clean_point_in(text, released + 1, at) else {
         return released;
     };
     // Never split a redaction.
@@ -1782,8 +1825,14 @@ fn safe_end(
 /// letter (CJK text has no spaces: without such points, a Japanese answer
 /// would be held whole, and rescanned from its start at every check).
 fn clean_point_at_or_before(text: &str, at: usize) -> Option<usize> {
+    clean_point_in(text, 2, at)
+}
+
+/// The last clean point (see [`clean_point_at_or_before`]) from `low` to
+/// `at`.
+fn clean_point_in(text: &str, low: usize, at: usize) -> Option<usize> {
     let bytes = text.as_bytes();
-    (2..=at.min(bytes.len()))
+    (low.max(2)..=at.min(bytes.len()))
         .rev()
         .find(|&p| match bytes[p - 1] {
             b' ' | b'\n' => ends_word(&text[..p - 1]),
@@ -2291,14 +2340,15 @@ mod tests {
                 .flat_map(|e| guard.on_event(e.clone()))
                 .collect();
             let raw: Vec<Bytes> = events.iter().map(|e| e.raw.clone()).collect();
-            // Sent as they came, all but the last `hold` bytes or so.
+            // Sent as they came, all but those after the last check: no
+            // match can be under way in this text. (The thinking block's
+            // start goes out with its first delta.)
             assert!(
-                sent.len() > raw.len() / 2,
+                sent.len() + 3 >= raw.len(),
                 "{endpoint:?}: {} of {}",
                 sent.len(),
                 raw.len()
             );
-            assert!(sent.len() < raw.len(), "{endpoint:?}: nothing held back");
             assert_eq!(sent, raw[..sent.len()], "{endpoint:?}");
         }
         // The same, with a blocked phrase at the end.
@@ -2506,6 +2556,26 @@ mod tests {
                 "{context}: sent {string:?}"
             );
         }
+    }
+
+    /// Checks that what a blocked stream sent of `text`, `sent`, is its
+    /// redacted start and ends before the first match a rule blocks: not
+    /// even the first word of that match went out.
+    fn assert_sent_stops_before_its_match(text: &str, sent: &str, context: &str) {
+        let hits = RULES.scan(Scope::Response, text);
+        let Some(stop) = hits
+            .iter()
+            .filter(|h| h.action == Action::Block)
+            .map(|h| h.start)
+            .min()
+        else {
+            return;
+        };
+        let before = crate::rules::redact(&text[..stop], &hits);
+        assert!(
+            before.starts_with(sent),
+            "{context}: sent {sent:?}, the match starts after {before:?}"
+        );
     }
 
     /// Checks that every content block an Anthropic stream starts ends,
@@ -2911,6 +2981,10 @@ mod tests {
                     false => "content_filter",
                 };
                 assert_eq!(ending.as_deref(), Some(expected), "{context}");
+                assert_sent_stops_before_its_match(&text, &received, &context);
+                if let Some(reasoning) = &reasoning {
+                    assert_sent_stops_before_its_match(reasoning, &received_reasoning, &context);
+                }
                 continue;
             }
             let expected = redacted_by_rules(&text);
@@ -3357,31 +3431,55 @@ mod tests {
         );
     }
 
+    /// Holdback releases all the text in which no match can be under way,
+    /// up to its last check, and nothing from where one may be: not the
+    /// start of a phrase a rule stops, nor of a secret, however long it
+    /// grows (its regex has no longest match).
     #[test]
-    fn holdback_releases_text_far_enough_behind() {
+    fn holdback_releases_text_up_to_a_match_under_way() {
+        let stream = |pieces: &[&str]| {
+            let mut guard = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
+            let mut frames = Vec::new();
+            for piece in pieces {
+                frames.extend(guard.on_event(openai_delta(piece)));
+            }
+            (guard, frames)
+        };
         // Japanese has no spaces: it is released after its sentence marks.
         for sentence in [
             "Here is my advice for you today, step by step. ",
             "毎月の予算を立てて、緊急資金を貯めましょう。",
         ] {
-            let mut guard = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
-            let mut frames = Vec::new();
-            for _ in 0..40 {
-                frames.extend(guard.on_event(openai_delta(sentence)));
-            }
+            let (guard, frames) = stream(&[sentence; 40]);
             let released = released_text(&frames);
             let total = sentence.len() * 40;
             assert!(
-                released.len() >= total - guard.hold() - 64 - sentence.len(),
-                "{} of {total}",
-                released.len()
-            );
-            assert!(
-                released.len() <= total - guard.hold() + sentence.len(),
+                released.len() + 64 + sentence.len() >= total,
                 "{} of {total}",
                 released.len()
             );
             assert!(!guard.blocked);
+        }
+        let advice = "Index funds spread the risk. ".repeat(10);
+        let key = format!("Your key: sk-proj-{}", "Ab3dEf6hIj".repeat(100));
+        let stop = "Then put all your savings in";
+        for (under_way, end) in [(key.as_str(), " for now. "), (stop, "to Dogecoin. ")] {
+            let text = format!("{advice}{under_way}");
+            let pieces: Vec<&str> = random_cuts(&mut crate::testing::Lcg(3), &text, 7);
+            let (mut guard, mut frames) = stream(&pieces);
+            let released = released_text(&frames);
+            let start = under_way.find(['s', 'p']).unwrap();
+            assert!(
+                released.len() + 64 >= advice.len() && released.len() <= advice.len() + start,
+                "{released:?}"
+            );
+            frames.extend(guard.on_event(openai_delta(end)));
+            frames.extend(guard.on_end());
+            let sent = released_text(&frames);
+            assert!(
+                !sent.contains("sk-proj") && !sent.contains("savings"),
+                "{sent:?}"
+            );
         }
     }
 

@@ -36,10 +36,12 @@ use aho_corasick::dfa::DFA as LiteralDfa;
 use aho_corasick::{Anchored as LiteralAnchored, MatchKind};
 use regex::{RegexSet, RegexSetBuilder};
 use regex_automata::{Anchored, Input, meta};
+use regex_syntax::hir::Hir;
 use serde::Serialize;
 
 use super::compile::{CompileOptions, MAX_REGEX_SIZE, ScopePatterns};
 use super::normalize::Normalized;
+use super::open::OpenMatches;
 use super::{Hit, Rule, SNIPPET_CHARS, Scope};
 
 /// Which text a pattern runs on.
@@ -334,6 +336,9 @@ pub(crate) struct ScopeMatcher {
     normalized: ViewMatcher,
     raw: ViewMatcher,
     pub limits: MatchLimits,
+    /// The patterns of each view, to tell where a match may be under way.
+    open_normalized: Option<OpenMatches>,
+    open_raw: Option<OpenMatches>,
 }
 
 impl ScopeMatcher {
@@ -363,11 +368,51 @@ impl ScopeMatcher {
                 .max(keyword_len),
             raw: raw.iter().map(cap).max().unwrap_or(0),
         };
+        let keywords = patterns
+            .keywords
+            .iter()
+            .map(|(k, _)| Hir::literal(k.as_bytes()));
+        let open_normalized = keywords
+            .map(Ok)
+            .chain(normalized.iter().map(|s| pattern_hir(s)))
+            .collect::<Result<Vec<Hir>, String>>()?;
+        let open_raw = raw
+            .iter()
+            .map(|s| pattern_hir(s))
+            .collect::<Result<Vec<Hir>, String>>()?;
         Ok(ScopeMatcher {
             normalized: ViewMatcher::build(&patterns.keywords, normalized)?,
             raw: ViewMatcher::build(&[], raw)?,
             limits,
+            open_normalized: OpenMatches::build(&open_normalized)?,
+            open_raw: OpenMatches::build(&open_raw)?,
         })
+    }
+
+    /// The first byte in `starts` of `text` (whose normalized view is
+    /// `view`) from which a match could be under way at `to`, a point where
+    /// normalization starts clean; `starts.end` when there is none, `None`
+    /// when the search gives up. See [`OpenMatches`].
+    pub fn open_match_start(
+        &self,
+        text: &str,
+        view: &Normalized,
+        starts: Range<usize>,
+        to: usize,
+    ) -> Option<usize> {
+        let mut first = starts.end;
+        if let Some(open) = &self.open_normalized {
+            let range = view.view_offset(starts.start)..view.view_offset(starts.end);
+            let end = view.view_offset(to);
+            let at = open.first(view.text.as_bytes(), range.clone(), end)?;
+            if at < range.end {
+                first = view.original_span(at..at).start;
+            }
+        }
+        if let Some(open) = &self.open_raw {
+            first = open.first(text.as_bytes(), starts.start..first, to)?;
+        }
+        Some(first)
     }
 
     /// The hits of `text`, and its normalized view when the scope has
@@ -584,6 +629,15 @@ fn snippet(matched: &str) -> String {
         Some((cut, _)) => format!("{}…", &matched[..cut]),
         None => matched.to_owned(),
     }
+}
+
+/// The syntax of a compiled pattern, parsed as it was compiled.
+fn pattern_hir(spec: &PatternSpec) -> Result<Hir, String> {
+    regex_syntax::ParserBuilder::new()
+        .case_insensitive(spec.view == View::Normalized)
+        .build()
+        .parse(&spec.pattern)
+        .map_err(|e| format!("invalid regex {:?}: {e}", spec.pattern))
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ pub mod examples;
 pub mod load;
 mod matcher;
 pub mod normalize;
+mod open;
 pub mod store;
 pub mod validate;
 
@@ -217,6 +218,24 @@ impl RuleSet {
     /// A hash of the rule files' names and contents: equal texts, equal version.
     pub fn version(&self) -> &str {
         &self.version
+    }
+
+    /// The first byte in `starts` of `text` from which a match of `scope`'s
+    /// rules could be under way at `to` (`starts.end` when none could):
+    /// text before it can be released, as no match, however the text goes
+    /// on, can cover it. `view` is the normalized view of `text`, and `to`
+    /// a point where its normalization starts clean, so that what comes
+    /// after cannot change the view before it. `None` when the search gave
+    /// up: its walks grew too long.
+    pub fn open_match_start(
+        &self,
+        scope: Scope,
+        text: &str,
+        view: &normalize::Normalized,
+        starts: std::ops::Range<usize>,
+        to: usize,
+    ) -> Option<usize> {
+        self.matchers[scope.index()].open_match_start(text, view, starts, to)
     }
 
     /// The longest text any rule of `scope` can match, in bytes, per view. The

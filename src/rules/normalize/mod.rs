@@ -84,6 +84,21 @@ impl Normalized {
         }
     }
 
+    /// The first byte of the text made from byte `at` of the original or
+    /// after it (the text's length when none is).
+    pub fn view_offset(&self, at: usize) -> usize {
+        let (mut low, mut high) = (0, self.text.len());
+        while low < high {
+            let middle = (low + high) / 2;
+            if self.original_offset(middle) < at {
+                low = middle + 1;
+            } else {
+                high = middle;
+            }
+        }
+        low
+    }
+
     /// The phase-1 byte that byte `at` of the text was copied from.
     fn phase1_offset(&self, at: usize) -> usize {
         let run = self
