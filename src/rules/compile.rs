@@ -144,7 +144,7 @@ pub(super) fn compile(
     }
 
     let mut build = |scope: Scope, patterns: &ScopePatterns| {
-        ScopeMatcher::build(patterns, options).unwrap_or_else(|message| {
+        ScopeMatcher::build(scope, patterns, options).unwrap_or_else(|message| {
             errors.push(LoadError::new(
                 &PathBuf::from("(rule set)"),
                 None,

@@ -336,7 +336,8 @@ pub(crate) struct ScopeMatcher {
     normalized: ViewMatcher,
     raw: ViewMatcher,
     pub limits: MatchLimits,
-    /// The patterns of each view, to tell where a match may be under way.
+    /// The patterns of each view, to tell where a match may be under way
+    /// (response scope only).
     open_normalized: Option<OpenMatches>,
     open_raw: Option<OpenMatches>,
 }
@@ -346,7 +347,11 @@ impl ScopeMatcher {
         ScopeMatcher::default()
     }
 
-    pub fn build(patterns: &ScopePatterns, options: &CompileOptions) -> Result<Self, String> {
+    pub fn build(
+        scope: Scope,
+        patterns: &ScopePatterns,
+        options: &CompileOptions,
+    ) -> Result<Self, String> {
         let cap = |s: &Arc<PatternSpec>| s.max_len.unwrap_or(options.unbounded_match_cap);
         let (normalized, raw): (Vec<Arc<PatternSpec>>, Vec<Arc<PatternSpec>>) = patterns
             .regexes
@@ -368,24 +373,26 @@ impl ScopeMatcher {
                 .max(keyword_len),
             raw: raw.iter().map(cap).max().unwrap_or(0),
         };
-        let keywords = patterns
-            .keywords
-            .iter()
-            .map(|(k, _)| Hir::literal(k.as_bytes()));
-        let open_normalized = keywords
-            .map(Ok)
-            .chain(normalized.iter().map(|s| pattern_hir(s)))
-            .collect::<Result<Vec<Hir>, String>>()?;
-        let open_raw = raw
-            .iter()
-            .map(|s| pattern_hir(s))
-            .collect::<Result<Vec<Hir>, String>>()?;
+        // Only a streamed response is released piece by piece.
+        let (mut open_normalized, mut open_raw) = (None, None);
+        if scope == Scope::Response {
+            let keywords = patterns
+                .keywords
+                .iter()
+                .map(|(k, _)| Ok(Hir::literal(k.as_bytes())));
+            let hirs: Result<Vec<Hir>, String> = keywords
+                .chain(normalized.iter().map(|s| pattern_hir(s)))
+                .collect();
+            open_normalized = OpenMatches::build(&hirs?)?;
+            let hirs: Result<Vec<Hir>, String> = raw.iter().map(|s| pattern_hir(s)).collect();
+            open_raw = OpenMatches::build(&hirs?)?;
+        }
         Ok(ScopeMatcher {
             normalized: ViewMatcher::build(&patterns.keywords, normalized)?,
             raw: ViewMatcher::build(&[], raw)?,
             limits,
-            open_normalized: OpenMatches::build(&open_normalized)?,
-            open_raw: OpenMatches::build(&open_raw)?,
+            open_normalized,
+            open_raw,
         })
     }
 

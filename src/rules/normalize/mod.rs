@@ -245,6 +245,21 @@ mod tests {
     }
 
     #[test]
+    fn maps_original_offsets_to_the_view() {
+        let original = "Totally  g u 4 r a n t e e d!  Ｙｅｓ";
+        let n = Normalized::new(original);
+        assert_eq!(n.text, "totally guaranteed! yes");
+        // An offset maps to the first view byte made from it or after it.
+        assert_eq!(n.view_offset(0), 0);
+        assert_eq!(n.view_offset(original.find('g').unwrap()), 8);
+        assert_eq!(n.view_offset(original.find('4').unwrap()), 10);
+        // The collapsed spaces map to the view byte after them.
+        assert_eq!(n.view_offset(original.find("  g").unwrap() + 1), 8);
+        assert_eq!(n.view_offset(original.find('Ｙ').unwrap()), 20);
+        assert_eq!(n.view_offset(original.len()), n.text.len());
+    }
+
+    #[test]
     fn maps_folded_leetspeak_and_joined_letters() {
         let original = "Make  G.U.A.R.A.N.T.E.E.D  pr0f1ts";
         let n = Normalized::new(original);
