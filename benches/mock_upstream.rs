@@ -16,6 +16,9 @@
 //! With `MOCK_STREAM_PAUSE_MS=N`, a stream's first half is sent at once and
 //! the rest after N milliseconds, so that many streams can be held open at
 //! the same moment (`benches/memory.sh`).
+//!
+//! With `MOCK_TOKEN_MS=N`, a stream's events are sent one by one, N
+//! milliseconds apart, as a model writes them (`benches/first_text.sh`).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -74,10 +77,33 @@ fn paused(mut payload: Bytes, pause: Duration) -> MockBody {
     Either::Right(StreamBody::new(first.chain(second)).boxed_unsync())
 }
 
+/// `payload`'s events, one frame each, `every` apart.
+fn paced(payload: Bytes, every: Duration) -> MockBody {
+    let mut events = Vec::new();
+    let mut rest = payload;
+    while let Some(end) = rest.windows(2).position(|w| w == b"\n\n") {
+        events.push(rest.split_to(end + 2));
+    }
+    let frames = stream::iter(events).then(move |event| async move {
+        tokio::time::sleep(every).await;
+        Ok(Frame::data(event))
+    });
+    Either::Right(StreamBody::new(frames).boxed_unsync())
+}
+
+/// How a stream is sent: at once, in two halves with a pause between, or
+/// event by event.
+#[derive(Clone, Copy)]
+enum Pace {
+    AtOnce,
+    Paused(Duration),
+    Tokens(Duration),
+}
+
 async fn reply(
     req: Request<Incoming>,
     stream: Bytes,
-    pause: Option<Duration>,
+    pace: Pace,
 ) -> Result<Response<MockBody>, Infallible> {
     let body = req
         .into_body()
@@ -87,9 +113,10 @@ async fn reply(
         .unwrap_or_default();
     let streaming = body.windows(13).any(|w| w == b"\"stream\":true");
     let (content_type, payload) = if streaming {
-        let payload = match pause {
-            Some(pause) => paused(stream, pause),
-            None => Either::Left(Full::new(stream)),
+        let payload = match pace {
+            Pace::AtOnce => Either::Left(Full::new(stream)),
+            Pace::Paused(pause) => paused(stream, pause),
+            Pace::Tokens(every) => paced(stream, every),
         };
         ("text/event-stream", payload)
     } else {
@@ -112,10 +139,17 @@ fn main() -> std::io::Result<()> {
         .find(|a| !a.starts_with("--"))
         .and_then(|a| a.parse().ok())
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 18101)));
-    let pause = std::env::var("MOCK_STREAM_PAUSE_MS")
-        .ok()
-        .and_then(|ms| ms.parse().ok())
-        .map(Duration::from_millis);
+    let millis = |name| {
+        std::env::var(name)
+            .ok()
+            .and_then(|ms| ms.parse().ok())
+            .map(Duration::from_millis)
+    };
+    let pace = match (millis("MOCK_STREAM_PAUSE_MS"), millis("MOCK_TOKEN_MS")) {
+        (Some(pause), _) => Pace::Paused(pause),
+        (None, Some(every)) => Pace::Tokens(every),
+        (None, None) => Pace::AtOnce,
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -127,7 +161,7 @@ fn main() -> std::io::Result<()> {
             let (socket, _) = listener.accept().await?;
             let stream = stream.clone();
             tokio::spawn(async move {
-                let service = service_fn(move |req| reply(req, stream.clone(), pause));
+                let service = service_fn(move |req| reply(req, stream.clone(), pace));
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(socket), service)
                     .await;

@@ -6,6 +6,11 @@
 //! first byte of its body, and the count of requests that failed or did not
 //! answer 2xx with a body.
 //!
+//! With `TTFB_TEXT` set, the time is to the first byte of the answer's
+//! text instead (the first chat completion chunk with non-empty
+//! `content`): what a user waits for before the answer starts to appear
+//! (`benches/first_text.sh`).
+//!
 //! `cargo bench --bench stream_ttfb -- URL BODY_FILE RATE SECONDS`
 
 use std::time::{Duration, Instant};
@@ -21,9 +26,18 @@ use tokio::time::MissedTickBehavior;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// The start of a chunk's non-empty text, as both the mock and fairgate
+/// write it.
+const TEXT: &[u8] = b"\"content\":\"";
+
 /// Sends one request and reads its body to the end; the time to its first
-/// body byte.
-async fn first_byte(client: HttpClient, url: hyper::Uri, body: Bytes) -> anyhow::Result<Duration> {
+/// body byte, or to the first byte of its text when `text`.
+async fn first_byte(
+    client: HttpClient,
+    url: hyper::Uri,
+    body: Bytes,
+    text: bool,
+) -> anyhow::Result<Duration> {
     let request = Request::post(url)
         .header("content-type", "application/json")
         .body(Full::new(body))?;
@@ -36,11 +50,23 @@ async fn first_byte(client: HttpClient, url: hyper::Uri, body: Bytes) -> anyhow:
     );
     let mut body = response.into_body();
     let mut first = None;
+    let mut seen = Vec::new();
     while let Some(frame) = body.frame().await {
-        if let Some(data) = frame?.data_ref()
-            && !data.is_empty()
-            && first.is_none()
-        {
+        let Some(data) = frame?.data_ref().cloned() else {
+            continue;
+        };
+        if first.is_some() || data.is_empty() {
+            continue;
+        }
+        if !text {
+            first = Some(started.elapsed());
+            continue;
+        }
+        seen.extend_from_slice(&data);
+        let has_text = seen
+            .windows(TEXT.len() + 1)
+            .any(|w| w.starts_with(TEXT) && w[TEXT.len()] != b'"');
+        if has_text {
             first = Some(started.elapsed());
         }
     }
@@ -57,6 +83,7 @@ fn main() -> anyhow::Result<()> {
     };
     let url: hyper::Uri = url.parse()?;
     let body = Bytes::from(std::fs::read(body_file)?);
+    let text = std::env::var_os("TTFB_TEXT").is_some();
     let rate: f64 = rate.parse()?;
     let seconds: f64 = seconds.parse()?;
     anyhow::ensure!(
@@ -75,7 +102,7 @@ fn main() -> anyhow::Result<()> {
         for _ in 0..(rate * seconds).round() as usize {
             ticks.tick().await;
             let (client, url, body) = (client.clone(), url.clone(), body.clone());
-            requests.push(tokio::spawn(first_byte(client, url, body)));
+            requests.push(tokio::spawn(first_byte(client, url, body, text)));
         }
         let mut times = Vec::with_capacity(requests.len());
         let mut failures = 0;

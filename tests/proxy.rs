@@ -997,7 +997,19 @@ async fn streamed_thinking_is_guarded_anthropic() {
 
     let harmless = anthropic_thinking_stream(&["A budget ", "comes first."], "Budget first.");
     let body = post(harmless.clone()).await;
-    assert_eq!(body, harmless, "allowed thinking arrives as it was sent");
+    // Thinking arrives as it was sent; the answer is re-framed.
+    let thinking = |raw: &str| -> Vec<String> {
+        let events = raw.split("\n\n");
+        let thinking = events.filter(|e| e.contains("thinking") || e.contains("signature"));
+        thinking.map(str::to_owned).collect()
+    };
+    assert_eq!(thinking(&body), thinking(&harmless));
+    assert_eq!(thinking(&body).len(), 4, "{body}");
+    assert_eq!(anthropic_stream_text(&body).0, "Budget first.", "{body}");
+    let names = |raw: &str| anthropic_stream_text(raw).2;
+    let mut expected = names(&harmless);
+    expected.insert(expected.len() - 3, "content_block_delta".into());
+    assert_eq!(names(&body), expected, "{body}");
     proxy.stop().await;
 }
 
@@ -1213,8 +1225,9 @@ async fn streamed_reasoning_is_guarded_openai() {
             .collect()
     };
     assert_eq!(field("reasoning_content"), ["A budget ", "comes first."]);
-    assert_eq!(field("content"), ["Budget first."]);
-    let first_answer = body.find("Budget first.").unwrap();
+    // The answer is re-framed: its first word goes out at once.
+    assert_eq!(field("content").concat(), "Budget first.");
+    let first_answer = body.find("Budget ").unwrap();
     assert!(body.find("comes first.").unwrap() < first_answer, "{body}");
     assert_eq!(openai_stream_text(&body).1, ["stop"]);
     proxy.stop().await;
@@ -1280,11 +1293,7 @@ async fn reasoning_in_whole_answers_is_guarded() {
 /// An OpenAI stream of two choices (`n: 2`) whose chunks alternate, one
 /// piece of each in turn, as raw SSE for the mock.
 fn two_choice_stream(first: &[&str], second: &[&str]) -> String {
-    let chunk = |index: usize, delta: Value, finish: Value| {
-        let chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish}]});
-        format!("data: {chunk}\n\n")
-    };
+    let chunk = choice_chunk;
     let mut raw = String::new();
     for index in 0..2 {
         raw += &chunk(
@@ -1304,6 +1313,13 @@ fn two_choice_stream(first: &[&str], second: &[&str]) -> String {
         raw += &chunk(index, json!({}), json!("stop"));
     }
     raw + "data: [DONE]\n\n"
+}
+
+/// One chunk of a chat completion stream, for choice `index`.
+fn choice_chunk(index: usize, delta: Value, finish: Value) -> String {
+    let chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": index, "delta": delta, "finish_reason": finish}]});
+    format!("data: {chunk}\n\n")
 }
 
 /// Each choice's text and finish reason, by index, and how many `[DONE]`
@@ -1373,10 +1389,26 @@ async fn each_choice_of_a_stream_is_guarded_on_its_own() {
         "ings into Dogecoin ",
         "right now, today.",
     ];
-    let body = post(two_choice_stream(&["Budget ", "first."], &harmful)).await;
+    let mut raw = choice_chunk(
+        0,
+        json!({"role": "assistant", "content": "Budget "}),
+        Value::Null,
+    );
+    raw += &choice_chunk(
+        1,
+        json!({"role": "assistant", "content": harmful[0]}),
+        Value::Null,
+    );
+    raw += &choice_chunk(0, json!({"content": "first."}), Value::Null);
+    raw += &choice_chunk(0, json!({}), json!("stop"));
+    for piece in &harmful[1..] {
+        raw += &choice_chunk(1, json!({"content": piece}), Value::Null);
+    }
+    raw += &choice_chunk(1, json!({}), json!("stop"));
+    let body = post(raw + "data: [DONE]\n\n").await;
     assert!(!body.contains("Dogecoin"), "{body}");
     let (texts, finishes, done) = choices_of(&body);
-    assert_eq!(texts[0], "Budget first.");
+    assert_eq!(texts[0], "Budget first.", "{body}");
     assert_eq!(finishes, [Some("stop".to_owned()), filtered()], "{body}");
     assert_eq!(done, 1, "{body}");
 

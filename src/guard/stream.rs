@@ -123,7 +123,9 @@ const OPEN_SEARCH_MOST: usize = 16 << 10;
 
 /// Holdback checks the text once this many bytes have arrived since the
 /// last check (and at the end of each block and of the stream), so that
-/// word-sized deltas do not each rescan the window.
+/// word-sized deltas do not each rescan the window. Until the answer is
+/// that long, it checks every delta: its first words go out as soon as
+/// nothing may be under way in them.
 const CHECK_STEP: usize = 64;
 
 /// Everything the guard of one stream needs.
@@ -629,10 +631,7 @@ impl Guard {
     /// The check put off while `deferring`, when one is due.
     pub fn deferred_check(&mut self) -> Vec<Bytes> {
         self.deferring = false;
-        if self.finished
-            || self.setup.mode != StreamMode::Holdback
-            || self.acc.len() - self.checked < CHECK_STEP
-        {
+        if self.finished || self.setup.mode != StreamMode::Holdback || !self.check_due() {
             return Vec::new();
         }
         let frames = self.check(false);
@@ -1141,7 +1140,7 @@ impl Guard {
                 self.block = block;
                 self.block_open = true;
                 self.push_text(&text);
-                if !self.deferring && self.acc.len() - self.checked >= CHECK_STEP {
+                if !self.deferring && self.check_due() {
                     frames.append(&mut self.check(false));
                 }
                 frames
@@ -1235,6 +1234,12 @@ impl Guard {
         if !self.held_text.is_empty() && !self.held_text.ends_with('\n') {
             self.held_text.push('\n');
         }
+    }
+
+    /// Whether the text is due a check: see [`CHECK_STEP`].
+    fn check_due(&self) -> bool {
+        let new = self.acc.len() - self.checked;
+        new >= CHECK_STEP || (new > 0 && self.acc.len() < CHECK_STEP)
     }
 
     /// Scans the unreleased text (and enough before it); blocks, or
@@ -3232,9 +3237,11 @@ mod tests {
             let names: Vec<&str> = sent.iter().filter_map(|(n, _)| n.as_deref()).collect();
             let expected = match mode {
                 StreamMode::Buffer => vec!["response.incomplete"],
+                // "Budget " goes out at once, "first." at the part's end.
                 _ => vec![
                     "response.created",
                     "response.content_part.added",
+                    "response.output_text.delta",
                     "response.output_text.delta",
                     "response.incomplete",
                 ],
@@ -3432,7 +3439,8 @@ mod tests {
     }
 
     /// Holdback releases all the text in which no match can be under way,
-    /// up to its last check, and nothing from where one may be: not the
+    /// up to its last check (at first, every delta), and nothing from
+    /// where one may be: not the
     /// start of a phrase a rule stops, nor of a secret, however long it
     /// grows (its regex has no longest match).
     #[test]
@@ -3460,6 +3468,9 @@ mod tests {
             );
             assert!(!guard.blocked);
         }
+        // The first words go out at once, before a whole step of text.
+        let (_, frames) = stream(&["Start ", "with ", "a ", "budget"]);
+        assert_eq!(released_text(&frames), "Start with ");
         let advice = "Index funds spread the risk. ".repeat(10);
         let key = format!("Your key: sk-proj-{}", "Ab3dEf6hIj".repeat(100));
         let stop = "Then put all your savings in";

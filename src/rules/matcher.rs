@@ -41,7 +41,7 @@ use serde::Serialize;
 
 use super::compile::{CompileOptions, MAX_REGEX_SIZE, ScopePatterns};
 use super::normalize::Normalized;
-use super::open::OpenMatches;
+use super::open::{OpenMatches, Pattern};
 use super::{Hit, Rule, SNIPPET_CHARS, Scope};
 
 /// Which text a pattern runs on.
@@ -379,13 +379,14 @@ impl ScopeMatcher {
             let keywords = patterns
                 .keywords
                 .iter()
-                .map(|(k, _)| Ok(Hir::literal(k.as_bytes())));
-            let hirs: Result<Vec<Hir>, String> = keywords
-                .chain(normalized.iter().map(|s| pattern_hir(s)))
-                .collect();
-            open_normalized = OpenMatches::build(&hirs?)?;
-            let hirs: Result<Vec<Hir>, String> = raw.iter().map(|s| pattern_hir(s)).collect();
-            open_raw = OpenMatches::build(&hirs?)?;
+                .map(|(k, _)| Ok(Pattern::Keyword(k.clone())));
+            let regexes = normalized
+                .iter()
+                .map(|s| pattern_hir(s).map(Pattern::Regex));
+            open_normalized =
+                OpenMatches::build(keywords.chain(regexes).collect::<Result<_, _>>()?)?;
+            let regexes = raw.iter().map(|s| pattern_hir(s).map(Pattern::Regex));
+            open_raw = OpenMatches::build(regexes.collect::<Result<_, _>>()?)?;
         }
         Ok(ScopeMatcher {
             normalized: ViewMatcher::build(&patterns.keywords, normalized)?,
@@ -411,13 +412,13 @@ impl ScopeMatcher {
         if let Some(open) = &self.open_normalized {
             let range = view.view_offset(starts.start)..view.view_offset(starts.end);
             let end = view.view_offset(to);
-            let at = open.first(view.text.as_bytes(), range.clone(), end)?;
+            let at = open.first(&view.text, range.clone(), end)?;
             if at < range.end {
                 first = view.original_span(at..at).start;
             }
         }
         if let Some(open) = &self.open_raw {
-            first = open.first(text.as_bytes(), starts.start..first, to)?;
+            first = open.first(text, starts.start..first, to)?;
         }
         Some(first)
     }
