@@ -636,6 +636,21 @@ async fn configured_tags_mark_retrieved_context_inside_a_prompt() {
     proxy.stop().await;
 }
 
+/// Reads a stream that the upstream keeps open until what arrived is
+/// `enough`; panics if the stream ends first or 10 s pass.
+async fn read_until(response: &mut reqwest::Response, enough: impl Fn(&str) -> bool) -> String {
+    let mut got = String::new();
+    let wait = tokio::time::timeout(Duration::from_secs(10), async {
+        while !enough(&got) {
+            let chunk = response.chunk().await.unwrap();
+            let chunk = chunk.unwrap_or_else(|| panic!("the stream ended: {got:?}"));
+            got.push_str(&String::from_utf8_lossy(&chunk));
+        }
+    });
+    assert!(wait.await.is_ok(), "only this arrived: {got:?}");
+    got
+}
+
 /// What the client gets of `request` to `path` when the upstream streams
 /// `raw` (SSE, as written).
 async fn relay_stream(proxy: &support::Proxy, path: &str, raw: String, request: &Value) -> String {
@@ -1055,18 +1070,7 @@ async fn long_reasoning_streams_before_it_ends() {
     for (path, request, raw, marker) in cases {
         let script = json!({"raw_sse": raw, "hold_open": true});
         let mut response = proxy.post(path, script, &request).await;
-        let mut got = String::new();
-        let wait = tokio::time::timeout(Duration::from_secs(10), async {
-            while got.matches(thought).count() < 20 {
-                let chunk = response
-                    .chunk()
-                    .await
-                    .unwrap()
-                    .expect("the stream stays open");
-                got.push_str(&String::from_utf8_lossy(&chunk));
-            }
-        });
-        assert!(wait.await.is_ok(), "{path}: only this arrived: {got:?}");
+        let got = read_until(&mut response, |got| got.matches(thought).count() >= 20).await;
         assert!(got.contains(marker), "{got}");
         // As the upstream sent it, up to where it was released.
         assert!(raw.starts_with(&got[..got.rfind("\n\n").unwrap()]), "{got}");
@@ -1130,18 +1134,7 @@ async fn text_streams_up_to_a_match_under_way() {
             "/v1/messages" => anthropic_stream_text(got).0,
             _ => openai_stream_text(got).0,
         };
-        let mut got = String::new();
-        let wait = tokio::time::timeout(Duration::from_secs(10), async {
-            while text(&got).len() < said.len() {
-                let chunk = response
-                    .chunk()
-                    .await
-                    .unwrap()
-                    .unwrap_or_else(|| panic!("{path}: ended: {got:?}"));
-                got.push_str(&String::from_utf8_lossy(&chunk));
-            }
-        });
-        assert!(wait.await.is_ok(), "{path}: only this arrived: {got:?}");
+        let got = read_until(&mut response, |got| text(got).len() >= said.len()).await;
         assert_eq!(text(&got), said, "{path}");
         // Nothing more comes while the phrase may still go on.
         let more = tokio::time::timeout(Duration::from_millis(300), response.chunk()).await;
@@ -1169,18 +1162,8 @@ async fn an_answer_without_spaces_streams() {
     let script = json!({"raw_sse": raw, "hold_open": true});
     let question = chat("How do I save?", true);
     let mut response = proxy.post("/v1/chat/completions", script, &question).await;
-    let mut got = String::new();
-    let wait = tokio::time::timeout(Duration::from_secs(10), async {
-        while openai_stream_text(&got).0.matches(sentence).count() < 20 {
-            let chunk = response
-                .chunk()
-                .await
-                .unwrap()
-                .unwrap_or_else(|| panic!("ended: {got:?}"));
-            got.push_str(&String::from_utf8_lossy(&chunk));
-        }
-    });
-    assert!(wait.await.is_ok(), "only this arrived: {got:?}");
+    let enough = |got: &str| openai_stream_text(got).0.matches(sentence).count() >= 20;
+    read_until(&mut response, enough).await;
     drop(response);
     proxy.stop().await;
 }
