@@ -55,8 +55,9 @@
 //! completion's audio, with the audio that says it) is response text too. In
 //! `holdback` its events are held back as text is, but whole: an event
 //! goes out unchanged, as it came, once all of its text lies before any
-//! match under way (checked every 64 bytes, as text is), so long
-//! reasoning and calls stream. The rest go out when the
+//! match under way (checked as text is: every delta of the first 64
+//! bytes, then every 64 bytes; a block's start waits for its first
+//! text), so long reasoning and calls stream. The rest go out when the
 //! content block or the response ends (in a chat completion, which has no
 //! blocks, when text follows), once all the text is scanned; or the stream
 //! ends blocked, closing a thinking block whose start went out. Held
