@@ -81,16 +81,19 @@ impl OpenMatches {
     /// or an automaton fails.
     pub fn first(&self, hay: &str, starts: Range<usize>, to: usize) -> Option<usize> {
         let mut budget = STEPS_PER_BYTE * to.saturating_sub(starts.start) + 1024;
-        let mut walks =
-            [&self.at_word_start, &self.anywhere].map(|a| a.as_ref().map(|a| (a, a.caches.get())));
+        // Each automaton with a cache, and whether it starts only at words.
+        let mut walks = [(&self.at_word_start, true), (&self.anywhere, false)]
+            .map(|(a, at_words)| a.as_ref().map(|a| (a, a.caches.get(), at_words)));
         let bytes = hay.as_bytes();
         for start in starts.clone() {
             let byte = bytes[start];
-            for (i, walk) in walks.iter_mut().enumerate() {
-                let Some((automaton, cache)) = walk else {
+            for walk in &mut walks {
+                let Some((automaton, cache, at_words)) = walk else {
                     continue;
                 };
-                if !automaton.begins[usize::from(byte)] || (i == 0 && !may_start_word(hay, start)) {
+                if !automaton.begins[usize::from(byte)]
+                    || (*at_words && !may_start_word(hay, start))
+                {
                     continue;
                 }
                 if automaton.alive(cache, &bytes[start..to], &mut budget)? {
