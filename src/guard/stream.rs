@@ -1259,7 +1259,15 @@ impl Guard {
             self.acc.len()
         } else {
             let view = view.unwrap_or_else(|| Normalized::new(&self.acc[window_start..]));
-            self.safe_end(window_start, &view)
+            let rules = &self.setup.rules;
+            safe_end(
+                rules,
+                &self.acc,
+                self.released,
+                window_start,
+                &view,
+                &self.hits,
+            )
         };
         let mut frames = self.release(safe);
         if final_check && !self.held_frames.is_empty() {
@@ -1277,12 +1285,16 @@ impl Guard {
         if self.should_block() {
             return self.block();
         }
-        let hold = self.hold();
         let view = view.unwrap_or_else(|| Normalized::new(&self.held_text[from..]));
-        let text = &self.held_text;
-        let released = self.held_released;
-        let rules = &self.setup.rules;
-        let safe = safe_end(rules, text, released, from, &view, hold, &self.held_hits);
+        let (rules, text) = (&self.setup.rules, &self.held_text);
+        let safe = safe_end(
+            rules,
+            text,
+            self.held_released,
+            from,
+            &view,
+            &self.held_hits,
+        );
         self.release_held(safe)
     }
 
@@ -1355,11 +1367,8 @@ impl Guard {
         text
     }
 
-    /// The longest match of the response rules, and the margin: how far
-    /// before the last check a scan window starts.
     fn hold(&self) -> usize {
-        let limits = self.setup.rules.match_limits(Scope::Response);
-        limits.normalized.max(limits.raw) + MARGIN
+        hold(&self.setup.rules)
     }
 
     /// Scans `acc[window_start..]`, keeping new hits; returns the window's
@@ -1381,20 +1390,6 @@ impl Guard {
         }
         risk::assess(&self.setup.risk, self.all_hits(), &self.setup.relevance).decision
             == Decision::Block
-    }
-
-    /// The end of the text that can be released now.
-    fn safe_end(&self, window_start: usize, normalized: &Normalized) -> usize {
-        let hold = self.hold();
-        safe_end(
-            &self.setup.rules,
-            &self.acc,
-            self.released,
-            window_start,
-            normalized,
-            hold,
-            &self.hits,
-        )
     }
 
     /// Appends a text event's text to `acc`, with its logprobs.
@@ -1783,19 +1778,25 @@ fn window_start(text: &str, checked: usize, released: usize, hold: usize) -> usi
     clean_point_at_or_before(text, back).unwrap_or(0)
 }
 
+/// The longest match of the response rules, and the margin: how far
+/// before the last check a scan window starts.
+fn hold(rules: &RuleSet) -> usize {
+    let limits = rules.match_limits(Scope::Response);
+    limits.normalized.max(limits.raw) + MARGIN
+}
+
 /// The end of `text` that can be released now, at a clean point, never
 /// inside a redaction, never before `released`: before any match that may
 /// still be under way (see [`RuleSet::open_match_start`]). Should that
 /// search give up, or the unreleased text grow past [`OPEN_SEARCH_MOST`],
-/// `hold` bytes of the normalized window (which starts at `from`) before
-/// its end, which is as safe for every match up to `hold` long.
+/// [`hold`] bytes of the normalized window (which starts at `from`) before
+/// its end, which is as safe for every match up to that long.
 fn safe_end(
     rules: &RuleSet,
     text: &str,
     released: usize,
     from: usize,
     normalized: &Normalized,
-    hold: usize,
     hits: &[Hit],
 ) -> usize {
     // What follows the last clean point can still change its view.
@@ -1804,18 +1805,18 @@ fn safe_end(
     };
     let open = (clean - released <= OPEN_SEARCH_MOST)
         .then(|| {
-            let starts = released - from..clean - from;
+            let window = &text[from..];
             let open = rules.open_match_start(
                 Scope::Response,
-                &text[from..],
+                window,
                 normalized,
-                starts,
-                clean - from,
+                released - from..clean - from,
             );
             open.map(|at| from + at)
         })
         .flatten();
     let at = open.unwrap_or_else(|| {
+        let hold = hold(rules);
         if normalized.text.len() <= hold {
             return released;
         }

@@ -397,28 +397,26 @@ impl ScopeMatcher {
         })
     }
 
-    /// The first byte in `starts` of `text` (whose normalized view is
-    /// `view`) from which a match could be under way at `to`, a point where
-    /// normalization starts clean; `starts.end` when there is none, `None`
-    /// when the search gives up. See [`OpenMatches`].
+    /// The first byte of `range` of `text` (whose normalized view is
+    /// `view`) from which a match could be under way at the range's end, a
+    /// point where normalization starts clean; the end when there is none,
+    /// `None` when the search gives up. See [`OpenMatches`].
     pub fn open_match_start(
         &self,
         text: &str,
         view: &Normalized,
-        starts: Range<usize>,
-        to: usize,
+        range: Range<usize>,
     ) -> Option<usize> {
-        let mut first = starts.end;
+        let mut first = range.end;
         if let Some(open) = &self.open_normalized {
-            let range = view.view_offset(starts.start)..view.view_offset(starts.end);
-            let end = view.view_offset(to);
-            let at = open.first(&view.text, range.clone(), end)?;
-            if at < range.end {
+            let starts = view.view_offset(range.start)..view.view_offset(range.end);
+            let at = open.first(&view.text, starts.clone(), starts.end)?;
+            if at < starts.end {
                 first = view.original_span(at..at).start;
             }
         }
         if let Some(open) = &self.open_raw {
-            first = open.first(text, starts.start..first, to)?;
+            first = open.first(text, range.start..first, range.end)?;
         }
         Some(first)
     }

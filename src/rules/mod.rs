@@ -220,22 +220,21 @@ impl RuleSet {
         &self.version
     }
 
-    /// The first byte in `starts` of `text` from which a match of `scope`'s
-    /// rules could be under way at `to` (`starts.end` when none could):
-    /// text before it can be released, as no match, however the text goes
-    /// on, can cover it. `view` is the normalized view of `text`, and `to`
-    /// a point where its normalization starts clean, so that what comes
-    /// after cannot change the view before it. `None` when the search gave
-    /// up: its walks grew too long.
+    /// The first byte of `range` of `text` from which a match of `scope`'s
+    /// rules could be under way at the range's end (the end when none
+    /// could): text before it can be released, as no match, however the
+    /// text goes on, can cover it. `view` is the normalized view of `text`,
+    /// and the range ends where its normalization starts clean, so that
+    /// what comes after cannot change the view before it. `None` when the
+    /// search gave up: its walks grew too long.
     pub fn open_match_start(
         &self,
         scope: Scope,
         text: &str,
         view: &normalize::Normalized,
-        starts: std::ops::Range<usize>,
-        to: usize,
+        range: std::ops::Range<usize>,
     ) -> Option<usize> {
-        self.matchers[scope.index()].open_match_start(text, view, starts, to)
+        self.matchers[scope.index()].open_match_start(text, view, range)
     }
 
     /// The longest text any rule of `scope` can match, in bytes, per view. The
