@@ -639,16 +639,18 @@ async fn configured_tags_mark_retrieved_context_inside_a_prompt() {
 /// Reads a stream that the upstream keeps open until what arrived is
 /// `enough`; panics if the stream ends first or 10 s pass.
 async fn read_until(response: &mut reqwest::Response, enough: impl Fn(&str) -> bool) -> String {
-    let mut got = String::new();
+    // Bytes, decoded whole: a chunk may end inside a character.
+    let mut got = Vec::new();
+    let text = |got: &[u8]| String::from_utf8_lossy(got).into_owned();
     let wait = tokio::time::timeout(Duration::from_secs(10), async {
-        while !enough(&got) {
+        while !enough(&text(&got)) {
             let chunk = response.chunk().await.unwrap();
-            let chunk = chunk.unwrap_or_else(|| panic!("the stream ended: {got:?}"));
-            got.push_str(&String::from_utf8_lossy(&chunk));
+            let chunk = chunk.unwrap_or_else(|| panic!("the stream ended: {:?}", text(&got)));
+            got.extend_from_slice(&chunk);
         }
     });
-    assert!(wait.await.is_ok(), "only this arrived: {got:?}");
-    got
+    assert!(wait.await.is_ok(), "only this arrived: {:?}", text(&got));
+    text(&got)
 }
 
 /// What the client gets of `request` to `path` when the upstream streams
@@ -1143,28 +1145,33 @@ async fn text_streams_up_to_a_match_under_way() {
     proxy.stop().await;
 }
 
-/// A Japanese answer has no spaces: it streams, released after its
-/// sentence marks, while the upstream is still writing (here it never
-/// ends), rather than held until the end.
+/// An answer without spaces (Japanese) or without ASCII punctuation
+/// (Hindi, Thai) streams, released after its sentence marks or its words,
+/// while the upstream is still writing (here it never ends), rather than
+/// held until the end.
 #[tokio::test]
-async fn an_answer_without_spaces_streams() {
+async fn an_answer_in_any_script_streams() {
     let (_mock, proxy) = start().await;
-    let sentence = "毎月の予算を立てて、緊急資金を貯めましょう。";
-    // Escaped, so that the mock's script header stays ASCII.
-    let escaped: String = sentence
-        .chars()
-        .map(|c| format!("\\u{:04x}", u32::from(c)))
-        .collect();
-    let chunk = format!(
-        r#"{{"id":"chatcmpl-t","object":"chat.completion.chunk","created":1,"model":"m","choices":[{{"index":0,"delta":{{"content":"{escaped}"}},"finish_reason":null}}]}}"#
-    );
-    let raw = format!("data: {chunk}\n\n").repeat(60);
-    let script = json!({"raw_sse": raw, "hold_open": true});
-    let question = chat("How do I save?", true);
-    let mut response = proxy.post("/v1/chat/completions", script, &question).await;
-    let enough = |got: &str| openai_stream_text(got).0.matches(sentence).count() >= 20;
-    read_until(&mut response, enough).await;
-    drop(response);
+    for sentence in [
+        "毎月の予算を立てて、緊急資金を貯めましょう。",
+        "हर महीने बजट बनाएं और आपातकालीन निधि में पैसे जमा करें। ",
+        "วางแผนงบประมาณทุกเดือน และเก็บเงินฉุกเฉิน ",
+    ] {
+        // Escaped, so that the mock's script header stays ASCII.
+        let escaped: String = sentence
+            .chars()
+            .map(|c| format!("\\u{:04x}", u32::from(c)))
+            .collect();
+        let chunk = format!(
+            r#"{{"id":"chatcmpl-t","object":"chat.completion.chunk","created":1,"model":"m","choices":[{{"index":0,"delta":{{"content":"{escaped}"}},"finish_reason":null}}]}}"#
+        );
+        let raw = format!("data: {chunk}\n\n").repeat(60);
+        let script = json!({"raw_sse": raw, "hold_open": true});
+        let question = chat("How do I save?", true);
+        let mut response = proxy.post("/v1/chat/completions", script, &question).await;
+        let enough = |got: &str| openai_stream_text(got).0.matches(sentence).count() >= 20;
+        read_until(&mut response, enough).await;
+    }
     proxy.stop().await;
 }
 

@@ -11,7 +11,8 @@
 //!   than needed, never less ([`crate::rules::RuleSet::open_match_start`]).
 //!   Text is also never released inside a word that normalization may
 //!   still join with what follows: it is released up to a space after a
-//!   word or a mark, or, in CJK text, which has no spaces, after a
+//!   word of two letters or more in any script, or after a mark (the
+//!   danda । of Hindi too), or, in CJK text, which has no spaces, after a
 //!   sentence mark such as 。. Should the search give up (more than 16 KB
 //!   unreleased, or walks too long), text is held back by the longest
 //!   match the rules can make, plus 256 bytes. A match therefore begins in
@@ -100,7 +101,7 @@ use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint};
 use crate::proxy::ProxyBody;
 use crate::risk::{self, Decision, RiskConfig, Verdict};
-use crate::rules::normalize::Normalized;
+use crate::rules::normalize::{self, Normalized};
 use crate::rules::{Action, Hit, RuleSet, Scope};
 
 use event::{Event, Shape, Text};
@@ -1840,11 +1841,12 @@ fn safe_end(
 
 /// The last position at or before `at` where normalization starts clean,
 /// as it would in the whole text: no word, spaced-out word or whitespace
-/// run spans it. That is just after a space or line break that follows two
-/// letters or a punctuation mark (a gap of two characters ends a run of
-/// spaced-out letters), or just after a CJK sentence mark followed by a
-/// letter (CJK text has no spaces: without such points, a Japanese answer
-/// would be held whole, and rescanned from its start at every check).
+/// run spans it. That is just after a space or line break that follows a
+/// word of two letters or more, in any script, or a punctuation mark (a gap
+/// of two characters ends a run of spaced-out letters), or just after a CJK
+/// sentence mark followed by a letter (CJK text has no spaces: without such
+/// points, a Japanese answer would be held whole, and rescanned from its
+/// start at every check).
 fn clean_point_at_or_before(text: &str, at: usize) -> Option<usize> {
     clean_point_in(text, 2, at)
 }
@@ -1869,15 +1871,23 @@ fn clean_point_in(text: &str, low: usize, at: usize) -> Option<usize> {
 /// Marks that end a CJK sentence or clause: 、 。 ！ ？.
 const CJK_STOPS: [&str; 4] = ["\u{3001}", "\u{3002}", "\u{ff01}", "\u{ff1f}"];
 
-/// Whether `text` ends with two letters or a punctuation mark, so that
-/// a space after it ends its word and any run of spaced-out letters.
+/// Marks that end a sentence or clause in scripts without ASCII
+/// punctuation, a space after them: । ॥ (Devanagari, Bengali), ، ؟ ۔
+/// (Arabic, Urdu), ։ (Armenian), ። (Ethiopic), ။ (Myanmar), ។ (Khmer).
+const STOPS: [char; 9] = [
+    '\u{0964}', '\u{0965}', '\u{060c}', '\u{061f}', '\u{06d4}', '\u{0589}', '\u{1362}', '\u{104b}',
+    '\u{17d4}',
+];
+
+/// Whether `text` ends with a word of two letters or more, or a
+/// punctuation mark, so that a space after it ends its word and any run of
+/// spaced-out letters.
 fn ends_word(text: &str) -> bool {
-    let mut chars = text.chars().rev();
-    match chars.next() {
-        Some(c) if c.is_ascii_alphabetic() => chars.next().is_some_and(|c| c.is_ascii_alphabetic()),
+    match text.chars().next_back() {
         // `$`, `'` and `@` belong to words.
         Some(c) if c.is_ascii_punctuation() => !matches!(c, '$' | '\'' | '@'),
-        Some(c) => CJK_STOPS.iter().any(|m| m.starts_with(c)),
+        Some(c) if STOPS.contains(&c) || CJK_STOPS.iter().any(|m| m.starts_with(c)) => true,
+        Some(_) => normalize::ends_in_a_word(text),
         None => false,
     }
 }
@@ -3480,9 +3490,12 @@ mod tests {
             (guard, frames)
         };
         // Japanese has no spaces: it is released after its sentence marks.
+        // Hindi and Thai have no ASCII punctuation: after their words.
         for sentence in [
             "Here is my advice for you today, step by step. ",
             "毎月の予算を立てて、緊急資金を貯めましょう。",
+            "हर महीने बजट बनाएं और आपातकालीन निधि में पैसे जमा करें। ",
+            "วางแผนงบประมาณทุกเดือน และเก็บเงินฉุกเฉิน ",
         ] {
             let (guard, frames) = stream(&[sentence; 40]);
             let released = released_text(&frames);
@@ -3543,5 +3556,79 @@ mod tests {
             points(text),
             [after("です。"), after("次に、"), after("貯金！ ")]
         );
+        // After a word of any script, and the sentence marks of scripts
+        // without ASCII punctuation.
+        for (text, ends) in [
+            ("бюджет деньги", &["бюджет "][..]),
+            ("जमा करें। हर", &["जमा ", "करें। "]),
+            ("ادخر، ثم", &["ادخر، "]),
+        ] {
+            let ends: Vec<usize> = ends
+                .iter()
+                .map(|end| text.find(end).unwrap() + end.len())
+                .collect();
+            assert_eq!(points(text), ends, "{text}");
+        }
+        // Not after what folds to one letter: a letter under an accent,
+        // Cyrillic and Greek look-alikes glued to a space.
+        assert_eq!(points("x e\u{301} y"), Vec::<usize>::new());
+        assert_eq!(points("г u а r"), Vec::<usize>::new());
+        assert_eq!(points("x a\u{37a} b"), Vec::<usize>::new());
+    }
+
+    /// Normalization of the text before a clean point is the start of the
+    /// whole text's, and of the text after it the end: on random texts of
+    /// words, single letters, marks and look-alikes in several scripts.
+    #[test]
+    fn clean_points_keep_the_view() {
+        use crate::rules::normalize::normalize;
+        const PIECES: &[&str] = &[
+            "ab",
+            "деньги",
+            "करें",
+            "ने",
+            "ฉุกเฉิน",
+            "예산",
+            "ادخر",
+            "Φτιάξτε",
+            "x",
+            "г",
+            "а",
+            "е\u{301}",
+            "a\u{903}\u{903}",
+            "\u{37a}",
+            "ß",
+            "æ",
+            "ﬁ",
+            "Ａ",
+            "5$",
+            "b3",
+            "\u{200b}",
+            " ",
+            "  ",
+            "\n",
+            ". ",
+            "। ",
+            "، ",
+            "。",
+            "、",
+            "-",
+            "'",
+            "\u{301}",
+        ];
+        let mut lcg = crate::testing::Lcg(17);
+        for round in 0..3000 {
+            let text: String = (0..lcg.below(12) + 1).map(|_| *lcg.pick(PIECES)).collect();
+            let whole = normalize(&text);
+            let mut at = text.len();
+            while let Some(p) = clean_point_at_or_before(&text, at) {
+                let (before, after) = (normalize(&text[..p]), normalize(&text[p..]));
+                assert!(
+                    whole.starts_with(&before) && whole.ends_with(after.trim_start()),
+                    "round {round}: {text:?} at {p}: {whole:?} against {before:?} + {after:?}"
+                );
+                at = p - 1;
+            }
+        }
     }
 }
