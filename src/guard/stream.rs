@@ -3570,7 +3570,8 @@ mod tests {
             assert_eq!(points(text), ends, "{text}");
         }
         // Not after what folds to one letter: a letter under an accent,
-        // Cyrillic and Greek look-alikes glued to a space.
+        // spaced-out letters of two scripts, a letter and a character that
+        // folds to a space (U+037A).
         assert_eq!(points("x e\u{301} y"), Vec::<usize>::new());
         assert_eq!(points("г u а r"), Vec::<usize>::new());
         assert_eq!(points("x a\u{37a} b"), Vec::<usize>::new());
