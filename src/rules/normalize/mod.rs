@@ -30,12 +30,14 @@
 //! characters.
 
 mod chars;
+mod clean;
 mod skim;
 mod words;
 
 use std::ops::Range;
 
 use chars::fold_chars;
+pub use clean::{clean_point_at_or_before, clean_point_in};
 use words::fold_words;
 
 /// The normalized view of a text, with the map back to the original.
@@ -129,43 +131,6 @@ pub fn normalize(original: &str) -> String {
     fold_words(&phase1, &mut text, &mut Vec::new());
     text
 }
-
-/// Whether `text` ends with a word that phase 1 folds to two letters or
-/// more: a space after it ends that word and any run of spaced-out
-/// letters, so what follows cannot change how `text` normalizes. Any
-/// script: `ab`, `деньги`, `करें` (whose vowel signs are letters that
-/// stay); not a single letter, nor one that only looks like two (`e` with
-/// a combining accent, which folds to `e`).
-pub fn ends_in_a_word(text: &str) -> bool {
-    let bytes = text.as_bytes();
-    match bytes {
-        [.., a, b] if a.is_ascii_alphabetic() && b.is_ascii_alphabetic() => return true,
-        [.., b] if b.is_ascii() && !b.is_ascii_alphabetic() => return false,
-        [] => return false,
-        _ => {}
-    }
-    // Phase 1 folds each character with the combining marks after it on
-    // its own: fold the last two such clusters as it would.
-    let mut clusters = 0;
-    let mut start = None;
-    for (at, c) in text.char_indices().rev().take(MOST_CHARS_FOLDED) {
-        if !unicode_normalization::char::is_combining_mark(c) {
-            clusters += 1;
-            if clusters == 2 {
-                start = Some(at);
-                break;
-            }
-        }
-    }
-    let Some(start) = start else { return false };
-    let folded = fold_chars(&text[start..], None);
-    let mut last = folded.chars().rev();
-    last.next().is_some_and(char::is_alphabetic) && last.next().is_some_and(char::is_alphabetic)
-}
-
-/// How far back [`ends_in_a_word`] looks for its two characters: a letter
-/// under more combining marks than this is not taken for a word's end.
-const MOST_CHARS_FOLDED: usize = 32;
 
 #[cfg(test)]
 mod tests {
