@@ -176,6 +176,20 @@ pub struct GuardConfig {
     /// `[documents]`, the text between `<documents>` and `</documents>` in a
     /// user or system message is scanned as context, not prompt.
     pub context_tags: Vec<String>,
+    /// What to do with a request to upgrade the connection (a WebSocket,
+    /// such as OpenAI's Realtime API), which fairgate does not scan.
+    pub upgrades: Upgrades,
+}
+
+/// Connection upgrades (WebSocket sessions): relayed unscanned, or refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Upgrades {
+    /// Relayed as a byte tunnel, as every other unguarded path is.
+    Tunnel,
+    /// Answered with 403 `upgrade_refused`, so that no session goes
+    /// around the guard.
+    Refuse,
 }
 
 impl Default for GuardConfig {
@@ -186,6 +200,7 @@ impl Default for GuardConfig {
             max_body_bytes: 10 << 20,
             max_response_bytes: 50 << 20,
             context_tags: Vec::new(),
+            upgrades: Upgrades::Tunnel,
         }
     }
 }

@@ -11,6 +11,7 @@
 mod batch;
 pub mod respond;
 mod stored;
+mod tunnel;
 pub mod upstream;
 
 use std::collections::HashMap;
@@ -67,10 +68,14 @@ pub struct State {
     /// One pooled client per upstream, cloned into each serving thread on
     /// first use (see [`State::client`]).
     clients: HashMap<String, UpstreamClient>,
+    /// One HTTP/1.1 client per upstream for connection upgrades.
+    upgrade_clients: HashMap<String, UpstreamClient>,
     /// API keys of the upstreams that have one configured.
     keys: HashMap<String, HeaderValue>,
     /// The bearer token the admin listener requires, if any.
     pub admin_token: Option<String>,
+    /// Upgraded connections open now, which a shutdown waits for too.
+    tunnels: tokio::sync::watch::Sender<usize>,
     next_id: AtomicU64,
 }
 
@@ -89,10 +94,12 @@ impl State {
         let snapshot = rules.snapshot();
         metrics.rules_swapped(snapshot.version(), snapshot.rules().len());
         let mut clients = HashMap::new();
+        let mut upgrade_clients = HashMap::new();
         let mut keys = HashMap::new();
         for (name, upstream) in &config.upstreams {
             // Built once here so that a bad setting fails at start.
             clients.insert(name.clone(), build_client(upstream));
+            upgrade_clients.insert(name.clone(), tunnel::build_client(upstream));
             if let Some(var) = &upstream.api_key_env {
                 let key = std::env::var(var).map_err(|_| {
                     anyhow::anyhow!(
@@ -114,8 +121,10 @@ impl State {
             metrics,
             queue,
             clients,
+            upgrade_clients,
             keys,
             admin_token,
+            tunnels: tokio::sync::watch::Sender::new(0),
             next_id: AtomicU64::new(0),
         })
     }
@@ -138,6 +147,11 @@ impl State {
             clients.insert(upstream.to_owned(), client.clone());
             Some(client)
         })
+    }
+
+    /// The client for connection upgrades to `upstream`.
+    fn upgrade_client(&self, upstream: &str) -> Option<UpstreamClient> {
+        self.upgrade_clients.get(upstream).cloned()
     }
 
     /// Starts consuming the side queue (in-process workers or the NATS
@@ -320,8 +334,13 @@ pub async fn run(
     drop(listener);
     drop(admin);
     let grace = Duration::from_millis(state.config.shutdown_grace_ms);
+    let mut tunnels = state.tunnels.subscribe();
+    let finished = async {
+        graceful.shutdown().await;
+        let _ = tunnels.wait_for(|open| *open == 0).await;
+    };
     tokio::select! {
-        () = graceful.shutdown() => tracing::info!("all connections finished"),
+        () = finished => tracing::info!("all connections finished"),
         () = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing remaining connections"),
     }
     Ok(())
@@ -334,6 +353,9 @@ async fn handle(
 ) -> Result<Response<ProxyBody>, Infallible> {
     let started = Instant::now();
     let request_id = state.request_id();
+    if tunnel::is_websocket(req.headers()) {
+        return Ok(tunnel::relay(&state, req, &request_id).await);
+    }
     let endpoint = (req.method() == Method::POST)
         .then(|| Endpoint::from_path(req.uri().path()))
         .flatten();
@@ -417,9 +439,21 @@ async fn forward(
     headers: HeaderMap,
     body: UpstreamBody,
 ) -> Result<(Response<Incoming>, tokio::time::Instant), Failure> {
-    let (Some(config), Some(client)) =
-        (state.config.upstreams.get(upstream), state.client(upstream))
-    else {
+    let client = state.client(upstream);
+    forward_on(state, upstream, client, method, uri, headers, body).await
+}
+
+/// [`forward`] on `client`, one of `upstream`'s.
+async fn forward_on(
+    state: &State,
+    upstream: &str,
+    client: Option<UpstreamClient>,
+    method: Method,
+    uri: &http::Uri,
+    headers: HeaderMap,
+    body: UpstreamBody,
+) -> Result<(Response<Incoming>, tokio::time::Instant), Failure> {
+    let (Some(config), Some(client)) = (state.config.upstreams.get(upstream), client) else {
         return Err(Failure::NoRoute);
     };
     let path = uri.path_and_query().map_or("/", |p| p.as_str());

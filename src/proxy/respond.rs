@@ -33,6 +33,9 @@ pub enum Failure {
     UpstreamBroken,
     /// No route matches the path.
     NoRoute,
+    /// A WebSocket on a guarded path, or anywhere with `guard.upgrades:
+    /// refuse`.
+    UpgradeRefused,
 }
 
 impl Failure {
@@ -54,6 +57,7 @@ impl Failure {
             Failure::UpstreamUnreachable | Failure::UpstreamBroken => StatusCode::BAD_GATEWAY,
             Failure::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Failure::NoRoute => StatusCode::NOT_FOUND,
+            Failure::UpgradeRefused => StatusCode::FORBIDDEN,
         }
     }
 
@@ -68,6 +72,7 @@ impl Failure {
             Failure::UpstreamTimeout => "upstream_timeout",
             Failure::UpstreamBroken => "upstream_error",
             Failure::NoRoute => "not_found",
+            Failure::UpgradeRefused => "upgrade_refused",
         }
     }
 
@@ -88,6 +93,9 @@ impl Failure {
             Failure::UpstreamTimeout => "The upstream API did not answer in time.",
             Failure::UpstreamBroken => "The upstream API's response could not be read.",
             Failure::NoRoute => "No upstream serves this path.",
+            Failure::UpgradeRefused => {
+                "This gateway does not scan WebSocket sessions, so it refuses them on the paths it guards, and on every path with guard.upgrades: refuse."
+            }
         }
     }
 
@@ -100,6 +108,7 @@ impl Failure {
             | Failure::BadEncoding
             | Failure::UnsupportedEncoding => "invalid_request_error",
             Failure::NoRoute => "not_found_error",
+            Failure::UpgradeRefused => "permission_error",
             _ => "api_error",
         }
     }
@@ -109,7 +118,8 @@ impl Failure {
             Failure::TooLarge
             | Failure::InvalidJson
             | Failure::AmbiguousJson
-            | Failure::NoRoute => "invalid_request_error",
+            | Failure::NoRoute
+            | Failure::UpgradeRefused => "invalid_request_error",
             _ => "server_error",
         }
     }

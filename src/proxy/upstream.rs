@@ -47,6 +47,12 @@ pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
 
 /// Builds the pooled client of `upstream`.
 pub fn build_client(upstream: &UpstreamConfig) -> UpstreamClient {
+    build_client_with(upstream, true)
+}
+
+/// Builds a client of `upstream`: pooled, HTTP/2 when the upstream offers
+/// it, with `pooled`; otherwise HTTP/1.1 only, a connection per request.
+pub fn build_client_with(upstream: &UpstreamConfig, pooled: bool) -> UpstreamClient {
     let mut http = HttpConnector::new();
     http.set_connect_timeout(Some(Duration::from_millis(upstream.connect_timeout_ms)));
     http.set_nodelay(true);
@@ -54,13 +60,20 @@ pub fn build_client(upstream: &UpstreamConfig) -> UpstreamClient {
     let https = HttpsConnectorBuilder::new()
         .with_webpki_roots()
         .https_or_http()
-        .enable_http1()
-        .enable_http2()
-        .wrap_connector(http);
-    Client::builder(TokioExecutor::new())
+        .enable_http1();
+    let https = if pooled {
+        https.enable_http2().wrap_connector(http)
+    } else {
+        https.wrap_connector(http)
+    };
+    let mut client = Client::builder(TokioExecutor::new());
+    client
         .pool_idle_timeout(Duration::from_secs(90))
-        .pool_timer(TokioTimer::new())
-        .build(https)
+        .pool_timer(TokioTimer::new());
+    if !pooled {
+        client.pool_max_idle_per_host(0);
+    }
+    client.build(https)
 }
 
 /// Why an upstream exchange failed, with the label it is counted under.

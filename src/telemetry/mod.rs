@@ -31,6 +31,11 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     /// `fairgate_stream_errors_total{route, kind}`
     pub stream_errors: IntCounterVec,
+    /// `fairgate_tunnels_total{upstream}`: upgraded connections (WebSocket)
+    /// relayed unscanned.
+    pub tunnels: IntCounterVec,
+    /// `fairgate_tunnels_open`: upgraded connections open now.
+    pub tunnels_open: IntGauge,
     /// `fairgate_rules_info{version}`: 1 for the version serving.
     pub rules_info: IntGaugeVec,
     /// `fairgate_rules_loaded`: the number of rules serving.
@@ -113,6 +118,11 @@ impl Metrics {
             "Malformed or broken upstream streams.",
             &["route", "kind"],
         );
+        let tunnels = counter(
+            "fairgate_tunnels_total",
+            "Upgraded connections (WebSocket) relayed unscanned, by upstream.",
+            &["upstream"],
+        );
         let reloads = counter(
             "fairgate_rules_reloads_total",
             "Rule reloads by result.",
@@ -178,6 +188,10 @@ impl Metrics {
             "fairgate_queue_depth",
             "Records waiting in the in-process queue.",
         );
+        let tunnels_open = gauge(
+            "fairgate_tunnels_open",
+            "Upgraded connections (WebSocket) open now.",
+        );
         let reload_failing = gauge(
             "fairgate_rules_reload_failing",
             "1 while the last rule reload failed.",
@@ -199,6 +213,8 @@ impl Metrics {
             stream_first_byte,
             upstream_errors,
             stream_errors,
+            tunnels,
+            tunnels_open,
             rules_info,
             rules_loaded,
             reloads,

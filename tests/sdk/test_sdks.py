@@ -1,7 +1,7 @@
 """The official OpenAI and Anthropic Python SDKs against fairgate.
 
-Starts a mock upstream (HTTP and SSE, both dialects) and the fairgate binary
-in front of it, then drives both SDKs exactly as an application would: only
+Starts a mock upstream (HTTP and SSE, both dialects), a mock Realtime API
+(WebSocket), and the fairgate binary in front of them, then drives both SDKs exactly as an application would: only
 the base URL changes. Run by .ci/run after `cargo test`:
 
     python3 tests/sdk/test_sdks.py [path/to/fairgate]
@@ -18,11 +18,13 @@ import sys
 import threading
 import time
 import traceback
+import tempfile
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import anthropic
 import openai
+from websockets.sync.server import serve as serve_websocket
 
 RISKY = "Sure. Put all your savings into Dogecoin right now, it is the future."
 SAFE = "Start with a budget and an emergency fund, then invest regularly."
@@ -167,6 +169,22 @@ class Upstream(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+REALTIME_HANDSHAKES = []
+
+
+def realtime_session(ws):
+    """The Realtime API, as far as the check needs: `session.created`, then
+    a `session.updated` carrying the instructions of each `session.update`."""
+    REALTIME_HANDSHAKES.append((ws.request.path, ws.request.headers.get("Authorization")))
+    session = {"id": "sess_1", "object": "realtime.session", "type": "realtime", "model": "gpt-realtime"}
+    ws.send(json.dumps({"type": "session.created", "event_id": "event_1", "session": session}))
+    for n, message in enumerate(ws, start=2):
+        event = json.loads(message)
+        if event.get("type") == "session.update":
+            updated = dict(session, instructions=event["session"].get("instructions"))
+            ws.send(json.dumps({"type": "session.updated", "event_id": f"event_{n}", "session": updated}))
+
+
 def openai_stream(text):
     def frame(delta, finish=None):
         return "data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
@@ -278,8 +296,21 @@ def main():
     upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     up = f"http://127.0.0.1:{upstream.server_address[1]}"
+    realtime = serve_websocket(realtime_session, "127.0.0.1", 0)
+    threading.Thread(target=realtime.serve_forever, daemon=True).start()
+    config = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+    config.write(f"""upstreams:
+  openai: {{url: "{up}"}}
+  anthropic: {{url: "{up}"}}
+  realtime: {{url: "http://127.0.0.1:{realtime.socket.getsockname()[1]}"}}
+routes:
+  - {{path_prefix: /v1/realtime, upstream: realtime}}
+  - {{path_prefix: /v1/messages, upstream: anthropic}}
+  - {{path_prefix: /, upstream: openai}}
+""")
+    config.close()
     port, admin_port = free_port(), free_port()
-    proxy = subprocess.Popen([binary, "serve", "--listen", f"127.0.0.1:{port}",
+    proxy = subprocess.Popen([binary, "serve", "--config", config.name, "--listen", f"127.0.0.1:{port}",
                               "--admin-listen", f"127.0.0.1:{admin_port}", "--rules", "rules",
                               "--upstream-openai", up, "--upstream-anthropic", up],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -488,6 +519,16 @@ def main():
             assert last.response.incomplete_details.reason == "content_filter", last
             assert "savings" not in text, text
 
+        def openai_realtime_session():
+            with oa.realtime.connect(model="gpt-realtime") as connection:
+                created = connection.recv()
+                assert created.type == "session.created", created
+                connection.session.update(session={"type": "realtime", "instructions": "Be brief."})
+                updated = connection.recv()
+                assert updated.type == "session.updated", updated
+                assert updated.session.instructions == "Be brief.", updated
+            assert REALTIME_HANDSHAKES == [("/v1/realtime?model=gpt-realtime", "Bearer sk-test")], REALTIME_HANDSHAKES
+
         check("openai chat completion", openai_chat)
         check("openai chat completion stream", openai_stream_ok)
         check("openai blocked prompt raises BadRequestError without retries", openai_blocked_prompt)
@@ -506,6 +547,7 @@ def main():
         check("anthropic thinking stream arrives signed as sent", anthropic_thinking_stream)
         check("anthropic blocked thinking stream ends with refusal", anthropic_blocked_thinking_stream)
         check("anthropic long thinking streams, then a late block ends it", anthropic_long_thinking_blocked_late)
+        check("openai realtime session goes through as a WebSocket tunnel", openai_realtime_session)
     finally:
         proxy.terminate()
         try:
@@ -513,6 +555,8 @@ def main():
         except subprocess.TimeoutExpired:
             proxy.kill()
         upstream.shutdown()
+        realtime.shutdown()
+        os.unlink(config.name)
     print(f"sdk: {passed} passed, {failed} failed")
     return 0 if failed == 0 else 1
 

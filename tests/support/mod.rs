@@ -574,11 +574,16 @@ impl Proxy {
         self.results()
     }
 
-    /// Stops accepting and waits for the proxy to drain.
-    pub async fn stop(mut self) {
+    /// Tells the proxy to stop accepting and drain, without waiting.
+    pub fn begin_shutdown(&mut self) {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
+    }
+
+    /// Stops accepting and waits for the proxy to drain.
+    pub async fn stop(mut self) {
+        self.begin_shutdown();
         if let Some(task) = self.task.take() {
             let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
         }
