@@ -15,6 +15,7 @@
 //!   up to `guard.max_body_bytes`; a larger one goes on unread once its
 //!   start shows a `purpose` other than `batch` (one whose `purpose` comes
 //!   after its file passes unread; a batch's that large gets 413).
+//! - A batch's input sent in parts (the Uploads API): see [`super::parts`].
 //! - Batch objects (created, retrieved, listed, canceled): their
 //!   `results_url`, which the SDKs follow, leads back to the proxy as the
 //!   client reached it; else the results would come from the API directly.
@@ -48,7 +49,7 @@ use crate::exchange::{self, Batch, BatchAnswer, BatchRequest, Dialect};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json;
 use crate::risk::{self, Decision};
-use crate::rules::{RuleSet, Scope};
+use crate::rules::{Hit, RuleSet, Scope};
 
 /// The route label of a batch's requests in the metrics.
 const REQUESTS: &str = "batches";
@@ -68,6 +69,7 @@ pub(super) async fn handle(
         Batch::Results => results(state, req, Dialect::Anthropic, request_id).await,
         Batch::FileContent => results(state, req, Dialect::OpenAi, request_id).await,
         Batch::Upload => upload(state, req, request_id).await,
+        Batch::Parts(step) => super::parts::handle(state, req, step, request_id).await,
     }
 }
 
@@ -271,23 +273,77 @@ fn scan_one(
     request: &BatchRequest,
     request_id: &str,
 ) -> Result<Edits, Box<Response<ProxyBody>>> {
+    let scan = scan_counted(state, rules, upstream, request);
+    match Refusal::of_block(request, &scan.verdict.hits, scan.verdict.decision) {
+        Some(refusal) => Err(Box::new(refusal.respond(dialect, place, request_id))),
+        None => Ok(scan.edits),
+    }
+}
+
+/// One request of a batch scanned as a prompt, and counted.
+pub(super) fn scan_counted(
+    state: &State,
+    rules: &RuleSet,
+    upstream: &str,
+    request: &BatchRequest,
+) -> guard::RequestScan {
     let guard = &state.config.guard;
     let texts = &request.params.texts;
     let scan = guard::scan_request(rules, &state.config.risk, &guard.context_tags, texts);
     count(state, REQUESTS, upstream, Scope::Prompt, &scan.verdict);
-    if scan.verdict.decision != Decision::Block {
-        return Ok(scan.edits);
+    scan
+}
+
+/// Why a request refuses its whole batch: what the 400 says of it.
+#[derive(Debug, Clone)]
+pub(super) struct Refusal {
+    custom_id: Option<String>,
+    scope: &'static str,
+    reason: String,
+    rules: Vec<String>,
+}
+
+impl Refusal {
+    /// The refusal of a request whose verdict is `decision`, if it blocks.
+    pub(super) fn of_block(
+        request: &BatchRequest,
+        hits: &[Hit],
+        decision: Decision,
+    ) -> Option<Refusal> {
+        (decision == Decision::Block).then(|| Refusal {
+            custom_id: request.custom_id.as_deref().map(str::to_owned),
+            scope: guard::block_scope(hits, Scope::Prompt),
+            reason: block_message(hits),
+            rules: rule_ids(hits),
+        })
     }
-    let hits = &scan.verdict.hits;
-    let named = match &request.custom_id {
-        Some(id) => format!("{place} (custom_id {id:?})"),
-        None => place.to_owned(),
-    };
-    let message = format!("{named}: {}", block_message(hits));
-    let scope = guard::block_scope(hits, Scope::Prompt);
-    tracing::info!(request_id, named, rules = ?rule_ids(hits), "batch request blocked");
-    let refused = respond::blocked(dialect, scope, &message, &rule_ids(hits), request_id);
-    Err(Box::new(refused))
+
+    /// The refusal of a request with `hits` to redact, where the batch
+    /// cannot be edited (its file went up in parts as they came).
+    pub(super) fn of_redaction(request: &BatchRequest, hits: &[Hit]) -> Refusal {
+        Refusal {
+            custom_id: request.custom_id.as_deref().map(str::to_owned),
+            scope: Scope::Prompt.as_str(),
+            reason: "it holds text the content policy redacts, and a file uploaded in parts cannot be edited on its way; upload it with POST /v1/files, which redacts it, or redact it first.".into(),
+            rules: rule_ids(hits),
+        }
+    }
+
+    /// The 400 that refuses the batch for this request, at `place`.
+    pub(super) fn respond(
+        &self,
+        dialect: Dialect,
+        place: &str,
+        request_id: &str,
+    ) -> Response<ProxyBody> {
+        let named = match &self.custom_id {
+            Some(id) => format!("{place} (custom_id {id:?})"),
+            None => place.to_owned(),
+        };
+        let message = format!("{named}: {}", self.reason);
+        tracing::info!(request_id, named, rules = ?self.rules, "batch request refused");
+        respond::blocked(dialect, self.scope, &message, &self.rules, request_id)
+    }
 }
 
 /// Creates a message batch whose requests the rules allow.
