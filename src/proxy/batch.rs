@@ -85,12 +85,7 @@ async fn upload(
     request_id: &str,
 ) -> Response<ProxyBody> {
     let dialect = Dialect::OpenAi;
-    let boundary = req
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| multer::parse_boundary(v).ok());
-    let Some(boundary) = boundary else {
+    let Some(boundary) = form_boundary(req.headers()) else {
         return super::passthrough(state, req, request_id).await;
     };
     let limit = state.config.guard.max_body_bytes;
@@ -147,6 +142,12 @@ async fn upload(
         Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
+}
+
+/// The boundary of a form (`multipart/form-data`), from its content type.
+pub(super) fn form_boundary(headers: &HeaderMap) -> Option<String> {
+    let content_type = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
+    multer::parse_boundary(content_type).ok()
 }
 
 /// The fields of a form (`multipart/form-data`), in order: each one's

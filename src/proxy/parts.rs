@@ -35,7 +35,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use super::batch::{Refusal, scan_counted};
+use super::batch::{Refusal, form_boundary, scan_counted};
 use super::respond::{self, Failure};
 use super::{ProxyBody, State, upstream};
 use crate::exchange::{self, Dialect, PartsStep};
@@ -231,13 +231,8 @@ async fn part(
     request_id: &str,
 ) -> Response<ProxyBody> {
     let dialect = Dialect::OpenAi;
-    let boundary = req
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| multer::parse_boundary(v).ok());
     let encoded = super::is_encoded(req.headers());
-    let Some(boundary) = boundary.filter(|_| !encoded) else {
+    let Some(boundary) = form_boundary(req.headers()).filter(|_| !encoded) else {
         // Unreadable here: the part is not recorded, so completing fails.
         return super::passthrough(state, req, request_id).await;
     };
