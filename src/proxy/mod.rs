@@ -9,6 +9,7 @@
 //! Every other path and method is passed through, bodies streamed both ways.
 
 mod batch;
+mod lines;
 mod parts;
 pub mod respond;
 mod stored;

@@ -29,18 +29,16 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Either, Full, Limited, StreamBody};
+use http_body_util::{BodyExt, Either, Full, Limited};
 use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::Value;
-use tokio::sync::mpsc;
 
-use super::batch::{Refusal, form_boundary, scan_counted};
+use super::batch::form_boundary;
+use super::lines::{self, Part};
 use super::respond::{self, Failure};
-use super::{ProxyBody, State, upstream};
-use crate::exchange::{self, Dialect, PartsStep};
-use crate::risk::Decision;
-use crate::rules::RuleSet;
+use super::{BoxError, ProxyBody, State, upstream};
+use crate::exchange::{Dialect, PartsStep};
 
 /// Uploads of batch inputs in progress, by upload id.
 #[derive(Default)]
@@ -53,33 +51,6 @@ struct Upload {
     expires_at: i64,
     /// What was read of each part, by part id.
     parts: HashMap<String, Arc<Part>>,
-}
-
-/// What fairgate read of one part of a batch's input.
-#[derive(Debug, Default)]
-struct Part {
-    /// The bytes before its first line break; `None` when it has none (its
-    /// bytes are all in `tail`).
-    head: Option<Vec<u8>>,
-    /// The bytes after its last line break.
-    tail: Vec<u8>,
-    /// The lines between its first line break and its last.
-    lines: usize,
-    /// The first of those lines that refuses the batch, by its index among
-    /// them.
-    refused: Option<(usize, Refused)>,
-    /// A line, or a head or tail, longer than `guard.max_body_bytes`.
-    too_long: bool,
-    /// The form could not be read to its end.
-    unread: bool,
-}
-
-/// Why a line refuses the batch.
-#[derive(Debug, Clone)]
-enum Refused {
-    /// It is not a request (not JSON, or a key given twice).
-    Unreadable(Failure),
-    Rules(Refusal),
 }
 
 impl Uploads {
@@ -250,13 +221,9 @@ async fn part(
         headers.insert(header::CONTENT_LENGTH, length.clone());
     }
     let (parts, body) = req.into_parts();
-    let (copies, read) = mpsc::channel(8);
-    let reader = LineReader::new(state.clone(), upstream.clone());
-    // Scanning a part of 64 MB takes long: not on a serving thread.
-    let runtime = tokio::runtime::Handle::current();
-    let reading =
-        tokio::task::spawn_blocking(move || runtime.block_on(read_part(reader, read, boundary)));
-    let body = tee(body, copies);
+    let (copies, reading) = lines::read(state, &upstream, boundary, "data");
+    let frames = http_body_util::BodyStream::new(body).map(|frame| frame.map_err(BoxError::from));
+    let body = lines::tee(frames, copies, None);
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
     let (response, deadline) = match forwarded.await {
         Ok(forwarded) => forwarded,
@@ -274,144 +241,9 @@ async fn part(
         && let Some(part) = part
         && let Ok(Ok(read)) = tokio::time::timeout_at(deadline, reading).await
     {
-        state.uploads.add_part(&upload, part, read);
+        state.uploads.add_part(&upload, part, read.part);
     }
     super::guarded_response(status, &head, respond::full(body), request_id, None)
-}
-
-/// The client's body as it goes upstream, each piece of it copied to
-/// `copies` on the way (waiting for room there: the reader keeps pace).
-fn tee(body: Incoming, copies: mpsc::Sender<Bytes>) -> upstream::UpstreamBody {
-    let frames = http_body_util::BodyStream::new(body);
-    let stream =
-        futures_util::stream::unfold((frames, copies), |(mut frames, copies)| async move {
-            let frame = frames.next().await?;
-            if let Some(data) = frame.as_ref().ok().and_then(|f| f.data_ref()) {
-                // A reader that gave up leaves the part unread, not stopped.
-                let _ = copies.send(data.clone()).await;
-            }
-            Some((frame, (frames, copies)))
-        });
-    Either::Right(Either::Right(BodyExt::boxed(StreamBody::new(stream))))
-}
-
-/// Reads the `data` field of a part's form, as its copies arrive.
-async fn read_part(
-    mut reader: LineReader,
-    copies: mpsc::Receiver<Bytes>,
-    boundary: String,
-) -> Part {
-    let copies = futures_util::stream::unfold(copies, |mut copies| async move {
-        let data = copies.recv().await?;
-        Some((Ok::<_, std::convert::Infallible>(data), copies))
-    });
-    let mut form = multer::Multipart::new(copies, boundary);
-    let mut data_fields = 0;
-    let whole = loop {
-        match form.next_field().await {
-            Ok(Some(mut field)) => {
-                let data = field.name() == Some("data");
-                data_fields += usize::from(data);
-                loop {
-                    match field.chunk().await {
-                        Ok(Some(chunk)) if data => reader.feed(&chunk),
-                        Ok(Some(_)) => {}
-                        Ok(None) => break,
-                        Err(_) => break,
-                    }
-                }
-            }
-            Ok(None) => break true,
-            Err(_) => break false,
-        }
-    };
-    let mut part = reader.finish();
-    part.unread |= !whole || data_fields != 1;
-    part
-}
-
-/// Splits a part's data into lines and scans each one whole within it.
-struct LineReader {
-    state: Arc<State>,
-    rules: Arc<RuleSet>,
-    upstream: String,
-    part: Part,
-    /// The line being read.
-    line: Vec<u8>,
-}
-
-impl LineReader {
-    fn new(state: Arc<State>, upstream: String) -> LineReader {
-        let rules = state.rules.snapshot();
-        LineReader {
-            state,
-            rules,
-            upstream,
-            part: Part::default(),
-            line: Vec::new(),
-        }
-    }
-
-    fn feed(&mut self, mut data: &[u8]) {
-        while let Some(at) = memchr::memchr(b'\n', data) {
-            self.keep(&data[..at]);
-            let line = std::mem::take(&mut self.line);
-            match self.part.head {
-                None => self.part.head = Some(line),
-                Some(_) => {
-                    self.check(&line);
-                    self.part.lines += 1;
-                }
-            }
-            data = &data[at + 1..];
-        }
-        self.keep(data);
-    }
-
-    fn keep(&mut self, data: &[u8]) {
-        if self.line.len() + data.len() > self.state.config.guard.max_body_bytes {
-            self.part.too_long = true;
-            self.line.clear();
-        } else {
-            self.line.extend_from_slice(data);
-        }
-    }
-
-    /// Scans a line whole within the part (the first refusal is kept).
-    fn check(&mut self, line: &[u8]) {
-        if self.part.refused.is_some() || self.part.too_long {
-            return;
-        }
-        let index = self.part.lines;
-        if let Some(refused) = refusal(&self.state, &self.rules, &self.upstream, line) {
-            self.part.refused = Some((index, refused));
-        }
-    }
-
-    fn finish(mut self) -> Part {
-        self.part.tail = self.line;
-        self.part
-    }
-}
-
-/// What refuses a batch in `line` of its input, if anything does.
-fn refusal(state: &State, rules: &RuleSet, upstream: &str, line: &[u8]) -> Option<Refused> {
-    if line.trim_ascii().is_empty() {
-        return None;
-    }
-    let request = match exchange::read_batch_input(line) {
-        Ok(request) => request,
-        Err(error) => return Some(Refused::Unreadable(Failure::unreadable(&error))),
-    };
-    let scan = scan_counted(state, rules, upstream, &request);
-    let verdict = &scan.verdict;
-    match verdict.decision {
-        Decision::Redact => Some(Refused::Rules(Refusal::of_redaction(
-            &request,
-            &verdict.hits,
-        ))),
-        decision => Refusal::of_block(&request, &verdict.hits, decision).map(Refused::Rules),
-    }
 }
 
 #[derive(Deserialize)]
@@ -450,7 +282,13 @@ async fn complete(
     if let Ok(completion) = serde_json::from_slice::<Completion>(&body) {
         let rules = state.rules.snapshot();
         let refused = match state.uploads.parts(&upload, &completion.part_ids) {
-            Ok(read) => check_file(state, &rules, &route.upstream, &read, request_id),
+            Ok(read) => match read.iter().find(|(_, part)| part.unread) {
+                Some((id, _)) => Some(not_read(id, request_id)),
+                None => {
+                    let read: Vec<&Part> = read.iter().map(|(_, part)| &**part).collect();
+                    lines::check(state, &rules, &route.upstream, &read, request_id)
+                }
+            },
             Err(missing) => Some(not_read(&missing, request_id)),
         };
         if let Some(refused) = refused {
@@ -471,52 +309,6 @@ async fn complete(
         }
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
-}
-
-/// Reads a batch's input from its parts in order: the lines across parts
-/// are scanned here, those within one were as it went up. The 400 of the
-/// first line that refuses the batch, if one does.
-fn check_file(
-    state: &State,
-    rules: &RuleSet,
-    upstream: &str,
-    parts: &[(String, Arc<Part>)],
-    request_id: &str,
-) -> Option<Response<ProxyBody>> {
-    let dialect = Dialect::OpenAi;
-    let limit = state.config.guard.max_body_bytes;
-    let refuse = |refused: &Refused, line: usize| match refused {
-        Refused::Unreadable(failure) => respond::failure(dialect, *failure, request_id),
-        Refused::Rules(refusal) => refusal.respond(dialect, &format!("line {line}"), request_id),
-    };
-    // The line begun in earlier parts, and the number of lines before it.
-    let (mut carry, mut lines) = (Vec::new(), 0);
-    for (id, part) in parts {
-        if part.unread {
-            return Some(not_read(id, request_id));
-        }
-        if part.too_long {
-            return Some(respond::failure(dialect, Failure::TooLarge, request_id));
-        }
-        if let Some(head) = &part.head {
-            carry.extend_from_slice(head);
-            lines += 1;
-            if let Some(refused) = refusal(state, rules, upstream, &carry) {
-                return Some(refuse(&refused, lines));
-            }
-            carry.clear();
-            if let Some((index, refused)) = &part.refused {
-                return Some(refuse(refused, lines + 1 + index));
-            }
-            lines += part.lines;
-        }
-        carry.extend_from_slice(&part.tail);
-        if carry.len() > limit {
-            return Some(respond::failure(dialect, Failure::TooLarge, request_id));
-        }
-    }
-    let refused = refusal(state, rules, upstream, &carry)?;
-    Some(refuse(&refused, lines + 1))
 }
 
 /// The 400 for a completion that names a part fairgate did not read.
