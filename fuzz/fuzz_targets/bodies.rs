@@ -1,0 +1,50 @@
+//! Request and response bodies of every guarded endpoint, and batch lines,
+//! read and scanned with the shipped rules: whatever the bytes, a result
+//! or an error, never a panic.
+
+#![no_main]
+
+use std::path::Path;
+use std::sync::LazyLock;
+
+use fairgate::exchange::{self, Endpoint, RequestBody, ResponseBody};
+use fairgate::guard;
+use fairgate::risk::RiskConfig;
+use fairgate::rules::{CompileOptions, RuleSet, Scope};
+use libfuzzer_sys::fuzz_target;
+
+static RULES: LazyLock<RuleSet> = LazyLock::new(|| {
+    let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rules");
+    RuleSet::load_dir(&rules, &CompileOptions::default()).expect("the shipped rules compile")
+});
+
+const ENDPOINTS: [Endpoint; 4] = [
+    Endpoint::ChatCompletions,
+    Endpoint::Completions,
+    Endpoint::Responses,
+    Endpoint::Messages,
+];
+
+fuzz_target!(|data: &[u8]| {
+    let tags = ["documents".to_owned()];
+    for endpoint in ENDPOINTS {
+        if let Ok(request) = RequestBody::read(endpoint, data) {
+            let scan = guard::scan_request(&RULES, &RiskConfig::default(), &tags, &request.texts);
+            if !scan.edits.is_empty() {
+                // A redacted body is JSON still, and reads as it did.
+                let redacted = fairgate::json::splice(data, &scan.edits);
+                let again = RequestBody::read(endpoint, &redacted);
+                assert!(again.is_ok(), "a redaction broke the body: {again:?}");
+            }
+        }
+        if let Ok(response) = ResponseBody::read(endpoint, data) {
+            for text in &response.texts {
+                let _ = RULES.scan(Scope::Response, &text.text);
+            }
+        }
+    }
+    let _ = exchange::read_batch_input(data);
+    let _ = exchange::read_batch(data);
+    let _ = exchange::read_batch_line(exchange::Dialect::OpenAi, data);
+    let _ = exchange::read_batch_line(exchange::Dialect::Anthropic, data);
+});
