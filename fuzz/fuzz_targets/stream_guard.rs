@@ -22,7 +22,9 @@ use libfuzzer_sys::fuzz_target;
 
 static RULES: LazyLock<Arc<RuleSet>> = LazyLock::new(|| {
     let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rules");
-    Arc::new(RuleSet::load_dir(&rules, &CompileOptions::default()).expect("the shipped rules compile"))
+    Arc::new(
+        RuleSet::load_dir(&rules, &CompileOptions::default()).expect("the shipped rules compile"),
+    )
 });
 
 static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
@@ -38,7 +40,11 @@ const ENDPOINTS: [Endpoint; 4] = [
     Endpoint::Responses,
     Endpoint::Messages,
 ];
-const MODES: [StreamMode; 3] = [StreamMode::Holdback, StreamMode::Buffer, StreamMode::Monitor];
+const MODES: [StreamMode; 3] = [
+    StreamMode::Holdback,
+    StreamMode::Buffer,
+    StreamMode::Monitor,
+];
 
 fuzz_target!(|data: &[u8]| {
     let [pick, size, body @ ..] = data else {
@@ -67,7 +73,9 @@ fuzz_target!(|data: &[u8]| {
             let _ = done.send(outcome);
         });
         let sent = client.collect().await.expect("the body ends").to_bytes();
-        let outcome = outcome.await.expect("the guard reports how the stream ended");
+        let outcome = outcome
+            .await
+            .expect("the guard reports how the stream ended");
         let _ = (sent, outcome.verdict);
     });
 });
