@@ -99,10 +99,7 @@ impl Processor {
                 self.telemetry.queue_lag.observe(lag);
                 for metric in &processed.metrics {
                     if let Some(score) = metric.score {
-                        self.telemetry
-                            .quality
-                            .with_label_values(&[&metric.name])
-                            .observe(score);
+                        self.telemetry.observe_quality(&metric.name, score);
                     }
                 }
             }

@@ -737,13 +737,9 @@ fn record_verdict(metrics: &Metrics, verdict: &Verdict) {
             .inc();
     }
     let r = &verdict.risk;
-    for (scope, value) in [
-        ("prompt", r.prompt),
-        ("response", r.response),
-        ("context", r.context),
-        ("total", r.total),
-    ] {
-        metrics.risk.with_label_values(&[scope]).observe(value);
+    let values = [r.prompt, r.response, r.context, r.total];
+    for (histogram, value) in metrics.risk_by_scope.iter().zip(values) {
+        histogram.observe(value);
     }
 }
 

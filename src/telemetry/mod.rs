@@ -20,6 +20,9 @@ pub struct Metrics {
     pub rule_hits: IntCounterVec,
     /// `fairgate_risk_score{scope}`: prompt, response, context and total.
     pub risk: HistogramVec,
+    /// `risk` of each scope, in that order, resolved once: a label lookup
+    /// hashes the labels twice (SipHash) on every observation.
+    pub risk_by_scope: [Histogram; 4],
     /// `fairgate_upstream_latency_seconds{upstream}`: to the response head.
     pub upstream_latency: HistogramVec,
     /// `fairgate_proxy_added_latency_seconds{route}`: total minus upstream.
@@ -57,6 +60,8 @@ pub struct Metrics {
     pub queue_lag: Histogram,
     /// `fairgate_quality_score{metric}`: every computed metric score.
     pub quality: HistogramVec,
+    /// `quality` of each metric seen so far, resolved once.
+    quality_by_name: std::sync::Mutex<Vec<(String, Histogram)>>,
 }
 
 /// Latency buckets from 50 µs to 60 s.
@@ -202,12 +207,15 @@ impl Metrics {
         )
         .unwrap_or_else(|e| unreachable_metric("fairgate_rules_reload_errors_total", e));
         register(&registry, Box::new(reload_errors.clone()));
+        let risk_by_scope = ["prompt", "response", "context", "total"]
+            .map(|scope| risk.with_label_values(&[scope]));
         Metrics {
             registry,
             requests,
             blocks,
             rule_hits,
             risk,
+            risk_by_scope,
             upstream_latency,
             added_latency,
             stream_first_byte,
@@ -224,6 +232,22 @@ impl Metrics {
             queue_records,
             queue_lag,
             quality,
+            quality_by_name: Default::default(),
+        }
+    }
+
+    /// Records the score of the quality metric `name`.
+    pub fn observe_quality(&self, name: &str, score: f64) {
+        let Ok(mut resolved) = self.quality_by_name.lock() else {
+            return self.quality.with_label_values(&[name]).observe(score);
+        };
+        match resolved.iter().find(|(known, _)| known == name) {
+            Some((_, histogram)) => histogram.observe(score),
+            None => {
+                let histogram = self.quality.with_label_values(&[name]);
+                histogram.observe(score);
+                resolved.push((name.to_owned(), histogram));
+            }
         }
     }
 
