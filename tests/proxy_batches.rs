@@ -529,7 +529,7 @@ async fn upload_in_parts(
         .unwrap()
 }
 
-/// The paths of the completions the upstream got.
+/// How many completions (`.../complete`) the upstream got.
 fn completions(mock: &support::Mock) -> usize {
     let requests = mock.requests();
     requests
