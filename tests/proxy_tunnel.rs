@@ -313,3 +313,24 @@ async fn upgrade_headers_do_not_take_a_prompt_past_the_guard() {
     assert!(mock.requests().is_empty(), "{:?}", mock.requests());
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_configured_key_replaces_the_clients_in_the_handshake() {
+    let (upstream, handshakes) = start_ws_upstream().await;
+    let mut config = config(&format!("http://{upstream}"), Path::new("rules"));
+    // PATH is set in every environment: its value stands in for a key.
+    config.upstreams.get_mut("openai").unwrap().api_key_env = Some("PATH".into());
+    let proxy = start_proxy(config).await;
+    let url = proxy.url("/v1/realtime").replace("http://", "ws://");
+    let mut request = url.into_client_request().unwrap();
+    request
+        .headers_mut()
+        .insert("authorization", "Bearer sk-client".parse().unwrap());
+    let (mut ws, _) = tokio_tungstenite::connect_async(request).await.unwrap();
+    assert_eq!(next_text(&mut ws).await, r#"{"type":"session.created"}"#);
+    let path = std::env::var("PATH").unwrap();
+    let seen = handshakes.lock().unwrap().clone();
+    assert_eq!(seen[0].authorization, Some(format!("Bearer {path}")));
+    drop(ws);
+    proxy.stop().await;
+}
