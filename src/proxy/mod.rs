@@ -51,7 +51,7 @@ use crate::rules::store::RuleStore;
 use crate::rules::{Hit, RuleSet, Scope};
 use crate::telemetry::Metrics;
 use respond::Failure;
-use upstream::{UpstreamBody, UpstreamClient, build_client};
+use upstream::{UpstreamBody, UpstreamClient, build_client, build_upgrade_client};
 
 /// The error type of response bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -99,7 +99,7 @@ impl State {
         for (name, upstream) in &config.upstreams {
             // Built once here so that a bad setting fails at start.
             clients.insert(name.clone(), build_client(upstream));
-            upgrade_clients.insert(name.clone(), tunnel::build_client(upstream));
+            upgrade_clients.insert(name.clone(), build_upgrade_client(upstream));
             if let Some(var) = &upstream.api_key_env {
                 let key = std::env::var(var).map_err(|_| {
                     anyhow::anyhow!(
@@ -726,11 +726,7 @@ fn record_verdict(metrics: &Metrics, verdict: &Verdict) {
             ])
             .inc();
     }
-    let r = &verdict.risk;
-    let values = [r.prompt, r.response, r.context, r.total];
-    for (histogram, value) in metrics.risk_by_scope.iter().zip(values) {
-        histogram.observe(value);
-    }
+    metrics.observe_risk(&verdict.risk);
 }
 
 /// A guarded exchange.

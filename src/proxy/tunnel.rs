@@ -24,7 +24,6 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
 use super::respond::{self, Failure};
-use super::upstream::{self, UpstreamClient};
 use super::{
     ProxyBody, State, copy_response_headers, dialect_of_path, forward_on, stream_back,
     upstream_headers,
@@ -126,12 +125,6 @@ pub async fn relay(
         }
     });
     out
-}
-
-/// A client for upgrade requests: HTTP/1.1 only, without a pool (an
-/// upgraded connection is never reused).
-pub fn build_client(config: &crate::config::UpstreamConfig) -> UpstreamClient {
-    upstream::build_client_with(config, false)
 }
 
 /// One tunnel in `fairgate_tunnels_open` and in the count a shutdown waits

@@ -47,12 +47,19 @@ pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
 
 /// Builds the pooled client of `upstream`.
 pub fn build_client(upstream: &UpstreamConfig) -> UpstreamClient {
-    build_client_with(upstream, true)
+    build(upstream, true)
 }
 
-/// Builds a client of `upstream`: pooled, HTTP/2 when the upstream offers
-/// it, with `pooled`; otherwise HTTP/1.1 only, a connection per request.
-pub fn build_client_with(upstream: &UpstreamConfig, pooled: bool) -> UpstreamClient {
+/// Builds the client of `upstream` for connection upgrades: HTTP/1.1 only
+/// (an upgrade has no meaning on HTTP/2), a connection per request (an
+/// upgraded connection is never reused).
+pub fn build_upgrade_client(upstream: &UpstreamConfig) -> UpstreamClient {
+    build(upstream, false)
+}
+
+/// A client of `upstream`: pooled, HTTP/2 when the upstream offers it,
+/// with `pooled`; otherwise HTTP/1.1 only, a connection per request.
+fn build(upstream: &UpstreamConfig, pooled: bool) -> UpstreamClient {
     let mut http = HttpConnector::new();
     http.set_connect_timeout(Some(Duration::from_millis(upstream.connect_timeout_ms)));
     http.set_nodelay(true);

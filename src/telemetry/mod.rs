@@ -18,11 +18,10 @@ pub struct Metrics {
     pub blocks: IntCounterVec,
     /// `fairgate_rule_hits_total{rule, category, scope, action}`
     pub rule_hits: IntCounterVec,
-    /// `fairgate_risk_score{scope}`: prompt, response, context and total.
-    pub risk: HistogramVec,
-    /// `risk` of each scope, in that order, resolved once: a label lookup
-    /// hashes the labels twice (SipHash) on every observation.
-    pub risk_by_scope: [Histogram; 4],
+    /// `fairgate_risk_score{scope}` of each scope (prompt, response,
+    /// context, total), resolved once: a label lookup hashes the labels
+    /// twice (SipHash) on every observation. See [`Metrics::observe_risk`].
+    risk_by_scope: [Histogram; 4],
     /// `fairgate_upstream_latency_seconds{upstream}`: to the response head.
     pub upstream_latency: HistogramVec,
     /// `fairgate_proxy_added_latency_seconds{route}`: total minus upstream.
@@ -58,8 +57,9 @@ pub struct Metrics {
     /// `fairgate_queue_lag_seconds`: from the end of an exchange to its
     /// stored results.
     pub queue_lag: Histogram,
-    /// `fairgate_quality_score{metric}`: every computed metric score.
-    pub quality: HistogramVec,
+    /// `fairgate_quality_score{metric}`: every computed metric score (see
+    /// [`Metrics::observe_quality`]).
+    quality: HistogramVec,
     /// `quality` of each metric seen so far, resolved once.
     quality_by_name: std::sync::Mutex<Vec<(String, Histogram)>>,
 }
@@ -214,7 +214,6 @@ impl Metrics {
             requests,
             blocks,
             rule_hits,
-            risk,
             risk_by_scope,
             upstream_latency,
             added_latency,
@@ -233,6 +232,14 @@ impl Metrics {
             queue_lag,
             quality,
             quality_by_name: Default::default(),
+        }
+    }
+
+    /// Records the risk scores of an exchange.
+    pub fn observe_risk(&self, risk: &crate::risk::Risk) {
+        let values = [risk.prompt, risk.response, risk.context, risk.total];
+        for (histogram, value) in self.risk_by_scope.iter().zip(values) {
+            histogram.observe(value);
         }
     }
 
