@@ -87,6 +87,21 @@ where
     message.into_text().unwrap().as_str().to_owned()
 }
 
+/// The status and JSON body fairgate answers a WebSocket handshake to
+/// `url` with, when it does not switch protocols.
+async fn refused_handshake(url: &str) -> (u16, Value) {
+    let url = url.replace("http://", "ws://");
+    let error = tokio_tungstenite::connect_async(url).await.unwrap_err();
+    let tokio_tungstenite::tungstenite::Error::Http(response) = error else {
+        panic!("expected an HTTP answer, got {error}");
+    };
+    let body = response.body().as_deref().expect("a body");
+    (
+        response.status().as_u16(),
+        serde_json::from_slice(body).unwrap(),
+    )
+}
+
 #[tokio::test]
 async fn a_websocket_session_goes_through_both_ways() {
     let (upstream, handshakes) = start_ws_upstream().await;
@@ -190,13 +205,8 @@ async fn upgrades_can_be_refused() {
     let mut config = config(&format!("http://{upstream}"), Path::new("rules"));
     config.guard.upgrades = fairgate::config::Upgrades::Refuse;
     let proxy = start_proxy(config).await;
-    let url = proxy.url("/v1/realtime").replace("http://", "ws://");
-    let error = tokio_tungstenite::connect_async(url).await.unwrap_err();
-    let tokio_tungstenite::tungstenite::Error::Http(response) = error else {
-        panic!("expected a refusal, got {error}");
-    };
-    assert_eq!(response.status(), 403);
-    let body: Value = serde_json::from_slice(response.body().as_deref().unwrap()).unwrap();
+    let (status, body) = refused_handshake(&proxy.url("/v1/realtime")).await;
+    assert_eq!(status, 403);
     assert_eq!(body["error"]["code"], "upgrade_refused");
     assert!(handshakes.lock().unwrap().is_empty());
     proxy.stop().await;
@@ -210,13 +220,8 @@ async fn an_unreachable_upstream_fails_the_upgrade_with_502() {
         Path::new("rules"),
     ))
     .await;
-    let url = proxy.url("/v1/realtime").replace("http://", "ws://");
-    let error = tokio_tungstenite::connect_async(url).await.unwrap_err();
-    let tokio_tungstenite::tungstenite::Error::Http(response) = error else {
-        panic!("expected a 502, got {error}");
-    };
-    assert_eq!(response.status(), 502);
-    let body: Value = serde_json::from_slice(response.body().as_deref().unwrap()).unwrap();
+    let (status, body) = refused_handshake(&proxy.url("/v1/realtime")).await;
+    assert_eq!(status, 502);
     assert_eq!(body["error"]["code"], "upstream_unreachable");
     proxy.stop().await;
 }
@@ -260,20 +265,12 @@ async fn no_websocket_goes_around_a_guarded_path() {
         "/v1/responses/resp_1",
         "/v1/messages/batches/b_1/results",
     ] {
-        let url = proxy.url(path).replace("http://", "ws://");
-        let error = tokio_tungstenite::connect_async(url).await.unwrap_err();
-        let tokio_tungstenite::tungstenite::Error::Http(response) = error else {
-            panic!("{path}: expected a refusal, got {error}");
-        };
-        assert_eq!(response.status(), 403, "{path}");
-        let body: Value = serde_json::from_slice(response.body().as_deref().unwrap()).unwrap();
-        let code = match path.starts_with("/v1/messages") {
-            true => &body["error"]["type"],
-            false => &body["error"]["code"],
-        };
-        let expected = match path.starts_with("/v1/messages") {
-            true => "permission_error",
-            false => "upgrade_refused",
+        let (status, body) = refused_handshake(&proxy.url(path)).await;
+        assert_eq!(status, 403, "{path}");
+        // Anthropic's envelope has no code, only an error type.
+        let (code, expected) = match path.starts_with("/v1/messages") {
+            true => (&body["error"]["type"], "permission_error"),
+            false => (&body["error"]["code"], "upgrade_refused"),
         };
         assert_eq!(code, expected, "{path}: {body}");
     }
