@@ -54,6 +54,9 @@ pub struct Metrics {
     /// `replayed`, `dropped`, `published`, `processed`, `duplicate`,
     /// `failed`.
     pub queue_records: IntCounterVec,
+    /// `queue_records{event="processed"}`, which counts every record:
+    /// resolved once.
+    processed: IntCounter,
     /// `fairgate_queue_lag_seconds`: from the end of an exchange to its
     /// stored results.
     pub queue_lag: Histogram,
@@ -209,6 +212,7 @@ impl Metrics {
         register(&registry, Box::new(reload_errors.clone()));
         let risk_by_scope = ["prompt", "response", "context", "total"]
             .map(|scope| risk.with_label_values(&[scope]));
+        let processed = queue_records.with_label_values(&["processed"]);
         Metrics {
             registry,
             requests,
@@ -229,6 +233,7 @@ impl Metrics {
             reload_failing,
             queue_depth,
             queue_records,
+            processed,
             queue_lag,
             quality,
             quality_by_name: Default::default(),
@@ -260,7 +265,10 @@ impl Metrics {
 
     /// Counts one side-queue event.
     pub fn queue_event(&self, event: &str) {
-        self.queue_records.with_label_values(&[event]).inc();
+        match event {
+            "processed" => self.processed.inc(),
+            _ => self.queue_records.with_label_values(&[event]).inc(),
+        }
     }
 
     /// The Prometheus text exposition of every metric.
