@@ -455,6 +455,20 @@ pub enum Batch {
     /// `POST /v1/files`: a batch's input (`purpose` `batch`), or another
     /// file.
     Upload,
+    /// A step of a file sent in parts (the Uploads API): a batch's input,
+    /// or another file.
+    Parts(PartsStep),
+}
+
+/// The steps of an upload in parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartsStep {
+    /// `POST /v1/uploads`
+    Create,
+    /// `POST /v1/uploads/{id}/parts`
+    Part,
+    /// `POST /v1/uploads/{id}/complete`
+    Complete,
 }
 
 impl Batch {
@@ -472,6 +486,9 @@ impl Batch {
             (["messages", "batches", _, "results"], _, true) => Some(Batch::Results),
             (["files", _, "content"], _, true) => Some(Batch::FileContent),
             (["files"], true, _) => Some(Batch::Upload),
+            (["uploads"], true, _) => Some(Batch::Parts(PartsStep::Create)),
+            (["uploads", _, "parts"], true, _) => Some(Batch::Parts(PartsStep::Part)),
+            (["uploads", _, "complete"], true, _) => Some(Batch::Parts(PartsStep::Complete)),
             _ => None,
         }
     }
@@ -1038,6 +1055,22 @@ mod tests {
             (Method::POST, "/v1/files", Some(Batch::Upload)),
             (Method::GET, "/v1/files", None),
             (Method::GET, "/v1/messages", None),
+            (
+                Method::POST,
+                "/v1/uploads",
+                Some(Batch::Parts(PartsStep::Create)),
+            ),
+            (
+                Method::POST,
+                "/v1/uploads/upload_1/parts",
+                Some(Batch::Parts(PartsStep::Part)),
+            ),
+            (
+                Method::POST,
+                "/v1/uploads/upload_1/complete",
+                Some(Batch::Parts(PartsStep::Complete)),
+            ),
+            (Method::POST, "/v1/uploads/upload_1/cancel", None),
         ];
         for (method, path, batch) in cases {
             assert_eq!(Batch::from_request(&method, path), batch, "{method} {path}");

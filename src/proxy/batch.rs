@@ -12,9 +12,11 @@
 //!   blocked one refuses the upload (the OpenAI 400, naming the line and
 //!   `custom_id`), `redact` hits are redacted in place (the form is
 //!   written again). Other uploads go up as they came. A form is read whole
-//!   up to `guard.max_body_bytes`; a larger one goes on unread once its
-//!   start shows a `purpose` other than `batch` (one whose `purpose` comes
-//!   after its file passes unread; a batch's that large gets 413).
+//!   up to `guard.max_body_bytes`; a larger one goes on as it arrives,
+//!   unread once its start shows a `purpose` other than `batch`, else read
+//!   line by line on its way ([`super::lines`]): its last piece goes only
+//!   once every line is allowed, and a line to redact refuses it too.
+//! - A batch's input sent in parts (the Uploads API): see [`super::parts`].
 //! - Batch objects (created, retrieved, listed, canceled): their
 //!   `results_url`, which the SDKs follow, leads back to the proxy as the
 //!   client reached it; else the results would come from the API directly.
@@ -42,13 +44,13 @@ use serde_json::{Value, json};
 
 use super::respond::{self, Failure};
 use super::stored::count;
-use super::{BoxError, ProxyBody, Relayed, State, upstream};
+use super::{BoxError, ProxyBody, Relayed, State, lines, upstream};
 use crate::config::OnBlock;
 use crate::exchange::{self, Batch, BatchAnswer, BatchRequest, Dialect};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json;
 use crate::risk::{self, Decision};
-use crate::rules::{RuleSet, Scope};
+use crate::rules::{Hit, RuleSet, Scope};
 
 /// The route label of a batch's requests in the metrics.
 const REQUESTS: &str = "batches";
@@ -68,6 +70,7 @@ pub(super) async fn handle(
         Batch::Results => results(state, req, Dialect::Anthropic, request_id).await,
         Batch::FileContent => results(state, req, Dialect::OpenAi, request_id).await,
         Batch::Upload => upload(state, req, request_id).await,
+        Batch::Parts(step) => super::parts::handle(state, req, step, request_id).await,
     }
 }
 
@@ -75,20 +78,15 @@ pub(super) async fn handle(
 /// with each request read as a prompt, any other file as it came.
 ///
 /// The body is read whole when it is at most `guard.max_body_bytes`;
-/// a larger one goes on unread once its start shows it is not a batch's
-/// (a batch's input that large is refused with 413).
+/// a larger one goes on as it arrives: unread once its start shows it is
+/// not a batch's, else read on the way ([`read_on_the_way`]).
 async fn upload(
     state: &Arc<State>,
     req: Request<Incoming>,
     request_id: &str,
 ) -> Response<ProxyBody> {
     let dialect = Dialect::OpenAi;
-    let boundary = req
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| multer::parse_boundary(v).ok());
-    let Some(boundary) = boundary else {
+    let Some(boundary) = form_boundary(req.headers()) else {
         return super::passthrough(state, req, request_id).await;
     };
     let limit = state.config.guard.max_body_bytes;
@@ -118,14 +116,21 @@ async fn upload(
     let start = start.freeze();
     let body = if !whole {
         // Too large to read whole: what its start says decides.
-        if encoded || purpose(&fields(&start, &boundary).await.0) == Some(b"batch") {
+        if encoded {
             return respond::failure(dialect, Failure::TooLarge, request_id);
         }
         // Sent with the length the client gave, not chunked.
         if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
             headers.insert(header::CONTENT_LENGTH, length.clone());
         }
-        upstream::read_on(start, body)
+        match purpose(&fields(&start, &boundary).await.0) {
+            Some(purpose) if purpose != b"batch" => upstream::read_on(start, body),
+            // A batch's, or its purpose comes later.
+            _ => {
+                let input = (start, body, boundary);
+                return read_on_the_way(state, parts, input, upstream, headers, request_id).await;
+            }
+        }
     } else {
         let mut form = start;
         if encoded {
@@ -145,6 +150,86 @@ async fn upload(
         Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
+}
+
+/// The boundary of a form (`multipart/form-data`), from its content type.
+pub(super) fn form_boundary(headers: &HeaderMap) -> Option<String> {
+    let content_type = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
+    multer::parse_boundary(content_type).ok()
+}
+
+/// Sends an upload too large to hold whole upstream as it arrives (`input`:
+/// the start fairgate read, the rest, the form's boundary), reading its
+/// file line by line on the way. When its `purpose` is `batch`, the last
+/// piece goes up only once every line is allowed: a refused batch's input
+/// never arrives whole, so the API makes no file of it, and the client
+/// gets the 400 that names the line.
+async fn read_on_the_way(
+    state: &Arc<State>,
+    parts: http::request::Parts,
+    input: (Bytes, Incoming, String),
+    upstream: String,
+    headers: HeaderMap,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let (start, rest, boundary) = input;
+    let (copies, reading) = lines::read(state, &upstream, boundary, "file");
+    let (allow, allowed) = tokio::sync::oneshot::channel();
+    let judging = {
+        let (state, upstream, request_id) =
+            (state.clone(), upstream.clone(), request_id.to_owned());
+        tokio::spawn(async move {
+            let refused = match reading.await {
+                Ok(read) => judge(&state, &upstream, &read, &request_id),
+                Err(_) => Some(unreadable_form(&request_id)),
+            };
+            let _ = allow.send(refused.is_none());
+            refused
+        })
+    };
+    let start = futures_util::stream::iter([Ok(Frame::data(start))]);
+    let rest = http_body_util::BodyStream::new(rest).map(|frame| frame.map_err(BoxError::from));
+    let body = lines::tee(start.chain(rest), copies, Some(allowed));
+    let uri = &parts.uri;
+    let forwarded = super::forward(state, &upstream, Method::POST, uri, headers, body).await;
+    // The body is over (sent, refused, or dropped with the request), so the
+    // judgement is made or about to be.
+    if let Ok(Some(refused)) = judging.await {
+        return refused;
+    }
+    match forwarded {
+        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Err(failure) => respond::failure(dialect, failure, request_id),
+    }
+}
+
+/// The 400 that refuses an upload read on its way, if anything refuses it:
+/// a batch's input with a line the rules refuse, or a form that could not
+/// be read and is not known to be another purpose's.
+fn judge(
+    state: &State,
+    upstream: &str,
+    read: &lines::Read,
+    request_id: &str,
+) -> Option<Response<ProxyBody>> {
+    match read.purpose.as_deref() {
+        Some(b"batch") if !read.part.unread => {
+            let rules = state.rules.snapshot();
+            lines::check(state, &rules, upstream, &[&read.part], request_id)
+        }
+        Some(purpose) if purpose != b"batch" => None,
+        _ if read.part.unread => Some(unreadable_form(request_id)),
+        _ => None,
+    }
+}
+
+fn unreadable_form(request_id: &str) -> Response<ProxyBody> {
+    respond::invalid_request(
+        "The upload's form could not be read to its end, so the requests of its batch were not read.",
+        "invalid_form",
+        request_id,
+    )
 }
 
 /// The fields of a form (`multipart/form-data`), in order: each one's
@@ -271,23 +356,77 @@ fn scan_one(
     request: &BatchRequest,
     request_id: &str,
 ) -> Result<Edits, Box<Response<ProxyBody>>> {
+    let scan = scan_counted(state, rules, upstream, request);
+    match Refusal::of_block(request, &scan.verdict.hits, scan.verdict.decision) {
+        Some(refusal) => Err(Box::new(refusal.respond(dialect, place, request_id))),
+        None => Ok(scan.edits),
+    }
+}
+
+/// One request of a batch scanned as a prompt, and counted.
+pub(super) fn scan_counted(
+    state: &State,
+    rules: &RuleSet,
+    upstream: &str,
+    request: &BatchRequest,
+) -> guard::RequestScan {
     let guard = &state.config.guard;
     let texts = &request.params.texts;
     let scan = guard::scan_request(rules, &state.config.risk, &guard.context_tags, texts);
     count(state, REQUESTS, upstream, Scope::Prompt, &scan.verdict);
-    if scan.verdict.decision != Decision::Block {
-        return Ok(scan.edits);
+    scan
+}
+
+/// Why a request refuses its whole batch: what the 400 says of it.
+#[derive(Debug, Clone)]
+pub(super) struct Refusal {
+    custom_id: Option<String>,
+    scope: &'static str,
+    reason: String,
+    rules: Vec<String>,
+}
+
+impl Refusal {
+    /// The refusal of a request whose verdict is `decision`, if it blocks.
+    pub(super) fn of_block(
+        request: &BatchRequest,
+        hits: &[Hit],
+        decision: Decision,
+    ) -> Option<Refusal> {
+        (decision == Decision::Block).then(|| Refusal {
+            custom_id: request.custom_id.as_deref().map(str::to_owned),
+            scope: guard::block_scope(hits, Scope::Prompt),
+            reason: block_message(hits),
+            rules: rule_ids(hits),
+        })
     }
-    let hits = &scan.verdict.hits;
-    let named = match &request.custom_id {
-        Some(id) => format!("{place} (custom_id {id:?})"),
-        None => place.to_owned(),
-    };
-    let message = format!("{named}: {}", block_message(hits));
-    let scope = guard::block_scope(hits, Scope::Prompt);
-    tracing::info!(request_id, named, rules = ?rule_ids(hits), "batch request blocked");
-    let refused = respond::blocked(dialect, scope, &message, &rule_ids(hits), request_id);
-    Err(Box::new(refused))
+
+    /// The refusal of a request with `hits` to redact, where the batch
+    /// cannot be edited (its file is read on its way up).
+    pub(super) fn of_redaction(request: &BatchRequest, hits: &[Hit]) -> Refusal {
+        Refusal {
+            custom_id: request.custom_id.as_deref().map(str::to_owned),
+            scope: Scope::Prompt.as_str(),
+            reason: "it holds text the content policy redacts, and a file read on its way up (sent in parts, or larger than this gateway holds) cannot be edited; redact it before uploading, or upload it whole with POST /v1/files.".into(),
+            rules: rule_ids(hits),
+        }
+    }
+
+    /// The 400 that refuses the batch for this request, at `place`.
+    pub(super) fn respond(
+        &self,
+        dialect: Dialect,
+        place: &str,
+        request_id: &str,
+    ) -> Response<ProxyBody> {
+        let named = match &self.custom_id {
+            Some(id) => format!("{place} (custom_id {id:?})"),
+            None => place.to_owned(),
+        };
+        let message = format!("{named}: {}", self.reason);
+        tracing::info!(request_id, named, rules = ?self.rules, "batch request refused");
+        respond::blocked(dialect, self.scope, &message, &self.rules, request_id)
+    }
 }
 
 /// Creates a message batch whose requests the rules allow.

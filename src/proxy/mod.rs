@@ -9,6 +9,8 @@
 //! Every other path and method is passed through, bodies streamed both ways.
 
 mod batch;
+mod lines;
+mod parts;
 pub mod respond;
 mod stored;
 mod tunnel;
@@ -76,6 +78,8 @@ pub struct State {
     pub admin_token: Option<String>,
     /// Upgraded connections open now, which a shutdown waits for too.
     tunnels: tokio::sync::watch::Sender<usize>,
+    /// Batch inputs being uploaded in parts.
+    uploads: parts::Uploads,
     next_id: AtomicU64,
 }
 
@@ -125,6 +129,7 @@ impl State {
             keys,
             admin_token,
             tunnels: tokio::sync::watch::Sender::new(0),
+            uploads: parts::Uploads::default(),
             next_id: AtomicU64::new(0),
         })
     }
@@ -510,12 +515,17 @@ async fn feedback(state: &State, req: Request<Incoming>, request_id: &str) -> Re
                 &format!(
                     "Invalid feedback: {error}. Expected {{\"request_id\", \"user_action\": \"saved\"|\"spent\", \"stake_type\"?, \"goal_completed\"?}}."
                 ),
+                "invalid_feedback",
                 request_id,
             );
         }
     };
     if parsed.request_id.trim().is_empty() {
-        return respond::invalid_request("Invalid feedback: request_id is empty.", request_id);
+        return respond::invalid_request(
+            "Invalid feedback: request_id is empty.",
+            "invalid_feedback",
+            request_id,
+        );
     }
     let record = FeedbackRecord {
         schema_version: crate::record::SCHEMA_VERSION,

@@ -144,12 +144,12 @@ pub fn failure(dialect: Dialect, failure: Failure, request_id: &str) -> Response
 
 /// A 400 for a malformed fairgate request (such as feedback), in the OpenAI
 /// error shape.
-pub fn invalid_request(message: &str, request_id: &str) -> Response<ProxyBody> {
+pub fn invalid_request(message: &str, code: &str, request_id: &str) -> Response<ProxyBody> {
     let body = json!({"error": {
         "message": message,
         "type": "invalid_request_error",
         "param": null,
-        "code": "invalid_feedback",
+        "code": code,
     }});
     json_response(StatusCode::BAD_REQUEST, &body, request_id, None)
 }

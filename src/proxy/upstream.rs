@@ -32,12 +32,12 @@ pub type UpstreamBody = Either<Full<Bytes>, Either<Incoming, ReadOn>>;
 
 /// A client's body of which the proxy read the start (a file upload too
 /// large to read whole): that start, then the rest as it arrives.
-pub type ReadOn = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
+pub type ReadOn = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 
 /// The body of [`ReadOn`]: `start`, then `rest`.
 pub fn read_on(start: Bytes, rest: Incoming) -> UpstreamBody {
     let start = futures_util::stream::iter([Ok(hyper::body::Frame::data(start))]);
-    let rest = http_body_util::BodyStream::new(rest);
+    let rest = http_body_util::BodyStream::new(rest).map(|frame| frame.map_err(BoxError::from));
     let body = http_body_util::StreamBody::new(start.chain(rest));
     Either::Right(Either::Right(BodyExt::boxed(body)))
 }

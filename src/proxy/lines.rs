@@ -1,0 +1,307 @@
+//! A batch's input read line by line on its way upstream, for the files
+//! fairgate does not hold whole: a part of an upload in parts
+//! ([`super::parts`]), and an upload to `/v1/files` larger than
+//! `guard.max_body_bytes` ([`super::batch`]).
+//!
+//! The form goes upstream as it arrives ([`tee`]), each piece copied to a
+//! reader on a blocking thread ([`read`]), which splits the file's field
+//! into lines and scans every line whole within it. What comes before the
+//! first line break and after the last is kept, for [`check`] to scan with
+//! the lines around it. A file that went up cannot be edited, so a line
+//! that a rule redacts refuses the batch, as one it blocks does.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
+use http::Response;
+use http_body_util::{BodyExt, Either, StreamBody};
+use hyper::body::Frame;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use super::batch::{Refusal, scan_counted};
+use super::respond::{self, Failure};
+use super::{BoxError, ProxyBody, State, upstream};
+use crate::exchange::{self, Dialect};
+use crate::risk::Decision;
+use crate::rules::RuleSet;
+
+/// What was read of one file, or one part of it.
+#[derive(Debug, Default)]
+pub(super) struct Part {
+    /// The bytes before its first line break; `None` when it has none (its
+    /// bytes are all in `tail`).
+    head: Option<Vec<u8>>,
+    /// The bytes after its last line break.
+    tail: Vec<u8>,
+    /// The lines between its first line break and its last.
+    lines: usize,
+    /// The first of those lines that refuses the batch, by its index among
+    /// them.
+    refused: Option<(usize, Refused)>,
+    /// A line, or a head or tail, longer than `guard.max_body_bytes`.
+    too_long: bool,
+    /// The form could not be read to its end, or had no one file field.
+    pub unread: bool,
+}
+
+/// Why a line refuses the batch.
+#[derive(Debug, Clone)]
+enum Refused {
+    /// It is not a request (not JSON, or a key given twice).
+    Unreadable(Failure),
+    Rules(Refusal),
+}
+
+/// What [`read`] found in a form.
+#[derive(Debug)]
+pub(super) struct Read {
+    pub part: Part,
+    /// The value of the form's `purpose` field, when it has one.
+    pub purpose: Option<Vec<u8>>,
+}
+
+/// Starts reading a form whose file is in the field `field`: the pieces
+/// sent to the returned sender are read on a blocking thread (scanning a
+/// part of 64 MB takes long), until the sender is dropped.
+pub(super) fn read(
+    state: &Arc<State>,
+    upstream: &str,
+    boundary: String,
+    field: &'static str,
+) -> (mpsc::Sender<Bytes>, JoinHandle<Read>) {
+    let (copies, pieces) = mpsc::channel(8);
+    let reader = LineReader::new(state.clone(), upstream.to_owned());
+    let runtime = tokio::runtime::Handle::current();
+    let reading = tokio::task::spawn_blocking(move || {
+        runtime.block_on(read_form(reader, pieces, boundary, field))
+    });
+    (copies, reading)
+}
+
+/// The client's body as it goes upstream, each piece of it copied to
+/// `copies` first (waiting for room there: the reader keeps pace). With
+/// `allow`, the last piece is held until it says yes, and the body fails
+/// instead when it says no: the upstream never gets a refused file whole.
+pub(super) fn tee(
+    frames: impl Stream<Item = Result<Frame<Bytes>, BoxError>> + Send + Sync + Unpin + 'static,
+    copies: mpsc::Sender<Bytes>,
+    allow: Option<oneshot::Receiver<bool>>,
+) -> upstream::UpstreamBody {
+    struct Tee<S> {
+        frames: futures_util::stream::Fuse<S>,
+        copies: Option<mpsc::Sender<Bytes>>,
+        held: Option<Frame<Bytes>>,
+        allow: Option<oneshot::Receiver<bool>>,
+    }
+    let hold = allow.is_some();
+    let tee = Tee {
+        frames: frames.fuse(),
+        copies: Some(copies),
+        held: None,
+        allow,
+    };
+    let stream = futures_util::stream::unfold(tee, move |mut tee| async move {
+        loop {
+            match tee.frames.next().await {
+                Some(Ok(frame)) => {
+                    if let (Some(data), Some(copies)) = (frame.data_ref(), &tee.copies) {
+                        // A reader that gave up leaves the file unread.
+                        let _ = copies.send(data.clone()).await;
+                    }
+                    if !hold {
+                        return Some((Ok(frame), tee));
+                    }
+                    if let Some(held) = tee.held.replace(frame) {
+                        return Some((Ok(held), tee));
+                    }
+                }
+                Some(Err(error)) => return Some((Err(error), tee)),
+                None => {
+                    // The reader sees the end.
+                    tee.copies = None;
+                    let allow = tee.allow.take()?;
+                    return match allow.await {
+                        Ok(true) => tee.held.take().map(|frame| (Ok(frame), tee)),
+                        _ => Some((Err("the batch's input is refused".into()), tee)),
+                    };
+                }
+            }
+        }
+    });
+    Either::Right(Either::Right(BodyExt::boxed(StreamBody::new(stream))))
+}
+
+/// Reads the file in `field` of a form, and its `purpose`, as the pieces
+/// arrive.
+async fn read_form(
+    mut reader: LineReader,
+    pieces: mpsc::Receiver<Bytes>,
+    boundary: String,
+    field: &str,
+) -> Read {
+    let pieces = futures_util::stream::unfold(pieces, |mut pieces| async move {
+        let data = pieces.recv().await?;
+        Some((Ok::<_, std::convert::Infallible>(data), pieces))
+    });
+    let mut form = multer::Multipart::new(pieces, boundary);
+    let (mut files, mut purpose) = (0, None);
+    let whole = loop {
+        match form.next_field().await {
+            Ok(Some(mut found)) => {
+                let name = found.name().unwrap_or_default().to_owned();
+                files += usize::from(name == field);
+                let mut value = Vec::new();
+                loop {
+                    match found.chunk().await {
+                        Ok(Some(chunk)) if name == field => reader.feed(&chunk),
+                        // A purpose is a word: what is longer is not one.
+                        Ok(Some(chunk)) if name == "purpose" && value.len() < 64 => {
+                            value.extend_from_slice(&chunk)
+                        }
+                        Ok(Some(_)) => {}
+                        Ok(None) | Err(_) => break,
+                    }
+                }
+                if name == "purpose" {
+                    purpose = Some(value.trim_ascii().to_vec());
+                }
+            }
+            Ok(None) => break true,
+            Err(_) => break false,
+        }
+    };
+    let mut part = reader.finish();
+    part.unread |= !whole || files != 1;
+    Read { part, purpose }
+}
+
+/// Splits a file into lines and scans each one whole within it.
+struct LineReader {
+    state: Arc<State>,
+    rules: Arc<RuleSet>,
+    upstream: String,
+    part: Part,
+    /// The line being read.
+    line: Vec<u8>,
+}
+
+impl LineReader {
+    fn new(state: Arc<State>, upstream: String) -> LineReader {
+        let rules = state.rules.snapshot();
+        LineReader {
+            state,
+            rules,
+            upstream,
+            part: Part::default(),
+            line: Vec::new(),
+        }
+    }
+
+    fn feed(&mut self, mut data: &[u8]) {
+        while let Some(at) = memchr::memchr(b'\n', data) {
+            self.keep(&data[..at]);
+            let line = std::mem::take(&mut self.line);
+            match self.part.head {
+                None => self.part.head = Some(line),
+                Some(_) => {
+                    self.check(&line);
+                    self.part.lines += 1;
+                }
+            }
+            data = &data[at + 1..];
+        }
+        self.keep(data);
+    }
+
+    fn keep(&mut self, data: &[u8]) {
+        if self.line.len() + data.len() > self.state.config.guard.max_body_bytes {
+            self.part.too_long = true;
+            self.line.clear();
+        } else {
+            self.line.extend_from_slice(data);
+        }
+    }
+
+    /// Scans a line whole within the file (the first refusal is kept).
+    fn check(&mut self, line: &[u8]) {
+        if self.part.refused.is_some() || self.part.too_long {
+            return;
+        }
+        let index = self.part.lines;
+        if let Some(refused) = refusal(&self.state, &self.rules, &self.upstream, line) {
+            self.part.refused = Some((index, refused));
+        }
+    }
+
+    fn finish(mut self) -> Part {
+        self.part.tail = self.line;
+        self.part
+    }
+}
+
+/// What refuses a batch in `line` of its input, if anything does.
+fn refusal(state: &State, rules: &RuleSet, upstream: &str, line: &[u8]) -> Option<Refused> {
+    if line.trim_ascii().is_empty() {
+        return None;
+    }
+    let request = match exchange::read_batch_input(line) {
+        Ok(request) => request,
+        Err(error) => return Some(Refused::Unreadable(Failure::unreadable(&error))),
+    };
+    let scan = scan_counted(state, rules, upstream, &request);
+    let verdict = &scan.verdict;
+    match verdict.decision {
+        Decision::Redact => Some(Refused::Rules(Refusal::of_redaction(
+            &request,
+            &verdict.hits,
+        ))),
+        decision => Refusal::of_block(&request, &verdict.hits, decision).map(Refused::Rules),
+    }
+}
+
+/// Reads a batch's input from its parts in order (a file read whole is one
+/// part): the lines across parts, and the first and last, are scanned
+/// here; those within one were as it went up. The 400 of the first line
+/// that refuses the batch, if one does. Parts must have been read whole
+/// (see [`Part::unread`]).
+pub(super) fn check(
+    state: &State,
+    rules: &RuleSet,
+    upstream: &str,
+    parts: &[&Part],
+    request_id: &str,
+) -> Option<Response<ProxyBody>> {
+    let dialect = Dialect::OpenAi;
+    let limit = state.config.guard.max_body_bytes;
+    let refuse = |refused: &Refused, line: usize| match refused {
+        Refused::Unreadable(failure) => respond::failure(dialect, *failure, request_id),
+        Refused::Rules(refusal) => refusal.respond(dialect, &format!("line {line}"), request_id),
+    };
+    // The line begun in earlier parts, and the number of lines before it.
+    let (mut carry, mut lines) = (Vec::new(), 0);
+    for part in parts {
+        if part.too_long {
+            return Some(respond::failure(dialect, Failure::TooLarge, request_id));
+        }
+        if let Some(head) = &part.head {
+            carry.extend_from_slice(head);
+            lines += 1;
+            if let Some(refused) = refusal(state, rules, upstream, &carry) {
+                return Some(refuse(&refused, lines));
+            }
+            carry.clear();
+            if let Some((index, refused)) = &part.refused {
+                return Some(refuse(refused, lines + 1 + index));
+            }
+            lines += part.lines;
+        }
+        carry.extend_from_slice(&part.tail);
+        if carry.len() > limit {
+            return Some(respond::failure(dialect, Failure::TooLarge, request_id));
+        }
+    }
+    let refused = refusal(state, rules, upstream, &carry)?;
+    Some(refuse(&refused, lines + 1))
+}

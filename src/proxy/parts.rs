@@ -1,0 +1,320 @@
+//! Files sent in parts (OpenAI's Uploads API, `/v1/uploads`): a batch's
+//! input sent this way has its requests read as one sent whole to
+//! `/v1/files` has (see [`super::batch`]), or it would be a way around the
+//! rules.
+//!
+//! - `POST /v1/uploads`: relayed. When the API answers with an upload whose
+//!   `purpose` is `batch`, fairgate keeps its id until it expires.
+//! - `POST /v1/uploads/{id}/parts`: the part goes up as it arrives, and is
+//!   read on its way: each line whole within it is scanned as a request of
+//!   the batch. What comes before its first line break and after its last
+//!   is kept: the lines that run across parts are read when the order of
+//!   the parts is known, at completion.
+//! - `POST /v1/uploads/{id}/complete`: with the parts in the order it gives,
+//!   the lines across parts are scanned. If a line of the file is blocked,
+//!   or holds text a rule redacts (a part that went up cannot be edited),
+//!   the completion is refused with the 400 `content_filter` error naming
+//!   the line and its `custom_id`, and no file is made. So is one that names
+//!   a part fairgate did not read (sent another way, or before a restart),
+//!   or a line longer than `guard.max_body_bytes`.
+//!
+//! Uploads are kept in this process's memory: an upload created before a
+//! restart, or through another instance of fairgate, is not known to be a
+//! batch's and passes unread. Run one instance for batch uploads in parts,
+//! or have clients upload batch inputs with `POST /v1/files`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Either, Full, Limited};
+use hyper::body::Incoming;
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::batch::form_boundary;
+use super::lines::{self, Part};
+use super::respond::{self, Failure};
+use super::{BoxError, ProxyBody, State, upstream};
+use crate::exchange::{Dialect, PartsStep};
+
+/// Uploads of batch inputs in progress, by upload id.
+#[derive(Default)]
+pub struct Uploads {
+    open: Mutex<HashMap<String, Upload>>,
+}
+
+struct Upload {
+    /// When the API forgets the upload (Unix seconds).
+    expires_at: i64,
+    /// What was read of each part, by part id.
+    parts: HashMap<String, Arc<Part>>,
+}
+
+impl Uploads {
+    fn is_batch(&self, upload: &str) -> bool {
+        self.open.lock().is_ok_and(|open| open.contains_key(upload))
+    }
+
+    /// Keeps `upload` until `expires_at` (in an hour, the API's default,
+    /// when not given), and forgets the expired ones.
+    fn begin(&self, upload: String, expires_at: Option<i64>) {
+        let Ok(mut open) = self.open.lock() else {
+            return;
+        };
+        let now = crate::record::now_ms() / 1000;
+        let expires_at = expires_at.unwrap_or(now + 3600);
+        open.retain(|_, upload| upload.expires_at > now);
+        let parts = HashMap::new();
+        open.insert(upload, Upload { expires_at, parts });
+    }
+
+    fn add_part(&self, upload: &str, part: String, read: Part) {
+        if let Ok(mut open) = self.open.lock()
+            && let Some(upload) = open.get_mut(upload)
+        {
+            upload.parts.insert(part, Arc::new(read));
+        }
+    }
+
+    /// The parts named, in order, each with its id; the id of the first
+    /// that was not read.
+    fn parts(&self, upload: &str, ids: &[String]) -> Result<Vec<(String, Arc<Part>)>, String> {
+        let first = || ids.first().cloned().unwrap_or_default();
+        let open = self.open.lock().map_err(|_| first())?;
+        let upload = open.get(upload).ok_or_else(first)?;
+        ids.iter()
+            .map(|id| match upload.parts.get(id) {
+                Some(part) => Ok((id.clone(), part.clone())),
+                None => Err(id.clone()),
+            })
+            .collect()
+    }
+
+    fn end(&self, upload: &str) {
+        if let Ok(mut open) = self.open.lock() {
+            open.remove(upload);
+        }
+    }
+}
+
+/// A step of an upload in parts, relayed as the guard allows.
+pub(super) async fn handle(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    step: PartsStep,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let id = upload_id(req.uri().path());
+    match step {
+        PartsStep::Create => create(state, req, request_id).await,
+        PartsStep::Part if state.uploads.is_batch(&id) => part(state, req, id, request_id).await,
+        PartsStep::Complete if state.uploads.is_batch(&id) => {
+            complete(state, req, id, request_id).await
+        }
+        // Not a batch's input, or not known to be.
+        _ => super::passthrough(state, req, request_id).await,
+    }
+}
+
+/// The upload id in `.../uploads/{id}/...`.
+fn upload_id(path: &str) -> String {
+    let mut segments = path.trim_end_matches('/').rsplit('/');
+    segments.nth(1).unwrap_or_default().to_owned()
+}
+
+/// Creates an upload, and keeps its id when it is a batch's input.
+async fn create(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let (status, head, body) = match relay_read(state, req, request_id).await {
+        Ok(read) => read,
+        Err(out) => return out,
+    };
+    if status.is_success()
+        && let Ok(upload) = serde_json::from_slice::<Value>(&body)
+        && let Some(id) = upload["id"].as_str()
+    {
+        match upload["purpose"] == "batch" {
+            true => state
+                .uploads
+                .begin(id.to_owned(), upload["expires_at"].as_i64()),
+            false => state.uploads.end(id),
+        }
+    }
+    super::guarded_response(status, &head, respond::full(body), request_id, None)
+}
+
+/// Sends `req` upstream as it came and reads the whole answer.
+async fn relay_read(
+    state: &State,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Result<(StatusCode, http::HeaderMap, Bytes), Response<ProxyBody>> {
+    let relayed = super::relay(state, req, Dialect::OpenAi, request_id, true).await?;
+    read_answer(
+        state,
+        &relayed.upstream,
+        relayed.response,
+        relayed.deadline,
+        request_id,
+    )
+    .await
+}
+
+/// The status, headers and body of an upstream answer read whole.
+async fn read_answer(
+    state: &State,
+    upstream: &str,
+    response: Response<Incoming>,
+    deadline: tokio::time::Instant,
+    request_id: &str,
+) -> Result<(StatusCode, http::HeaderMap, Bytes), Response<ProxyBody>> {
+    let dialect = Dialect::OpenAi;
+    if super::is_encoded(response.headers()) {
+        return Err(super::upstream_broken(
+            state, upstream, "encoded", dialect, request_id,
+        ));
+    }
+    let (head, body) = response.into_parts();
+    let limit = state.config.guard.max_response_bytes;
+    match upstream::read_body(body, limit, deadline).await {
+        Ok(body) => Ok((head.status, head.headers, body)),
+        Err(error) => {
+            tracing::warn!(%error, "an upload's answer could not be read");
+            Err(super::upstream_broken(
+                state, upstream, "body", dialect, request_id,
+            ))
+        }
+    }
+}
+
+/// Sends a part of a batch's input upstream as it arrives, reading its
+/// lines on the way, and keeps what was read under the part's id.
+async fn part(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    upload: String,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let encoded = super::is_encoded(req.headers());
+    let Some(boundary) = form_boundary(req.headers()).filter(|_| !encoded) else {
+        // Unreadable here: the part is not recorded, so completing fails.
+        return super::passthrough(state, req, request_id).await;
+    };
+    let Some(route) = state.config.route(req.uri().path(), None) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    let upstream = route.upstream.clone();
+    let mut headers = super::upstream_headers(state, &upstream, dialect, req.headers());
+    headers.insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
+    // Sent with the length the client gave, not chunked.
+    if let Some(length) = req.headers().get(header::CONTENT_LENGTH) {
+        headers.insert(header::CONTENT_LENGTH, length.clone());
+    }
+    let (parts, body) = req.into_parts();
+    let (copies, reading) = lines::read(state, &upstream, boundary, "data");
+    let frames = http_body_util::BodyStream::new(body).map(|frame| frame.map_err(BoxError::from));
+    let body = lines::tee(frames, copies, None);
+    let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
+    let (response, deadline) = match forwarded.await {
+        Ok(forwarded) => forwarded,
+        Err(failure) => return respond::failure(dialect, failure, request_id),
+    };
+    let (status, head, body) =
+        match read_answer(state, &upstream, response, deadline, request_id).await {
+            Ok(read) => read,
+            Err(out) => return out,
+        };
+    let part = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|part| Some(part["id"].as_str()?.to_owned()));
+    if status.is_success()
+        && let Some(part) = part
+        && let Ok(Ok(read)) = tokio::time::timeout_at(deadline, reading).await
+    {
+        state.uploads.add_part(&upload, part, read.part);
+    }
+    super::guarded_response(status, &head, respond::full(body), request_id, None)
+}
+
+#[derive(Deserialize)]
+struct Completion {
+    part_ids: Vec<String>,
+}
+
+/// Completes an upload of a batch's input if every line of it, in the
+/// order of its parts, is one the rules allow.
+async fn complete(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    upload: String,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let limit = state.config.guard.max_body_bytes;
+    let (parts, body) = req.into_parts();
+    let body = match Limited::new(body, limit).collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(_) => return respond::failure(dialect, Failure::TooLarge, request_id),
+    };
+    let mut body = body;
+    if let Some(encoding) = parts.headers.get(header::CONTENT_ENCODING)
+        && encoding.as_bytes() != b"identity"
+    {
+        body = match super::decode(Some(encoding), body, limit) {
+            Ok(body) => body,
+            Err(failure) => return respond::failure(dialect, failure, request_id),
+        };
+    }
+    let Some(route) = state.config.route(parts.uri.path(), None) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    // One the API would refuse goes up for it to answer.
+    if let Ok(completion) = serde_json::from_slice::<Completion>(&body) {
+        let rules = state.rules.snapshot();
+        let refused = match state.uploads.parts(&upload, &completion.part_ids) {
+            Ok(read) => match read.iter().find(|(_, part)| part.unread) {
+                Some((id, _)) => Some(not_read(id, request_id)),
+                None => {
+                    let read: Vec<&Part> = read.iter().map(|(_, part)| &**part).collect();
+                    lines::check(state, &rules, &route.upstream, &read, request_id)
+                }
+            },
+            Err(missing) => Some(not_read(&missing, request_id)),
+        };
+        if let Some(refused) = refused {
+            return refused;
+        }
+    }
+    let upstream = route.upstream.clone();
+    let mut headers = super::upstream_headers(state, &upstream, dialect, &parts.headers);
+    headers.remove(header::CONTENT_ENCODING);
+    let body = Either::Left(Full::new(body));
+    let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
+    match forwarded.await {
+        Ok((response, deadline)) => {
+            if response.status().is_success() {
+                state.uploads.end(&upload);
+            }
+            super::stream_back(response, deadline, request_id, None)
+        }
+        Err(failure) => respond::failure(dialect, failure, request_id),
+    }
+}
+
+/// The 400 for a completion that names a part fairgate did not read.
+fn not_read(part: &str, request_id: &str) -> Response<ProxyBody> {
+    let message = format!(
+        "Part {part:?} of this batch input did not come through this gateway whole, so its requests were not read; upload the part again through it."
+    );
+    respond::invalid_request(&message, "part_not_read", request_id)
+}
