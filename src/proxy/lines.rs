@@ -137,14 +137,13 @@ pub(super) fn tee(
 /// arrive.
 async fn read_form(
     mut reader: LineReader,
-    pieces: mpsc::Receiver<Bytes>,
+    mut pieces: mpsc::Receiver<Bytes>,
     boundary: String,
     field: &str,
 ) -> Read {
-    let pieces = futures_util::stream::unfold(pieces, |mut pieces| async move {
-        let data = pieces.recv().await?;
-        Some((Ok::<_, std::convert::Infallible>(data), pieces))
-    });
+    let pieces = OnePieceAPoll::new(futures_util::stream::poll_fn(move |cx| {
+        pieces.poll_recv(cx)
+    }));
     let mut form = multer::Multipart::new(pieces, boundary);
     let (mut files, mut purpose) = (0, None);
     let whole = loop {
@@ -175,6 +174,48 @@ async fn read_form(
     let mut part = reader.finish();
     part.unread |= !whole || files != 1;
     Read { part, purpose }
+}
+
+/// A stream that gives one item per poll: after each item it answers "not
+/// yet" once (and asks to be polled again), so that an item and the
+/// stream's end never come out of one poll.
+///
+/// multer 3.1 reads its stream until it is pending or ended, and while it
+/// looks for the form's first boundary it may do so twice in one poll:
+/// when the second read brings the rest of the form and the end together,
+/// it sees the end and reports the form incomplete without looking at what
+/// that read brought (rwf2/multer#70). Under load, about one form in ten
+/// arrived that way, and a batch's input was refused as unread.
+struct OnePieceAPoll<S> {
+    stream: S,
+    /// Whether the last poll gave an item.
+    gave: bool,
+}
+
+impl<S> OnePieceAPoll<S> {
+    fn new(stream: S) -> Self {
+        OnePieceAPoll {
+            stream,
+            gave: false,
+        }
+    }
+}
+
+impl<S: Stream<Item = Bytes> + Unpin> Stream for OnePieceAPoll<S> {
+    type Item = Result<Bytes, std::convert::Infallible>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        if std::mem::take(&mut self.gave) {
+            cx.waker().wake_by_ref();
+            return std::task::Poll::Pending;
+        }
+        let next = std::pin::Pin::new(&mut self.stream).poll_next(cx);
+        self.gave = matches!(next, std::task::Poll::Ready(Some(_)));
+        next.map(|item| item.map(Ok))
+    }
 }
 
 /// Splits a file into lines and scans each one whole within it.
@@ -304,4 +345,47 @@ pub(super) fn check(
     }
     let refused = refusal(state, rules, upstream, &carry)?;
     Some(refuse(&refused, lines + 1))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::task::Poll;
+
+    use bytes::Bytes;
+
+    use super::OnePieceAPoll;
+
+    const FORM: &str = "--XyZ\r\ncontent-disposition: form-data; name=\"data\"; filename=\"data\"\r\n\r\n{\"custom_id\":\"first\"}\n\r\n--XyZ--\r\n";
+
+    /// A stream that is not ready when first polled, then gives the whole
+    /// form and ends at once: the order in which a form's pieces came to
+    /// multer under load when it judged them incomplete.
+    fn late_form() -> impl futures_util::Stream<Item = Bytes> + Unpin {
+        let mut polls = 0;
+        futures_util::stream::poll_fn(move |cx| {
+            polls += 1;
+            match polls {
+                1 => {
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+                2 => Poll::Ready(Some(Bytes::from_static(FORM.as_bytes()))),
+                _ => Poll::Ready(None),
+            }
+        })
+    }
+
+    #[tokio::test]
+    async fn a_form_whose_last_piece_comes_with_its_end_is_read_whole() {
+        let mut form = multer::Multipart::new(OnePieceAPoll::new(late_form()), "XyZ");
+        let mut field = form.next_field().await.unwrap().unwrap();
+        assert_eq!(field.name(), Some("data"));
+        assert_eq!(
+            field.chunk().await.unwrap().unwrap(),
+            "{\"custom_id\":\"first\"}\n"
+        );
+        assert_eq!(field.chunk().await.unwrap(), None);
+        drop(field);
+        assert!(form.next_field().await.unwrap().is_none());
+    }
 }
