@@ -18,10 +18,12 @@
 //!   a part fairgate did not read (sent another way, or before a restart),
 //!   or a line longer than `guard.max_body_bytes`.
 //!
-//! Uploads are kept in this process's memory: an upload created before a
-//! restart, or through another instance of fairgate, is not known to be a
-//! batch's and passes unread. Run one instance for batch uploads in parts,
-//! or have clients upload batch inputs with `POST /v1/files`.
+//! Uploads are kept in this process's memory: the parts of an upload
+//! created before a restart, or through another instance of fairgate, go
+//! up unread, and its completion is refused when it makes a batch's input
+//! (the 400 `upload_not_read`; the file is deleted before the client
+//! learns its id). Run one instance for batch uploads in parts, or have
+//! clients upload batch inputs with `POST /v1/files`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -114,8 +116,9 @@ pub(super) async fn handle(
         PartsStep::Complete if state.uploads.is_batch(&id) => {
             complete(state, req, id, request_id).await
         }
-        // Not a batch's input, or not known to be.
-        _ => super::passthrough(state, req, request_id).await,
+        PartsStep::Complete => complete_unknown(state, req, request_id).await,
+        // Not a batch's input, or not known to be: its completion tells.
+        PartsStep::Part => super::passthrough(state, req, request_id).await,
     }
 }
 
@@ -308,6 +311,78 @@ async fn complete(
             super::stream_back(response, deadline, request_id, None)
         }
         Err(failure) => respond::failure(dialect, failure, request_id),
+    }
+}
+
+/// Completes an upload this process did not see begin as a batch's input
+/// (begun before a restart, or through another instance of fairgate, or
+/// for another purpose). Its parts were not read, so if the file it makes
+/// is a batch's input, that file is deleted before anyone learns its id,
+/// and the client gets the 400 `upload_not_read`: a batch's requests never
+/// reach the API unread this way.
+async fn complete_unknown(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let Some(route) = state.config.route(req.uri().path(), None) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    let upstream = route.upstream.clone();
+    let headers = super::upstream_headers(state, &upstream, dialect, req.headers());
+    let (status, head, body) = match relay_read(state, req, request_id).await {
+        Ok(read) => read,
+        Err(out) => return out,
+    };
+    let made = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .filter(|upload| status.is_success() && upload["purpose"] == "batch");
+    let Some(upload) = made else {
+        return super::guarded_response(status, &head, respond::full(body), request_id, None);
+    };
+    let file = upload["file"]["id"].as_str().unwrap_or_default();
+    let deleted = delete_file(state, &upstream, headers, file).await;
+    if !deleted {
+        tracing::error!(
+            request_id,
+            file,
+            "a batch input uploaded in parts that were not read was made into a file that could not be deleted"
+        );
+    }
+    let message = format!(
+        "This batch input was uploaded in parts that did not come through this gateway's process (the upload began before a restart, or through another instance), so its requests were not read; {} Upload it again through this gateway.",
+        match deleted {
+            true => "the file made of it was deleted.",
+            false => "the file made of it could not be deleted.",
+        }
+    );
+    respond::invalid_request(&message, "upload_not_read", request_id)
+}
+
+/// Deletes file `id` at `upstream`; whether the API said it is gone.
+async fn delete_file(
+    state: &State,
+    upstream: &str,
+    mut headers: http::HeaderMap,
+    id: &str,
+) -> bool {
+    let well_formed = !id.is_empty()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    let Some(uri) = well_formed
+        .then(|| format!("/v1/files/{id}").parse::<http::Uri>().ok())
+        .flatten()
+    else {
+        return false;
+    };
+    headers.remove(header::CONTENT_TYPE);
+    headers.remove(header::CONTENT_ENCODING);
+    let body = Either::Left(Full::default());
+    match super::forward(state, upstream, Method::DELETE, &uri, headers, body).await {
+        Ok((response, _)) => response.status().is_success(),
+        Err(_) => false,
     }
 }
 
