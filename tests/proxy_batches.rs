@@ -686,6 +686,29 @@ async fn an_upload_this_proxy_did_not_see_begin_is_not_made_into_an_unread_batch
         ("DELETE", "/v1/files/file-9")
     );
 
+    // A file id that is not one is never put in a path; the client is
+    // still refused, and told the file remains.
+    let before = mock.requests().len();
+    let mut odd = completed("batch");
+    odd["file"]["id"] = json!("../v1/batches");
+    let response = client()
+        .post(proxy.url("/v1/uploads/upload_9/complete"))
+        .header("x-mock-reply", mock_json(odd))
+        .json(&json!({"part_ids": ["part_0"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "upload_not_read");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("could not be deleted"), "{message}");
+    assert_eq!(
+        mock.requests().len(),
+        before + 1,
+        "only the completion went up"
+    );
+
     // One for another purpose is relayed as the API answered.
     let before = mock.requests().len();
     let response = client()
