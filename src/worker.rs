@@ -11,7 +11,7 @@ use crate::config::Config;
 use crate::quality::{self, Answer, MetricResult, Outcome};
 use crate::record::{ExchangeRecord, QueueItem, TextMode, now_ms};
 use crate::sink::{Processed, Sinks, Stored};
-use crate::telemetry::Metrics;
+use crate::telemetry::{Metrics, QueueEvent};
 
 /// The metrics that read texts: a record that keeps only hashes has no
 /// score for them.
@@ -94,7 +94,7 @@ impl Processor {
         };
         match stored {
             Stored::New => {
-                self.telemetry.queue_event("processed");
+                self.telemetry.queue_records.count(QueueEvent::Processed);
                 let lag = (now_ms() - created).max(0) as f64 / 1000.0;
                 self.telemetry.queue_lag.observe(lag);
                 for metric in &processed.metrics {
@@ -103,7 +103,7 @@ impl Processor {
                     }
                 }
             }
-            Stored::Duplicate => self.telemetry.queue_event("duplicate"),
+            Stored::Duplicate => self.telemetry.queue_records.count(QueueEvent::Duplicate),
         }
         Ok(stored)
     }

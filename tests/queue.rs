@@ -286,7 +286,7 @@ async fn drop_policy_counts_what_it_drops() {
     );
     assert_eq!(
         metric(&page, "fairgate_queue_records_total{event=\"spilled\"}"),
-        None
+        Some(0.0)
     );
     proxy.stop().await;
 }

@@ -27,12 +27,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge};
+use prometheus::IntGauge;
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 
 use crate::config::{OnFull, QueueConfig};
 use crate::record::QueueItem;
+use crate::telemetry::{QueueEvent, QueueRecords};
 
 /// The producer side of the side queue, shared by every serving thread.
 pub struct Queue {
@@ -42,14 +43,12 @@ pub struct Queue {
     on_full: OnFull,
     /// Set on shutdown: from then on records go straight to the spill file.
     closed: AtomicBool,
-    records: IntCounterVec,
-    /// `records{event="enqueued"}`, resolved once: it counts every record.
-    enqueued: IntCounter,
+    records: QueueRecords,
     depth: IntGauge,
 }
 
 impl Queue {
-    pub fn new(config: &QueueConfig, records: IntCounterVec, depth: IntGauge) -> Queue {
+    pub fn new(config: &QueueConfig, records: QueueRecords, depth: IntGauge) -> Queue {
         let (tx, rx) = mpsc::channel(config.capacity.max(1));
         Queue {
             tx,
@@ -57,7 +56,6 @@ impl Queue {
             spill: Spill::new(&config.spill_dir, records.clone()),
             on_full: config.on_full,
             closed: AtomicBool::new(false),
-            enqueued: records.with_label_values(&["enqueued"]),
             records,
             depth,
         }
@@ -71,7 +69,7 @@ impl Queue {
         }
         match self.tx.try_send(item) {
             Ok(()) => {
-                self.enqueued.inc();
+                self.count(QueueEvent::Enqueued);
                 self.depth.set(self.len() as i64);
             }
             Err(TrySendError::Full(item) | TrySendError::Closed(item)) => self.overflow(item),
@@ -80,12 +78,12 @@ impl Queue {
 
     fn overflow(&self, item: QueueItem) {
         match self.on_full {
-            OnFull::Drop => self.count("dropped"),
+            OnFull::Drop => self.count(QueueEvent::Dropped),
             OnFull::Spill => match self.spill.append(&item) {
-                Ok(()) => self.count("spilled"),
+                Ok(()) => self.count(QueueEvent::Spilled),
                 Err(error) => {
                     tracing::error!(%error, request_id = item.request_id(), "a record could not be spilled and is lost");
-                    self.count("dropped");
+                    self.count(QueueEvent::Dropped);
                 }
             },
         }
@@ -124,8 +122,8 @@ impl Queue {
         self.closed.store(true, Ordering::Release);
     }
 
-    pub fn count(&self, event: &str) {
-        self.records.with_label_values(&[event]).inc();
+    pub fn count(&self, event: QueueEvent) {
+        self.records.count(event);
     }
 
     pub fn update_depth(&self) {
@@ -156,7 +154,7 @@ const SPILL_FILE: &str = "spill.jsonl";
 const REPLAY_PREFIX: &str = "replay-";
 
 impl Spill {
-    pub fn new(dir: &Path, records: IntCounterVec) -> Spill {
+    pub fn new(dir: &Path, records: QueueRecords) -> Spill {
         // Spills left by an earlier run are pending too.
         let pending = std::fs::read_dir(dir).is_ok_and(|entries| {
             entries
@@ -239,7 +237,7 @@ impl Spill {
 
 /// The spill writer thread: appends lines, closes and rotates on request,
 /// until the [`Spill`] is dropped.
-fn write_spills(dir: &Path, ops: &std::sync::mpsc::Receiver<SpillOp>, records: &IntCounterVec) {
+fn write_spills(dir: &Path, ops: &std::sync::mpsc::Receiver<SpillOp>, records: &QueueRecords) {
     let mut file: Option<File> = None;
     let mut rotations = 0u64;
     for op in ops {
@@ -262,7 +260,7 @@ fn write_spills(dir: &Path, ops: &std::sync::mpsc::Receiver<SpillOp>, records: &
                 })();
                 if let Err(error) = written {
                     tracing::error!(%error, "a spilled record could not be written and is lost");
-                    records.with_label_values(&["dropped"]).inc();
+                    records.count(QueueEvent::Dropped);
                 }
             }
             SpillOp::Sync { rotate, done } => {

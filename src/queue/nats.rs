@@ -22,7 +22,7 @@ use futures_util::StreamExt;
 
 use crate::config::{Config, NatsConfig};
 use crate::record::QueueItem;
-use crate::telemetry::Metrics;
+use crate::telemetry::{Metrics, QueueEvent};
 use crate::worker::Processor;
 
 /// The JetStream context for `config`; connects in the background, so a
@@ -200,7 +200,7 @@ async fn consume(
                 Ok(item) => item,
                 Err(error) => {
                     tracing::error!(%error, "a queued record does not parse; terminated");
-                    telemetry.queue_event("failed");
+                    telemetry.queue_records.count(QueueEvent::Failed);
                     let _ = message.ack_with(AckKind::Term).await;
                     continue;
                 }
@@ -219,7 +219,7 @@ async fn consume(
                 }
                 Err(error) => {
                     tracing::error!(%error, request_id, "storing results failed; the record will be delivered again");
-                    telemetry.queue_event("failed");
+                    telemetry.queue_records.count(QueueEvent::Failed);
                     let _ = message
                         .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
                         .await;

@@ -17,7 +17,7 @@ use super::nats::Publisher;
 use super::{Queue, read_spilled};
 use crate::config::{Config, QueueKind};
 use crate::record::QueueItem;
-use crate::telemetry::Metrics;
+use crate::telemetry::{Metrics, QueueEvent};
 use crate::worker::Processor;
 
 /// Records a worker takes from the channel at once.
@@ -86,7 +86,7 @@ impl Consumer {
             Consumer::Workers(processor) => processor.process(item).await.map(|_| ()),
             Consumer::Nats(publisher) => match publisher.publish(&item).await {
                 Ok(()) => {
-                    queue.count("published");
+                    queue.count(QueueEvent::Published);
                     Ok(())
                 }
                 Err(error) => Err((error, item)),
@@ -94,12 +94,12 @@ impl Consumer {
         };
         if let Err((error, item)) = result {
             tracing::warn!(%error, request_id = item.request_id(), "record not delivered; spilled for a later try");
-            queue.count("failed");
+            queue.count(QueueEvent::Failed);
             match queue.spill.append(&item) {
-                Ok(()) => queue.count("spilled"),
+                Ok(()) => queue.count(QueueEvent::Spilled),
                 Err(error) => {
                     tracing::error!(%error, "a record could not be spilled and is lost");
-                    queue.count("dropped");
+                    queue.count(QueueEvent::Dropped);
                 }
             }
         }
@@ -290,10 +290,10 @@ async fn spill_all(queue: &Queue, mut rx: mpsc::Receiver<QueueItem>) {
     rx.close();
     while let Ok(item) = rx.try_recv() {
         match queue.spill.append(&item) {
-            Ok(()) => queue.count("spilled"),
+            Ok(()) => queue.count(QueueEvent::Spilled),
             Err(error) => {
                 tracing::error!(%error, "a record could not be spilled and is lost");
-                queue.count("dropped");
+                queue.count(QueueEvent::Dropped);
             }
         }
     }
@@ -333,7 +333,7 @@ async fn replay(
                 }
             };
             for _ in 0..bad {
-                queue.count("failed");
+                queue.count(QueueEvent::Failed);
             }
             let mut items = items.into_iter();
             let mut interrupted = false;
@@ -345,7 +345,7 @@ async fn replay(
                 match permit {
                     Some(permit) => {
                         permit.send(item);
-                        queue.count("replayed");
+                        queue.count(QueueEvent::Replayed);
                     }
                     None => {
                         // Shutting down: what is not back in the channel
@@ -353,7 +353,7 @@ async fn replay(
                         for item in std::iter::once(item).chain(items.by_ref()) {
                             if let Err(error) = queue.spill.append(&item) {
                                 tracing::error!(%error, "a record could not be spilled again and is lost");
-                                queue.count("dropped");
+                                queue.count(QueueEvent::Dropped);
                             }
                         }
                         interrupted = true;

@@ -50,13 +50,8 @@ pub struct Metrics {
     pub reload_failing: IntGauge,
     /// `fairgate_queue_depth`: records waiting in the in-process queue.
     pub queue_depth: IntGauge,
-    /// `fairgate_queue_records_total{event}`: `enqueued`, `spilled`,
-    /// `replayed`, `dropped`, `published`, `processed`, `duplicate`,
-    /// `failed`.
-    pub queue_records: IntCounterVec,
-    /// `queue_records{event="processed"}`, which counts every record:
-    /// resolved once.
-    processed: IntCounter,
+    /// `fairgate_queue_records_total{event}`.
+    pub queue_records: QueueRecords,
     /// `fairgate_queue_lag_seconds`: from the end of an exchange to its
     /// stored results.
     pub queue_lag: Histogram,
@@ -81,6 +76,63 @@ const QUALITY_BUCKETS: &[f64] = &[
 ];
 
 const RISK_BUCKETS: &[f64] = &[0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0];
+
+/// What happened to a side-queue record: the `event` label of
+/// `fairgate_queue_records_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueEvent {
+    Enqueued,
+    Spilled,
+    Replayed,
+    Dropped,
+    Published,
+    Processed,
+    Duplicate,
+    Failed,
+}
+
+impl QueueEvent {
+    const ALL: [QueueEvent; 8] = [
+        QueueEvent::Enqueued,
+        QueueEvent::Spilled,
+        QueueEvent::Replayed,
+        QueueEvent::Dropped,
+        QueueEvent::Published,
+        QueueEvent::Processed,
+        QueueEvent::Duplicate,
+        QueueEvent::Failed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueEvent::Enqueued => "enqueued",
+            QueueEvent::Spilled => "spilled",
+            QueueEvent::Replayed => "replayed",
+            QueueEvent::Dropped => "dropped",
+            QueueEvent::Published => "published",
+            QueueEvent::Processed => "processed",
+            QueueEvent::Duplicate => "duplicate",
+            QueueEvent::Failed => "failed",
+        }
+    }
+}
+
+/// `fairgate_queue_records_total`, one counter per [`QueueEvent`] resolved
+/// once (records are counted several times each, and a labelled lookup
+/// hashes its labels under a lock). Cheap to clone: the spill writer and
+/// the queue hold it too.
+#[derive(Clone)]
+pub struct QueueRecords([IntCounter; 8]);
+
+impl QueueRecords {
+    fn resolve(vec: &IntCounterVec) -> QueueRecords {
+        QueueRecords(QueueEvent::ALL.map(|event| vec.with_label_values(&[event.as_str()])))
+    }
+
+    pub fn count(&self, event: QueueEvent) {
+        self.0[event as usize].inc();
+    }
+}
 
 impl Metrics {
     /// Creates and registers every metric.
@@ -160,11 +212,11 @@ impl Metrics {
             &["route"],
             LATENCY_BUCKETS,
         );
-        let queue_records = counter(
+        let queue_records = QueueRecords::resolve(&counter(
             "fairgate_queue_records_total",
             "Side-queue records by event: enqueued, spilled, replayed, dropped, published, processed, duplicate, failed.",
             &["event"],
-        );
+        ));
         let queue_lag = Histogram::with_opts(
             HistogramOpts::new(
                 "fairgate_queue_lag_seconds",
@@ -212,7 +264,6 @@ impl Metrics {
         register(&registry, Box::new(reload_errors.clone()));
         let risk_by_scope = ["prompt", "response", "context", "total"]
             .map(|scope| risk.with_label_values(&[scope]));
-        let processed = queue_records.with_label_values(&["processed"]);
         Metrics {
             registry,
             requests,
@@ -233,7 +284,6 @@ impl Metrics {
             reload_failing,
             queue_depth,
             queue_records,
-            processed,
             queue_lag,
             quality,
             quality_by_name: Default::default(),
@@ -260,14 +310,6 @@ impl Metrics {
                 histogram.observe(score);
                 resolved.push((name.to_owned(), histogram));
             }
-        }
-    }
-
-    /// Counts one side-queue event.
-    pub fn queue_event(&self, event: &str) {
-        match event {
-            "processed" => self.processed.inc(),
-            _ => self.queue_records.with_label_values(&[event]).inc(),
         }
     }
 
