@@ -325,13 +325,21 @@ async fn complete_unknown(
     req: Request<Incoming>,
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let dialect = Dialect::OpenAi;
-    let Some(route) = state.config.route(req.uri().path(), None) else {
-        return respond::failure(dialect, Failure::NoRoute, request_id);
+    // The client's headers, for the deletion (its key).
+    let sent = req.headers().clone();
+    let relayed = match super::relay(state, req, Dialect::OpenAi, request_id, true).await {
+        Ok(relayed) => relayed,
+        Err(out) => return out,
     };
-    let upstream = route.upstream.clone();
-    let headers = super::upstream_headers(state, &upstream, dialect, req.headers());
-    let (status, head, body) = match relay_read(state, req, request_id).await {
+    let upstream = relayed.upstream;
+    let answer = read_answer(
+        state,
+        &upstream,
+        relayed.response,
+        relayed.deadline,
+        request_id,
+    );
+    let (status, head, body) = match answer.await {
         Ok(read) => read,
         Err(out) => return out,
     };
@@ -342,7 +350,7 @@ async fn complete_unknown(
         return super::guarded_response(status, &head, respond::full(body), request_id, None);
     };
     let file = upload["file"]["id"].as_str().unwrap_or_default();
-    let deleted = delete_file(state, &upstream, headers, file).await;
+    let deleted = delete_file(state, &upstream, &sent, file).await;
     if !deleted {
         tracing::error!(
             request_id,
@@ -361,12 +369,7 @@ async fn complete_unknown(
 }
 
 /// Deletes file `id` at `upstream`; whether the API said it is gone.
-async fn delete_file(
-    state: &State,
-    upstream: &str,
-    mut headers: http::HeaderMap,
-    id: &str,
-) -> bool {
+async fn delete_file(state: &State, upstream: &str, sent: &http::HeaderMap, id: &str) -> bool {
     let well_formed = !id.is_empty()
         && id
             .bytes()
@@ -377,6 +380,7 @@ async fn delete_file(
     else {
         return false;
     };
+    let mut headers = super::upstream_headers(state, upstream, Dialect::OpenAi, sent);
     headers.remove(header::CONTENT_TYPE);
     headers.remove(header::CONTENT_ENCODING);
     let body = Either::Left(Full::default());
