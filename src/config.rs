@@ -449,9 +449,15 @@ impl Config {
             problems.push("rules.unbounded_match_cap: must be at least 1".into());
         }
         for (name, upstream) in &self.upstreams {
-            if !(upstream.url.starts_with("http://") || upstream.url.starts_with("https://")) {
+            let url = upstream.url.parse::<http::Uri>().ok();
+            let plain = url.as_ref().is_some_and(|url| {
+                matches!(url.scheme_str(), Some("http" | "https"))
+                    && url.host().is_some_and(|host| !host.is_empty())
+                    && url.query().is_none()
+            });
+            if !plain {
                 problems.push(format!(
-                    "upstreams.{name}.url: {:?} is not an http(s) URL",
+                    "upstreams.{name}.url: {:?} is not an http(s) URL with a host and no query",
                     upstream.url
                 ));
             }
@@ -529,6 +535,26 @@ mod tests {
         assert!(
             text.contains("risk.block_threshold") && text.contains("risk.weights.prompt"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn an_upstream_url_needs_a_scheme_a_host_and_no_query() {
+        for url in [
+            "api.openai.com",
+            "ftp://host",
+            "https://",
+            "https://host/v1?key=1",
+        ] {
+            let text = format!("upstreams:\n  openai:\n    url: {url:?}\n");
+            let e = Config::parse(Path::new("f.yaml"), &text).unwrap_err();
+            assert!(e.to_string().contains("upstreams.openai.url"), "{url}: {e}");
+        }
+        let text = "upstreams:\n  openai:\n    url: \"http://127.0.0.1:9/base/\"\n";
+        let parsed = Config::parse(Path::new("f.yaml"), text);
+        assert!(
+            !format!("{parsed:?}").contains("upstreams.openai.url"),
+            "{parsed:?}"
         );
     }
 }

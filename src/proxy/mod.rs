@@ -53,7 +53,7 @@ use crate::rules::store::RuleStore;
 use crate::rules::{Hit, RuleSet, Scope};
 use crate::telemetry::Metrics;
 use respond::Failure;
-use upstream::{UpstreamBody, UpstreamClient, build_client, build_upgrade_client};
+use upstream::{UpstreamBody, UpstreamClient};
 
 /// The error type of response bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -67,11 +67,6 @@ pub struct State {
     pub metrics: Arc<Metrics>,
     /// The side queue every exchange record goes to.
     pub queue: Arc<Queue>,
-    /// One pooled client per upstream, cloned into each serving thread on
-    /// first use (see [`State::client`]).
-    clients: HashMap<String, UpstreamClient>,
-    /// One HTTP/1.1 client per upstream for connection upgrades.
-    upgrade_clients: HashMap<String, UpstreamClient>,
     /// API keys of the upstreams that have one configured.
     keys: HashMap<String, HeaderValue>,
     /// The bearer token the admin listener requires, if any.
@@ -97,13 +92,12 @@ impl State {
         ));
         let snapshot = rules.snapshot();
         metrics.rules_swapped(snapshot.version(), snapshot.rules().len());
-        let mut clients = HashMap::new();
-        let mut upgrade_clients = HashMap::new();
         let mut keys = HashMap::new();
         for (name, upstream) in &config.upstreams {
             // Built once here so that a bad setting fails at start.
-            clients.insert(name.clone(), build_client(upstream));
-            upgrade_clients.insert(name.clone(), build_upgrade_client(upstream));
+            if UpstreamClient::new(upstream).is_none() {
+                anyhow::bail!("upstreams.{name}.url: {:?} has no host", upstream.url);
+            }
             if let Some(var) = &upstream.api_key_env {
                 let key = std::env::var(var).map_err(|_| {
                     anyhow::anyhow!(
@@ -124,8 +118,6 @@ impl State {
             rules,
             metrics,
             queue,
-            clients,
-            upgrade_clients,
             keys,
             admin_token,
             tunnels: tokio::sync::watch::Sender::new(0),
@@ -134,29 +126,22 @@ impl State {
         })
     }
 
-    /// This thread's client for `upstream`. Each serving thread builds its
-    /// own pool, so a pooled connection is driven by the thread that uses
-    /// it, with no wake-ups across threads.
+    /// This thread's client for `upstream`. Each serving thread keeps its
+    /// own connections, so that a connection is driven by the thread that
+    /// uses it, with no wake-ups across threads.
     fn client(&self, upstream: &str) -> Option<UpstreamClient> {
         thread_local! {
-            static CLIENTS: std::cell::RefCell<HashMap<String, UpstreamClient>> = Default::default();
+            static CLIENTS: std::cell::RefCell<Vec<UpstreamClient>> = Default::default();
         }
-        self.clients.get(upstream)?;
-        CLIENTS.with(|clients| {
-            let mut clients = clients.borrow_mut();
-            if let Some(client) = clients.get(upstream) {
+        let config = self.config.upstreams.get(upstream)?;
+        CLIENTS.with_borrow_mut(|clients| {
+            if let Some(client) = clients.iter().find(|client| client.serves(config)) {
                 return Some(client.clone());
             }
-            let config = self.config.upstreams.get(upstream)?;
-            let client = build_client(config);
-            clients.insert(upstream.to_owned(), client.clone());
+            let client = UpstreamClient::new(config)?;
+            clients.push(client.clone());
             Some(client)
         })
-    }
-
-    /// The client for connection upgrades to `upstream`.
-    fn upgrade_client(&self, upstream: &str) -> Option<UpstreamClient> {
-        self.upgrade_clients.get(upstream).cloned()
     }
 
     /// Starts consuming the side queue (in-process workers or the NATS
@@ -444,29 +429,28 @@ async fn forward(
     headers: HeaderMap,
     body: UpstreamBody,
 ) -> Result<(Response<Incoming>, tokio::time::Instant), Failure> {
-    let client = state.client(upstream);
-    forward_on(state, upstream, client, method, uri, headers, body).await
+    forward_on(state, upstream, method, uri, headers, body, false).await
 }
 
-/// [`forward`] on `client`, one of `upstream`'s.
+/// [`forward`]; with `upgrade`, on a connection of its own that the
+/// response can take over (see [`upstream::send`]).
 async fn forward_on(
     state: &State,
     upstream: &str,
-    client: Option<UpstreamClient>,
     method: Method,
     uri: &http::Uri,
     headers: HeaderMap,
     body: UpstreamBody,
+    upgrade: bool,
 ) -> Result<(Response<Incoming>, tokio::time::Instant), Failure> {
-    let (Some(config), Some(client)) = (state.config.upstreams.get(upstream), client) else {
+    let (Some(config), Some(client)) =
+        (state.config.upstreams.get(upstream), state.client(upstream))
+    else {
         return Err(Failure::NoRoute);
     };
     let path = uri.path_and_query().map_or("/", |p| p.as_str());
-    let Some(target) = upstream::uri(&config.url, path) else {
-        return Err(Failure::NoRoute);
-    };
     let deadline = tokio::time::Instant::now() + Duration::from_millis(config.timeout_ms);
-    match upstream::send(&client, method, target, headers, body, deadline).await {
+    match upstream::send(&client, method, path, headers, body, deadline, upgrade).await {
         Ok(response) => Ok((response, deadline)),
         Err((failure, kind, error)) => {
             state

@@ -75,16 +75,15 @@ pub async fn relay(
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
     let from_client = hyper::upgrade::on(&mut req);
-    let client = state.upgrade_client(&route.upstream);
     let (method, body) = (req.method().clone(), Either::Left(Full::default()));
     let forwarded = forward_on(
         state,
         &route.upstream,
-        client,
         method,
         req.uri(),
         headers,
         body,
+        true,
     );
     let (mut response, deadline) = match forwarded.await {
         Ok(forwarded) => forwarded,

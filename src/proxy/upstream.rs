@@ -1,25 +1,42 @@
-//! The client side of the proxy: one pooled hyper client per upstream and
-//! serving thread (HTTP/1.1 keep-alive, HTTP/2 by ALPN, TLS by rustls with
-//! the webpki roots), and the deadline of one upstream exchange.
+//! The client side of the proxy: the connections to each upstream, kept
+//! open between requests (HTTP/1.1 keep-alive, HTTP/2 when the upstream
+//! offers it by ALPN, TLS by rustls with the webpki roots), and the
+//! deadline of one upstream exchange.
 //!
-//! A plain hyper client rather than a full HTTP client library: the proxy
-//! relays requests as they are, so it needs no URL parsing, redirects,
-//! retries or cookies, and each of those layers cost CPU on every request
-//! (see the README's figures).
+//! Each serving thread has its own [`UpstreamClient`] per upstream, so that
+//! a connection is driven by the thread that uses it. Its pool is a short
+//! list on hyper's connection API rather than hyper-util's legacy client,
+//! which keys its pool by scheme and authority (hashed on every request),
+//! spawns a task per HTTP/1 request to put the connection back, races a
+//! lazy connect against every checkout and builds the `Host` header from
+//! the URI each time: together some 10k instructions per request, about 8%
+//! of a guarded exchange (`benches/README.md`). A proxy relays requests as
+//! they are, so it needs none of a full client's URL parsing, redirects,
+//! retries or cookies either.
+//!
+//! What the pool keeps of hyper-util's behaviour: a connection the upstream
+//! closed is never handed out; a request that a reused connection did not
+//! take (closed between the check and the send) is sent again, once, on a
+//! new connection; connections idle for [`IDLE_TIMEOUT`] are dropped; one
+//! HTTP/2 connection is shared by all requests.
 
+use std::future::poll_fn;
 use std::pin::Pin;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
-use http::{HeaderMap, Method, Request, Response, Uri};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, header};
 use http_body_util::{BodyExt, Either, Full, Limited};
 use hyper::body::Incoming;
+use hyper::client::conn::{TrySendError, http1, http2};
+use hyper_rustls::builderstates::WantsSchemes;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{Connection, HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use tokio::time::Instant;
+use tower_service::Service;
 
 use super::BoxError;
 use super::respond::Failure;
@@ -42,84 +59,344 @@ pub fn read_on(start: Bytes, rest: Incoming) -> UpstreamBody {
     Either::Right(Either::Right(BodyExt::boxed(body)))
 }
 
-/// A pooled client for one upstream.
-pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
+/// How long a connection may stay unused in the pool.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
-/// Builds the pooled client of `upstream`.
-pub fn build_client(upstream: &UpstreamConfig) -> UpstreamClient {
-    build(upstream, true)
+/// The connections of one serving thread to one upstream. Cloning it is
+/// cheap and shares the pool.
+#[derive(Clone)]
+pub struct UpstreamClient {
+    pool: Arc<Pool>,
 }
 
-/// Builds the client of `upstream` for connection upgrades: HTTP/1.1 only
-/// (an upgrade has no meaning on HTTP/2), a connection per request (an
-/// upgraded connection is never reused).
-pub fn build_upgrade_client(upstream: &UpstreamConfig) -> UpstreamClient {
-    build(upstream, false)
+struct Pool {
+    /// The upstream's base URL as configured, to find this client again.
+    url: String,
+    connect_timeout_ms: u64,
+    /// Offers HTTP/2 and HTTP/1.1 by ALPN.
+    connector: HttpsConnector<HttpConnector>,
+    /// Offers HTTP/1.1 only: an upgrade has no meaning on HTTP/2.
+    upgrade_connector: HttpsConnector<HttpConnector>,
+    /// `scheme://authority` of the upstream, what the connectors dial.
+    origin: Uri,
+    scheme: Scheme,
+    authority: Authority,
+    /// The base URL's path, without its final `/`, put before every path.
+    prefix: String,
+    /// The `Host` header of HTTP/1 requests (HTTP/2 has `:authority`).
+    host: HeaderValue,
+    idle: Mutex<Idle>,
 }
 
-/// A client of `upstream`: pooled, HTTP/2 when the upstream offers it,
-/// with `pooled`; otherwise HTTP/1.1 only, a connection per request.
-fn build(upstream: &UpstreamConfig, pooled: bool) -> UpstreamClient {
-    let mut http = HttpConnector::new();
-    http.set_connect_timeout(Some(Duration::from_millis(upstream.connect_timeout_ms)));
-    http.set_nodelay(true);
-    http.enforce_http(false);
-    let https = HttpsConnectorBuilder::new()
-        .with_webpki_roots()
-        .https_or_http()
-        .enable_http1();
-    let https = if pooled {
-        https.enable_http2().wrap_connector(http)
-    } else {
-        https.wrap_connector(http)
-    };
-    let mut client = Client::builder(TokioExecutor::new());
-    client
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_timer(TokioTimer::new());
-    if !pooled {
-        client.pool_max_idle_per_host(0);
+#[derive(Default)]
+struct Idle {
+    /// HTTP/1 connections with when they were last seen in use. The ones
+    /// still reading an answer are kept here too: they are handed out once
+    /// hyper says they are ready again.
+    http1: Vec<(http1::SendRequest<UpstreamBody>, Instant)>,
+    http2: Option<http2::SendRequest<UpstreamBody>>,
+}
+
+enum Sender {
+    Http1(http1::SendRequest<UpstreamBody>),
+    Http2(http2::SendRequest<UpstreamBody>),
+}
+
+/// Why an upstream exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error("cannot connect: {0}")]
+    Connect(BoxError),
+    #[error("{0}")]
+    Request(BoxError),
+}
+
+/// How one attempt on a connection ended, when it did not end in a response.
+enum Unsent {
+    /// The connection did not take the request: it can go on another.
+    Returned(Box<Request<UpstreamBody>>),
+    Failed(SendError),
+}
+
+impl UpstreamClient {
+    /// A client of `upstream`, with no connection yet; `None` when its URL
+    /// has no host.
+    pub fn new(upstream: &UpstreamConfig) -> Option<UpstreamClient> {
+        UpstreamClient::with_tls(upstream, || {
+            HttpsConnectorBuilder::new().with_webpki_roots()
+        })
     }
-    client.build(https)
+
+    /// [`UpstreamClient::new`] with the TLS settings `tls` makes (each
+    /// connector offers its own ALPN protocols).
+    fn with_tls(
+        upstream: &UpstreamConfig,
+        tls: impl Fn() -> HttpsConnectorBuilder<WantsSchemes>,
+    ) -> Option<UpstreamClient> {
+        let base = Uri::try_from(upstream.url.trim_end_matches('/')).ok()?;
+        let (scheme, authority) = (base.scheme()?.clone(), base.authority()?.clone());
+        let origin = Uri::builder()
+            .scheme(scheme.clone())
+            .authority(authority.clone())
+            .path_and_query("/")
+            .build()
+            .ok()?;
+        let default_port = if scheme == Scheme::HTTPS { 443 } else { 80 };
+        let host = match authority.port_u16() {
+            Some(port) if port != default_port => authority.as_str(),
+            _ => authority.host(),
+        };
+        let mut http = HttpConnector::new();
+        http.set_connect_timeout(Some(Duration::from_millis(upstream.connect_timeout_ms)));
+        http.set_nodelay(true);
+        http.enforce_http(false);
+        let https = || tls().https_or_http().enable_http1();
+        Some(UpstreamClient {
+            pool: Arc::new(Pool {
+                url: upstream.url.clone(),
+                connect_timeout_ms: upstream.connect_timeout_ms,
+                connector: https().enable_http2().wrap_connector(http.clone()),
+                upgrade_connector: https().wrap_connector(http),
+                prefix: base.path().trim_end_matches('/').to_owned(),
+                host: HeaderValue::from_str(host).ok()?,
+                origin,
+                scheme,
+                authority,
+                idle: Mutex::default(),
+            }),
+        })
+    }
+
+    /// Whether this is the client of `upstream` (the same URL and settings).
+    pub fn serves(&self, upstream: &UpstreamConfig) -> bool {
+        self.pool.url == upstream.url && self.pool.connect_timeout_ms == upstream.connect_timeout_ms
+    }
+
+    /// Sends `method path_and_query` with `headers` and `body` and waits for
+    /// the response head. With `upgrade`, on a connection of its own that
+    /// is never pooled and can be taken over (`hyper::upgrade::on`).
+    async fn request(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        headers: HeaderMap,
+        body: UpstreamBody,
+        upgrade: bool,
+    ) -> Result<Response<Incoming>, SendError> {
+        let mut request = Request::new(body);
+        *request.method_mut() = method;
+        *request.headers_mut() = headers;
+        let pool = &self.pool;
+        let path = if pool.prefix.is_empty() {
+            Bytes::copy_from_slice(path_and_query.as_bytes())
+        } else {
+            Bytes::from([pool.prefix.as_str(), path_and_query].concat())
+        };
+        let reused = if upgrade { None } else { pool.checkout() };
+        let request = match reused {
+            Some(sender) => match pool.send_on(sender, request, &path, true).await {
+                Ok(response) => return Ok(response),
+                Err(Unsent::Returned(request)) => *request,
+                Err(Unsent::Failed(error)) => return Err(error),
+            },
+            None => request,
+        };
+        let sender = pool.connect(upgrade).await?;
+        match pool.send_on(sender, request, &path, !upgrade).await {
+            Ok(response) => Ok(response),
+            Err(Unsent::Returned(_)) => Err(SendError::Request(
+                "the upstream closed a new connection before the request was sent".into(),
+            )),
+            Err(Unsent::Failed(error)) => Err(error),
+        }
+    }
+}
+
+impl Pool {
+    /// A connection ready for a request, if one is open: the HTTP/2 one, or
+    /// the HTTP/1 one used last. Connections found closed or idle too long
+    /// are dropped on the way.
+    fn checkout(&self) -> Option<Sender> {
+        let mut idle = self.idle.lock().ok()?;
+        if let Some(http2) = &idle.http2 {
+            if !http2.is_closed() {
+                return Some(Sender::Http2(http2.clone()));
+            }
+            idle.http2 = None;
+        }
+        let now = Instant::now();
+        let mut i = idle.http1.len();
+        while i > 0 {
+            i -= 1;
+            let (sender, seen) = &mut idle.http1[i];
+            if sender.is_closed() || now.duration_since(*seen) > IDLE_TIMEOUT {
+                // What moves into `i` was looked at already.
+                idle.http1.swap_remove(i);
+            } else if sender.is_ready() {
+                return Some(Sender::Http1(idle.http1.swap_remove(i).0));
+            } else {
+                // Still reading an answer: idle from no earlier than now.
+                *seen = now;
+            }
+        }
+        None
+    }
+
+    /// Puts an HTTP/1 connection back once its answer's head is in: it is
+    /// handed out again when hyper says it is ready, after the body.
+    fn put_back(&self, sender: http1::SendRequest<UpstreamBody>) {
+        if let Ok(mut idle) = self.idle.lock() {
+            idle.http1.push((sender, Instant::now()));
+        }
+    }
+
+    /// Opens a connection: HTTP/2 when the upstream chose it by ALPN (it is
+    /// then shared), HTTP/1.1 otherwise.
+    async fn connect(&self, upgrade: bool) -> Result<Sender, SendError> {
+        let mut connector = if upgrade {
+            self.upgrade_connector.clone()
+        } else {
+            self.connector.clone()
+        };
+        poll_fn(|cx| connector.poll_ready(cx))
+            .await
+            .map_err(SendError::Connect)?;
+        let io = connector
+            .call(self.origin.clone())
+            .await
+            .map_err(SendError::Connect)?;
+        let handshake = |error: hyper::Error| SendError::Connect(Box::new(error));
+        if !upgrade && io.connected().is_negotiated_h2() {
+            let (sender, connection) = handshake_http2(io).await.map_err(handshake)?;
+            drive(connection);
+            if let Ok(mut idle) = self.idle.lock() {
+                idle.http2.get_or_insert_with(|| sender.clone());
+            }
+            return Ok(Sender::Http2(sender));
+        }
+        let (mut sender, connection) = handshake_http1(io).await.map_err(handshake)?;
+        if upgrade {
+            drive(connection.with_upgrades());
+        } else {
+            drive(connection);
+        }
+        sender.ready().await.map_err(handshake)?;
+        Ok(Sender::Http1(sender))
+    }
+
+    /// Sends `request` for `path` on `sender`; with `pool`, an HTTP/1
+    /// connection goes back to the pool once the answer's head is in.
+    async fn send_on(
+        &self,
+        sender: Sender,
+        mut request: Request<UpstreamBody>,
+        path: &Bytes,
+        pool: bool,
+    ) -> Result<Response<Incoming>, Unsent> {
+        let failed = |error: BoxError| Unsent::Failed(SendError::Request(error));
+        let unsent = |mut error: TrySendError<Request<UpstreamBody>>| match error.take_message() {
+            Some(request) => Unsent::Returned(Box::new(request)),
+            None => failed(Box::new(error.into_error())),
+        };
+        match sender {
+            Sender::Http1(mut sender) => {
+                // Origin form, as HTTP/1 asks of a request that is not
+                // to a proxy.
+                *request.uri_mut() =
+                    Uri::from_maybe_shared(path.clone()).map_err(|e| failed(e.into()))?;
+                request
+                    .headers_mut()
+                    .insert(header::HOST, self.host.clone());
+                let response = sender.try_send_request(request).await.map_err(unsent)?;
+                if pool {
+                    self.put_back(sender);
+                }
+                Ok(response)
+            }
+            Sender::Http2(mut sender) => {
+                *request.uri_mut() = Uri::builder()
+                    .scheme(self.scheme.clone())
+                    .authority(self.authority.clone())
+                    .path_and_query(
+                        PathAndQuery::from_maybe_shared(path.clone())
+                            .map_err(|e| failed(e.into()))?,
+                    )
+                    .build()
+                    .map_err(|e| failed(e.into()))?;
+                request.headers_mut().remove(header::HOST);
+                sender.try_send_request(request).await.map_err(unsent)
+            }
+        }
+    }
+}
+
+/// A connection to an upstream, TLS or not.
+type Io = hyper_rustls::MaybeHttpsStream<hyper_util::rt::TokioIo<tokio::net::TcpStream>>;
+
+/// A boxed future; see [`handshake_http1`].
+type Boxed<T> = Pin<Box<dyn Future<Output = hyper::Result<T>> + Send>>;
+
+/// hyper's HTTP/1 handshake on `io`. Boxed in a function of its own: awaited
+/// inside an `async fn`, the compiler cannot prove the handshake's future
+/// `Send` for every lifetime of the body's error (its `Into` bound).
+fn handshake_http1(
+    io: Io,
+) -> Boxed<(
+    http1::SendRequest<UpstreamBody>,
+    http1::Connection<Io, UpstreamBody>,
+)> {
+    Box::pin(http1::handshake(io))
+}
+
+/// hyper's HTTP/2 handshake on `io` (see [`handshake_http1`]).
+fn handshake_http2(
+    io: Io,
+) -> Boxed<(
+    http2::SendRequest<UpstreamBody>,
+    http2::Connection<Io, UpstreamBody, TokioExecutor>,
+)> {
+    Box::pin(
+        http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .handshake(io),
+    )
+}
+
+/// Runs a connection on the current runtime until it ends (in a function
+/// of its own for the reason given at [`handshake_http1`]).
+fn drive(connection: impl Future<Output = hyper::Result<()>> + Send + 'static) {
+    tokio::spawn(async move {
+        if let Err(error) = connection.await {
+            tracing::debug!(%error, "upstream connection ended with an error");
+        }
+    });
 }
 
 /// Why an upstream exchange failed, with the label it is counted under.
-pub fn classify(error: &hyper_util::client::legacy::Error) -> (Failure, &'static str) {
-    if error.is_connect() {
-        (Failure::UpstreamUnreachable, "connect")
-    } else {
-        (Failure::UpstreamBroken, "other")
+pub fn classify(error: &SendError) -> (Failure, &'static str) {
+    match error {
+        SendError::Connect(_) => (Failure::UpstreamUnreachable, "connect"),
+        SendError::Request(_) => (Failure::UpstreamBroken, "other"),
     }
 }
 
 /// The failure of an exchange that ran past its deadline.
 pub const TIMED_OUT: (Failure, &str) = (Failure::UpstreamTimeout, "timeout");
 
-/// The URI of `path_and_query` on the upstream at `base`, such as
-/// `https://api.openai.com`; a base with a path keeps it as a prefix.
-pub fn uri(base: &str, path_and_query: &str) -> Option<Uri> {
-    let base = base.trim_end_matches('/');
-    let mut joined = String::with_capacity(base.len() + path_and_query.len());
-    joined.push_str(base);
-    joined.push_str(path_and_query);
-    Uri::try_from(joined).ok()
-}
-
-/// Sends `method uri` with `headers` and `body`, and waits for the response
-/// head until `deadline`.
+/// Sends `method path_and_query` with `headers` and `body` on `client`, and
+/// waits for the response head until `deadline`; with `upgrade`, on a
+/// connection of its own (see [`UpstreamClient`]).
 pub async fn send(
     client: &UpstreamClient,
     method: Method,
-    uri: Uri,
+    path_and_query: &str,
     headers: HeaderMap,
     body: UpstreamBody,
-    deadline: Instant,
+    deadline: tokio::time::Instant,
+    upgrade: bool,
 ) -> Result<Response<Incoming>, (Failure, &'static str, Option<BoxError>)> {
-    let mut request = Request::new(body);
-    *request.method_mut() = method;
-    *request.uri_mut() = uri;
-    *request.headers_mut() = headers;
-    match tokio::time::timeout_at(deadline, client.request(request)).await {
+    let sent = client.request(method, path_and_query, headers, body, upgrade);
+    match tokio::time::timeout_at(deadline, sent).await {
         Ok(Ok(response)) => Ok(response),
         Ok(Err(error)) => {
             let (failure, kind) = classify(&error);
@@ -130,7 +407,11 @@ pub async fn send(
 }
 
 /// Reads a whole response body of at most `limit` bytes until `deadline`.
-pub async fn read_body(body: Incoming, limit: usize, deadline: Instant) -> Result<Bytes, BoxError> {
+pub async fn read_body(
+    body: Incoming,
+    limit: usize,
+    deadline: tokio::time::Instant,
+) -> Result<Bytes, BoxError> {
     match tokio::time::timeout_at(deadline, Limited::new(body, limit).collect()).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
         Ok(Err(error)) => Err(error),
@@ -141,7 +422,7 @@ pub async fn read_body(body: Incoming, limit: usize, deadline: Instant) -> Resul
 /// A response body as a stream of chunks that fails at `deadline`.
 pub fn body_stream(
     body: Incoming,
-    deadline: Instant,
+    deadline: tokio::time::Instant,
 ) -> Pin<Box<dyn Stream<Item = Result<Bytes, BoxError>> + Send>> {
     let frames = body.into_data_stream();
     Box::pin(futures_util::stream::unfold(
@@ -159,4 +440,236 @@ pub fn body_stream(
             }
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http::Version;
+    use hyper::service::service_fn;
+    use hyper_util::rt::TokioIo;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// What a test upstream saw of one request.
+    #[derive(Debug, Clone)]
+    struct Seen {
+        connection: usize,
+        version: Version,
+        host: Option<String>,
+        uri: String,
+    }
+
+    /// A test upstream over real sockets: hyper's server (HTTP/1.1, and
+    /// HTTP/2 when TLS offers it), answering `ok` and noting each request.
+    struct Upstream {
+        addr: std::net::SocketAddr,
+        seen: Arc<Mutex<Vec<Seen>>>,
+    }
+
+    impl Upstream {
+        async fn start(tls: Option<tokio_rustls::TlsAcceptor>) -> Upstream {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let log = seen.clone();
+            tokio::spawn(async move {
+                for connection in 0.. {
+                    let (stream, _) = listener.accept().await.unwrap();
+                    let (log, tls) = (log.clone(), tls.clone());
+                    tokio::spawn(async move {
+                        let service = service_fn(move |req: Request<Incoming>| {
+                            log.lock().unwrap().push(Seen {
+                                connection,
+                                version: req.version(),
+                                host: req
+                                    .headers()
+                                    .get(header::HOST)
+                                    .map(|h| h.to_str().unwrap().to_owned()),
+                                uri: req.uri().to_string(),
+                            });
+                            async {
+                                Ok::<_, std::convert::Infallible>(Response::new(Full::new(
+                                    Bytes::from("ok"),
+                                )))
+                            }
+                        });
+                        let server =
+                            hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                        let _ = match tls {
+                            Some(tls) => {
+                                let stream = tls.accept(stream).await.unwrap();
+                                server.serve_connection(TokioIo::new(stream), service).await
+                            }
+                            None => server.serve_connection(TokioIo::new(stream), service).await,
+                        };
+                    });
+                }
+            });
+            Upstream { addr, seen }
+        }
+
+        fn seen(&self) -> Vec<Seen> {
+            self.seen.lock().unwrap().clone()
+        }
+    }
+
+    fn deadline() -> tokio::time::Instant {
+        tokio::time::Instant::now() + Duration::from_secs(10)
+    }
+
+    /// Sends a POST of `path` and reads the whole answer.
+    async fn post(client: &UpstreamClient, path: &str) -> Bytes {
+        let body = Either::Left(Full::new(Bytes::from("hi")));
+        let sent = send(
+            client,
+            Method::POST,
+            path,
+            HeaderMap::new(),
+            body,
+            deadline(),
+            false,
+        );
+        let response = sent
+            .await
+            .map_err(|(_, kind, error)| (kind, error))
+            .unwrap();
+        read_body(response.into_body(), 1024, deadline())
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn http1_connections_are_reused_with_the_host_and_path_of_the_upstream() {
+        let upstream = Upstream::start(None).await;
+        let config = UpstreamConfig::new(&format!("http://{}/base/", upstream.addr));
+        let client = UpstreamClient::new(&config).unwrap();
+        for i in 0..5 {
+            assert_eq!(post(&client, &format!("/v1/x?i={i}")).await, "ok");
+        }
+        let seen = upstream.seen();
+        assert_eq!(seen.len(), 5);
+        let host = upstream.addr.to_string();
+        for (i, seen) in seen.iter().enumerate() {
+            assert_eq!(seen.connection, 0, "{seen:?}");
+            assert_eq!(seen.version, Version::HTTP_11);
+            assert_eq!(seen.host.as_deref(), Some(host.as_str()));
+            assert_eq!(seen.uri, format!("/base/v1/x?i={i}"));
+        }
+    }
+
+    /// An upstream that answers one request per connection and then closes
+    /// it, without saying so (no `connection: close`).
+    async fn closing_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let count = connections.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut stream, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut request = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !request.ends_with(b"hi") {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => request.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    let _ = stream.write_all(answer).await;
+                });
+            }
+        });
+        (addr, connections)
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_upstream_closed_is_not_used_again() {
+        let (addr, connections) = closing_upstream().await;
+        let client = UpstreamClient::new(&UpstreamConfig::new(&format!("http://{addr}"))).unwrap();
+        for _ in 0..20 {
+            assert_eq!(post(&client, "/v1/x").await, "ok");
+        }
+        assert_eq!(connections.load(Ordering::SeqCst), 20);
+    }
+
+    /// A test upstream behind TLS offering `alpn`, and a client TLS
+    /// configuration that trusts its certificate (made for 127.0.0.1).
+    async fn tls_upstream(alpn: &[&[u8]]) -> (Upstream, rustls::ClientConfig) {
+        let made = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).unwrap();
+        let certificate = made.cert.der().clone();
+        let key = rustls::pki_types::PrivatePkcs8KeyDer::from(made.signing_key.serialize_der());
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![certificate.clone()], key.into())
+            .unwrap();
+        server.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(certificate).unwrap();
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+        (Upstream::start(Some(acceptor)).await, client)
+    }
+
+    #[tokio::test]
+    async fn over_tls_http2_is_taken_when_offered_and_its_connection_shared() {
+        let (upstream, tls) = tls_upstream(&[b"h2", b"http/1.1"]).await;
+        let config = UpstreamConfig::new(&format!("https://{}", upstream.addr));
+        let client = UpstreamClient::with_tls(&config, || {
+            HttpsConnectorBuilder::new().with_tls_config(tls.clone())
+        })
+        .unwrap();
+        assert_eq!(post(&client, "/v1/first").await, "ok");
+        let together = (0..8).map(|i| {
+            let client = client.clone();
+            async move { post(&client, &format!("/v1/together?i={i}")).await }
+        });
+        for answer in futures_util::future::join_all(together).await {
+            assert_eq!(answer, "ok");
+        }
+        let seen = upstream.seen();
+        assert_eq!(seen.len(), 9);
+        for seen in &seen {
+            assert_eq!(seen.version, Version::HTTP_2, "{seen:?}");
+            assert_eq!(seen.connection, 0, "{seen:?}");
+        }
+        assert_eq!(seen[0].uri, format!("https://{}/v1/first", upstream.addr));
+    }
+
+    #[tokio::test]
+    async fn over_tls_http1_is_kept_when_the_upstream_offers_only_that() {
+        let (upstream, tls) = tls_upstream(&[b"http/1.1"]).await;
+        let config = UpstreamConfig::new(&format!("https://{}", upstream.addr));
+        let client = UpstreamClient::with_tls(&config, || {
+            HttpsConnectorBuilder::new().with_tls_config(tls.clone())
+        })
+        .unwrap();
+        for _ in 0..3 {
+            assert_eq!(post(&client, "/v1/x").await, "ok");
+        }
+        let host = upstream.addr.to_string();
+        let seen = upstream.seen();
+        assert_eq!(seen.len(), 3);
+        for seen in &seen {
+            assert_eq!(seen.version, Version::HTTP_11, "{seen:?}");
+            assert_eq!(seen.connection, 0, "{seen:?}");
+            assert_eq!(seen.host.as_deref(), Some(host.as_str()));
+            assert_eq!(seen.uri, "/v1/x");
+        }
+    }
 }
