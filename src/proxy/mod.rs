@@ -80,8 +80,9 @@ pub struct State {
 
 impl State {
     /// Builds the shared state: loads the rules, reads the keys named in the
-    /// configuration from the environment, and builds one pooled client per
-    /// upstream.
+    /// configuration from the environment, and checks that each upstream's
+    /// client can be made (each serving thread makes its own on first use:
+    /// [`State::client`]).
     pub fn new(config: Config) -> anyhow::Result<State> {
         let rules = RuleStore::load(config.rules.dir.clone(), config.rules.compile_options())?;
         let metrics = Arc::new(Metrics::new());

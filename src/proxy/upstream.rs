@@ -17,8 +17,10 @@
 //! What the pool keeps of hyper-util's behaviour: a connection the upstream
 //! closed is never handed out; a request that a reused connection did not
 //! take (closed between the check and the send) is sent again, once, on a
-//! new connection; connections idle for [`IDLE_TIMEOUT`] are dropped; one
-//! HTTP/2 connection is shared by all requests.
+//! new connection; one HTTP/2 connection is shared by all requests.
+//! Unlike it, there is no timer task: a connection idle for longer than
+//! [`IDLE_TIMEOUT`] is dropped when the pool is next used (or when the
+//! upstream closes it), not at once.
 
 use std::future::poll_fn;
 use std::pin::Pin;
