@@ -22,6 +22,7 @@
 //! [`IDLE_TIMEOUT`] is dropped when the pool is next used (or when the
 //! upstream closes it), not at once.
 
+use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -95,7 +96,7 @@ struct Idle {
     /// HTTP/1 connections with when they were last seen in use. The ones
     /// still reading an answer are kept here too: they are handed out once
     /// hyper says they are ready again.
-    http1: Vec<(http1::SendRequest<UpstreamBody>, Instant)>,
+    http1: VecDeque<(http1::SendRequest<UpstreamBody>, Instant)>,
     http2: Option<http2::SendRequest<UpstreamBody>>,
 }
 
@@ -216,8 +217,9 @@ impl UpstreamClient {
 
 impl Pool {
     /// A connection ready for a request, if one is open: the HTTP/2 one, or
-    /// the HTTP/1 one used last. Connections found closed or idle too long
-    /// are dropped on the way.
+    /// the HTTP/1 one put back longest ago (the likeliest to be done with
+    /// its answer). Those still reading an answer go to the back; those
+    /// found closed or idle too long are dropped.
     fn checkout(&self) -> Option<Sender> {
         let mut idle = self.idle.lock().ok()?;
         if let Some(http2) = &idle.http2 {
@@ -227,19 +229,16 @@ impl Pool {
             idle.http2 = None;
         }
         let now = Instant::now();
-        let mut i = idle.http1.len();
-        while i > 0 {
-            i -= 1;
-            let (sender, seen) = &mut idle.http1[i];
-            if sender.is_closed() || now.duration_since(*seen) > IDLE_TIMEOUT {
-                // What moves into `i` was looked at already.
-                idle.http1.swap_remove(i);
-            } else if sender.is_ready() {
-                return Some(Sender::Http1(idle.http1.swap_remove(i).0));
-            } else {
-                // Still reading an answer: idle from no earlier than now.
-                *seen = now;
+        for _ in 0..idle.http1.len() {
+            let (sender, seen) = idle.http1.pop_front()?;
+            if sender.is_closed() || now.duration_since(seen) > IDLE_TIMEOUT {
+                continue;
             }
+            if sender.is_ready() {
+                return Some(Sender::Http1(sender));
+            }
+            // Still reading an answer: idle from no earlier than now.
+            idle.http1.push_back((sender, now));
         }
         None
     }
@@ -248,7 +247,7 @@ impl Pool {
     /// handed out again when hyper says it is ready, after the body.
     fn put_back(&self, sender: http1::SendRequest<UpstreamBody>) {
         if let Ok(mut idle) = self.idle.lock() {
-            idle.http1.push((sender, Instant::now()));
+            idle.http1.push_back((sender, Instant::now()));
         }
     }
 
@@ -469,9 +468,12 @@ mod tests {
 
     /// A test upstream over real sockets: hyper's server (HTTP/1.1, and
     /// HTTP/2 when TLS offers it), answering `ok` and noting each request.
+    /// The answer to `/held` sends its `o`, then waits for `release`
+    /// before its `k`.
     struct Upstream {
         addr: std::net::SocketAddr,
         seen: Arc<Mutex<Vec<Seen>>>,
+        release: Arc<tokio::sync::Notify>,
     }
 
     impl Upstream {
@@ -479,11 +481,12 @@ mod tests {
             let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
             let seen = Arc::new(Mutex::new(Vec::new()));
-            let log = seen.clone();
+            let release = Arc::new(tokio::sync::Notify::new());
+            let (log, held) = (seen.clone(), release.clone());
             tokio::spawn(async move {
                 for connection in 0.. {
                     let (stream, _) = listener.accept().await.unwrap();
-                    let (log, tls) = (log.clone(), tls.clone());
+                    let (log, tls, held) = (log.clone(), tls.clone(), held.clone());
                     tokio::spawn(async move {
                         let service = service_fn(move |req: Request<Incoming>| {
                             log.lock().unwrap().push(Seen {
@@ -495,11 +498,25 @@ mod tests {
                                     .map(|h| h.to_str().unwrap().to_owned()),
                                 uri: req.uri().to_string(),
                             });
-                            async {
-                                Ok::<_, std::convert::Infallible>(Response::new(Full::new(
-                                    Bytes::from("ok"),
-                                )))
-                            }
+                            let body = if req.uri().path() == "/held" {
+                                let held = held.clone();
+                                let pieces =
+                                    futures_util::stream::iter(["o", "k"]).then(move |piece| {
+                                        let held = held.clone();
+                                        async move {
+                                            if piece == "k" {
+                                                held.notified().await;
+                                            }
+                                            Ok::<_, std::convert::Infallible>(
+                                                hyper::body::Frame::data(Bytes::from(piece)),
+                                            )
+                                        }
+                                    });
+                                BodyExt::boxed(http_body_util::StreamBody::new(pieces))
+                            } else {
+                                BodyExt::boxed(Full::new(Bytes::from("ok")))
+                            };
+                            async { Ok::<_, std::convert::Infallible>(Response::new(body)) }
                         });
                         let server =
                             hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
@@ -513,7 +530,11 @@ mod tests {
                     });
                 }
             });
-            Upstream { addr, seen }
+            Upstream {
+                addr,
+                seen,
+                release,
+            }
         }
 
         fn seen(&self) -> Vec<Seen> {
@@ -563,6 +584,43 @@ mod tests {
             assert_eq!(seen.host.as_deref(), Some(host.as_str()));
             assert_eq!(seen.uri, format!("/base/v1/x?i={i}"));
         }
+    }
+
+    #[tokio::test]
+    async fn a_connection_still_reading_an_answer_is_not_handed_out() {
+        let upstream = Upstream::start(None).await;
+        let config = UpstreamConfig::new(&format!("http://{}", upstream.addr));
+        let client = UpstreamClient::new(&config).unwrap();
+        let body = || Either::Left(Full::new(Bytes::from("hi")));
+        let send = |path: &'static str| {
+            send(
+                &client,
+                Method::POST,
+                path,
+                HeaderMap::new(),
+                body(),
+                deadline(),
+                false,
+            )
+        };
+        // The first answer is not over: its connection is busy.
+        let first = send("/held").await.map_err(|(_, kind, _)| kind).unwrap();
+        assert_eq!(post(&client, "/second").await, "ok");
+        upstream.release.notify_one();
+        let first = read_body(first.into_body(), 1024, deadline())
+            .await
+            .unwrap();
+        assert_eq!(first, "ok");
+        // Both connections are free now; the next request takes one of them.
+        assert_eq!(post(&client, "/third").await, "ok");
+        let seen: Vec<(String, usize)> = upstream
+            .seen()
+            .into_iter()
+            .map(|s| (s.uri, s.connection))
+            .collect();
+        assert_eq!(seen[0], ("/held".to_owned(), 0));
+        assert_eq!(seen[1], ("/second".to_owned(), 1));
+        assert!(seen[2].1 < 2, "{seen:?}");
     }
 
     /// An upstream that answers one request per connection and then closes
