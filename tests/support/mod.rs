@@ -603,10 +603,13 @@ pub fn config(upstream: &str, rules: &Path) -> Config {
     config.rules.dir = rules.to_owned();
     config.rules.watch = false;
     config.shutdown_grace_ms = 5_000;
-    // Results and spills in a directory of this test's own.
+    // Results and spills in a directory of this test's own, kept to be
+    // looked at after a failure (a test may also start a second proxy on
+    // them): under Cargo's scratch directory for integration tests
+    // (target/tmp), which `cargo clean` empties, rather than in /tmp.
     let data = tempfile::Builder::new()
         .prefix("fairgate-test-")
-        .tempdir()
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
         .unwrap()
         .keep();
     config.queue.spill_dir = data.join("spill");
