@@ -549,6 +549,15 @@ async fn complete_upload(
 }
 
 /// How many completions (`.../complete`) the upstream got.
+/// The body of a 400 `upload_not_read`, the answer to a completion that
+/// would make a batch's input of parts that went up unread.
+async fn refused_as_unread(response: reqwest::Response) -> Value {
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "upload_not_read");
+    body
+}
+
 fn completions(mock: &support::Mock) -> usize {
     let requests = mock.requests();
     requests
@@ -682,9 +691,7 @@ async fn an_upload_this_proxy_did_not_see_begin_is_not_made_into_an_unread_batch
         vec!["part_0".into()],
     )
     .await;
-    assert_eq!(response.status(), 400);
-    let body: Value = response.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "upload_not_read");
+    let body = refused_as_unread(response).await;
     let message = body["error"]["message"].as_str().unwrap();
     assert!(message.contains("was deleted"), "{message}");
     assert!(
@@ -703,9 +710,7 @@ async fn an_upload_this_proxy_did_not_see_begin_is_not_made_into_an_unread_batch
     let mut odd = completed("batch");
     odd["file"]["id"] = json!("../v1/batches");
     let response = complete_upload(&proxy, "upload_9", odd, vec!["part_0".into()]).await;
-    assert_eq!(response.status(), 400);
-    let body: Value = response.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "upload_not_read");
+    let body = refused_as_unread(response).await;
     let message = body["error"]["message"].as_str().unwrap();
     assert!(message.contains("could not be deleted"), "{message}");
     assert_eq!(
