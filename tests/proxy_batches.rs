@@ -684,13 +684,9 @@ async fn an_upload_this_proxy_did_not_see_begin_is_not_made_into_an_unread_batch
         json!({"id": "upload_9", "object": "upload", "purpose": purpose,
             "status": "completed", "file": {"id": "file-9", "object": "file", "purpose": purpose}})
     };
-    let response = complete_upload(
-        &proxy,
-        "upload_9",
-        completed("batch"),
-        vec!["part_0".into()],
-    )
-    .await;
+    let complete =
+        |answer: Value| complete_upload(&proxy, "upload_9", answer, vec!["part_0".into()]);
+    let response = complete(completed("batch")).await;
     let body = refused_as_unread(response).await;
     let message = body["error"]["message"].as_str().unwrap();
     assert!(message.contains("was deleted"), "{message}");
@@ -709,7 +705,7 @@ async fn an_upload_this_proxy_did_not_see_begin_is_not_made_into_an_unread_batch
     let before = mock.requests().len();
     let mut odd = completed("batch");
     odd["file"]["id"] = json!("../v1/batches");
-    let response = complete_upload(&proxy, "upload_9", odd, vec!["part_0".into()]).await;
+    let response = complete(odd).await;
     let body = refused_as_unread(response).await;
     let message = body["error"]["message"].as_str().unwrap();
     assert!(message.contains("could not be deleted"), "{message}");
@@ -721,13 +717,7 @@ async fn an_upload_this_proxy_did_not_see_begin_is_not_made_into_an_unread_batch
 
     // One for another purpose is relayed as the API answered.
     let before = mock.requests().len();
-    let response = complete_upload(
-        &proxy,
-        "upload_9",
-        completed("assistants"),
-        vec!["part_0".into()],
-    )
-    .await;
+    let response = complete(completed("assistants")).await;
     assert_eq!(response.status(), 200);
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["file"]["id"], "file-9");
