@@ -429,7 +429,7 @@ async fn forward(
     uri: &http::Uri,
     headers: HeaderMap,
     body: UpstreamBody,
-) -> Result<(Response<Incoming>, tokio::time::Instant), Failure> {
+) -> Result<(Response<upstream::Answer>, tokio::time::Instant), Failure> {
     forward_on(state, upstream, method, uri, headers, body, false).await
 }
 
@@ -443,7 +443,7 @@ async fn forward_on(
     headers: HeaderMap,
     body: UpstreamBody,
     upgrade: bool,
-) -> Result<(Response<Incoming>, tokio::time::Instant), Failure> {
+) -> Result<(Response<upstream::Answer>, tokio::time::Instant), Failure> {
     let (Some(config), Some(client)) =
         (state.config.upstreams.get(upstream), state.client(upstream))
     else {
@@ -602,7 +602,7 @@ async fn passthrough(
 struct Relayed {
     upstream: String,
     stream_mode: Option<StreamMode>,
-    response: Response<Incoming>,
+    response: Response<upstream::Answer>,
     deadline: tokio::time::Instant,
 }
 
@@ -643,7 +643,7 @@ async fn relay(
 
 /// Relays an upstream response as it arrives, until `deadline`.
 fn stream_back(
-    response: Response<Incoming>,
+    response: Response<upstream::Answer>,
     deadline: tokio::time::Instant,
     request_id: &str,
     verdict: Option<&str>,
@@ -1073,7 +1073,7 @@ fn is_json(headers: &HeaderMap) -> bool {
 #[allow(clippy::too_many_arguments)]
 fn guarded_stream(
     state: &Arc<State>,
-    response: Response<Incoming>,
+    response: Response<upstream::Answer>,
     deadline: tokio::time::Instant,
     mode: StreamMode,
     rules: Arc<RuleSet>,

@@ -173,7 +173,7 @@ async fn relay_read(
 async fn read_answer(
     state: &State,
     upstream: &str,
-    response: Response<Incoming>,
+    response: Response<upstream::Answer>,
     deadline: tokio::time::Instant,
     request_id: &str,
 ) -> Result<(StatusCode, http::HeaderMap, Bytes), Response<ProxyBody>> {

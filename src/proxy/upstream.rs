@@ -17,8 +17,11 @@
 //! What the pool keeps of hyper-util's behaviour: a connection the upstream
 //! closed is never handed out; a request that a reused connection did not
 //! take (closed between the check and the send) is sent again, once, on a
-//! new connection; one HTTP/2 connection is shared by all requests.
-//! Unlike it, there is no timer task: a connection idle for longer than
+//! new connection; one HTTP/2 connection is shared by all requests. An
+//! HTTP/1 connection goes back into the pool when its answer's body has
+//! been read to the end ([`Answer`]), with no task spawned to wait for
+//! that; one whose answer is dropped before its end is closed by hyper.
+//! Unlike hyper-util, there is no timer task: a connection idle for longer than
 //! [`IDLE_TIMEOUT`] is dropped when the pool is next used (or when the
 //! upstream closes it), not at once.
 
@@ -26,6 +29,7 @@ use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -33,7 +37,7 @@ use futures_util::{Stream, StreamExt};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, header};
 use http_body_util::{BodyExt, Either, Full, Limited};
-use hyper::body::Incoming;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::{TrySendError, http1, http2};
 use hyper_rustls::builderstates::WantsSchemes;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
@@ -56,10 +60,63 @@ pub type ReadOn = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 
 /// The body of [`ReadOn`]: `start`, then `rest`.
 pub fn read_on(start: Bytes, rest: Incoming) -> UpstreamBody {
-    let start = futures_util::stream::iter([Ok(hyper::body::Frame::data(start))]);
+    let start = futures_util::stream::iter([Ok(Frame::data(start))]);
     let rest = http_body_util::BodyStream::new(rest).map(|frame| frame.map_err(BoxError::from));
     let body = http_body_util::StreamBody::new(start.chain(rest));
     Either::Right(Either::Right(BodyExt::boxed(body)))
+}
+
+/// An upstream's answer body. On a pooled HTTP/1 connection, the
+/// connection goes back into its pool once the body has been read to its
+/// end (or is dropped at its end), so the pool holds only connections that
+/// are done with their answers.
+pub struct Answer {
+    body: Incoming,
+    back: Option<(Arc<Pool>, http1::SendRequest<UpstreamBody>)>,
+}
+
+impl Answer {
+    /// Puts the connection back, if it goes back and has not yet.
+    fn give_back(&mut self) {
+        if let Some((pool, sender)) = self.back.take() {
+            pool.put_back(sender);
+        }
+    }
+}
+
+impl Body for Answer {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        let frame = Pin::new(&mut this.body).poll_frame(cx);
+        if let Poll::Ready(None) = frame {
+            this.give_back();
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        // A body read to its last byte but not polled for its end; one
+        // dropped before that leaves its connection to be closed.
+        if self.body.is_end_stream() {
+            self.give_back();
+        }
+    }
 }
 
 /// How long a connection may stay unused in the pool.
@@ -93,9 +150,8 @@ struct Pool {
 
 #[derive(Default)]
 struct Idle {
-    /// HTTP/1 connections with when they were last seen in use. The ones
-    /// still reading an answer are kept here too: they are handed out once
-    /// hyper says they are ready again.
+    /// HTTP/1 connections done with their answers, with when they were
+    /// last seen in use, oldest first.
     http1: VecDeque<(http1::SendRequest<UpstreamBody>, Instant)>,
     http2: Option<http2::SendRequest<UpstreamBody>>,
 }
@@ -185,7 +241,7 @@ impl UpstreamClient {
         headers: HeaderMap,
         body: UpstreamBody,
         upgrade: bool,
-    ) -> Result<Response<Incoming>, SendError> {
+    ) -> Result<Response<Answer>, SendError> {
         let mut request = Request::new(body);
         *request.method_mut() = method;
         *request.headers_mut() = headers;
@@ -197,7 +253,7 @@ impl UpstreamClient {
         };
         let reused = if upgrade { None } else { pool.checkout() };
         let request = match reused {
-            Some(sender) => match pool.send_on(sender, request, &path, true).await {
+            Some(sender) => match self.send_on(sender, request, &path, true).await {
                 Ok(response) => return Ok(response),
                 Err(Unsent::Returned(request)) => *request,
                 Err(Unsent::Failed(error)) => return Err(error),
@@ -205,7 +261,7 @@ impl UpstreamClient {
             None => request,
         };
         let sender = pool.connect(upgrade).await?;
-        match pool.send_on(sender, request, &path, !upgrade).await {
+        match self.send_on(sender, request, &path, !upgrade).await {
             Ok(response) => Ok(response),
             Err(Unsent::Returned(_)) => Err(SendError::Request(
                 "the upstream closed a new connection before the request was sent".into(),
@@ -213,13 +269,58 @@ impl UpstreamClient {
             Err(Unsent::Failed(error)) => Err(error),
         }
     }
+
+    /// Sends `request` for `path` on `sender`; with `pool`, an HTTP/1
+    /// connection goes back to the pool once its answer has been read
+    /// ([`Answer`]).
+    async fn send_on(
+        &self,
+        sender: Sender,
+        mut request: Request<UpstreamBody>,
+        path: &Bytes,
+        pool: bool,
+    ) -> Result<Response<Answer>, Unsent> {
+        let failed = |error: BoxError| Unsent::Failed(SendError::Request(error));
+        let unsent = |mut error: TrySendError<Request<UpstreamBody>>| match error.take_message() {
+            Some(request) => Unsent::Returned(Box::new(request)),
+            None => failed(Box::new(error.into_error())),
+        };
+        match sender {
+            Sender::Http1(mut sender) => {
+                // Origin form, as HTTP/1 asks of a request that is not
+                // to a proxy.
+                *request.uri_mut() =
+                    Uri::from_maybe_shared(path.clone()).map_err(|e| failed(e.into()))?;
+                request
+                    .headers_mut()
+                    .insert(header::HOST, self.pool.host.clone());
+                let response = sender.try_send_request(request).await.map_err(unsent)?;
+                let back = pool.then(|| (self.pool.clone(), sender));
+                Ok(response.map(|body| Answer { body, back }))
+            }
+            Sender::Http2(mut sender) => {
+                *request.uri_mut() = Uri::builder()
+                    .scheme(self.pool.scheme.clone())
+                    .authority(self.pool.authority.clone())
+                    .path_and_query(
+                        PathAndQuery::from_maybe_shared(path.clone())
+                            .map_err(|e| failed(e.into()))?,
+                    )
+                    .build()
+                    .map_err(|e| failed(e.into()))?;
+                request.headers_mut().remove(header::HOST);
+                let response = sender.try_send_request(request).await.map_err(unsent)?;
+                Ok(response.map(|body| Answer { body, back: None }))
+            }
+        }
+    }
 }
 
 impl Pool {
     /// A connection ready for a request, if one is open: the HTTP/2 one, or
-    /// the HTTP/1 one put back longest ago (the likeliest to be done with
-    /// its answer). Those still reading an answer go to the back; those
-    /// found closed or idle too long are dropped.
+    /// the HTTP/1 one put back longest ago. One that hyper has not yet
+    /// made ready after its answer's end goes to the back; those found
+    /// closed or idle too long are dropped.
     fn checkout(&self) -> Option<Sender> {
         let mut idle = self.idle.lock().ok()?;
         if let Some(http2) = &idle.http2 {
@@ -237,14 +338,14 @@ impl Pool {
             if sender.is_ready() {
                 return Some(Sender::Http1(sender));
             }
-            // Still reading an answer: idle from no earlier than now.
+            // Not ready yet: idle from no earlier than now.
             idle.http1.push_back((sender, now));
         }
         None
     }
 
-    /// Puts an HTTP/1 connection back once its answer's head is in: it is
-    /// handed out again when hyper says it is ready, after the body.
+    /// Puts an HTTP/1 connection whose answer has been read back into the
+    /// pool.
     fn put_back(&self, sender: http1::SendRequest<UpstreamBody>) {
         if let Ok(mut idle) = self.idle.lock() {
             idle.http1.push_back((sender, Instant::now()));
@@ -283,51 +384,6 @@ impl Pool {
         }
         sender.ready().await.map_err(handshake)?;
         Ok(Sender::Http1(sender))
-    }
-
-    /// Sends `request` for `path` on `sender`; with `pool`, an HTTP/1
-    /// connection goes back to the pool once the answer's head is in.
-    async fn send_on(
-        &self,
-        sender: Sender,
-        mut request: Request<UpstreamBody>,
-        path: &Bytes,
-        pool: bool,
-    ) -> Result<Response<Incoming>, Unsent> {
-        let failed = |error: BoxError| Unsent::Failed(SendError::Request(error));
-        let unsent = |mut error: TrySendError<Request<UpstreamBody>>| match error.take_message() {
-            Some(request) => Unsent::Returned(Box::new(request)),
-            None => failed(Box::new(error.into_error())),
-        };
-        match sender {
-            Sender::Http1(mut sender) => {
-                // Origin form, as HTTP/1 asks of a request that is not
-                // to a proxy.
-                *request.uri_mut() =
-                    Uri::from_maybe_shared(path.clone()).map_err(|e| failed(e.into()))?;
-                request
-                    .headers_mut()
-                    .insert(header::HOST, self.host.clone());
-                let response = sender.try_send_request(request).await.map_err(unsent)?;
-                if pool {
-                    self.put_back(sender);
-                }
-                Ok(response)
-            }
-            Sender::Http2(mut sender) => {
-                *request.uri_mut() = Uri::builder()
-                    .scheme(self.scheme.clone())
-                    .authority(self.authority.clone())
-                    .path_and_query(
-                        PathAndQuery::from_maybe_shared(path.clone())
-                            .map_err(|e| failed(e.into()))?,
-                    )
-                    .build()
-                    .map_err(|e| failed(e.into()))?;
-                request.headers_mut().remove(header::HOST);
-                sender.try_send_request(request).await.map_err(unsent)
-            }
-        }
     }
 }
 
@@ -395,7 +451,7 @@ pub async fn send(
     body: UpstreamBody,
     deadline: tokio::time::Instant,
     upgrade: bool,
-) -> Result<Response<Incoming>, (Failure, &'static str, Option<BoxError>)> {
+) -> Result<Response<Answer>, (Failure, &'static str, Option<BoxError>)> {
     let sent = client.request(method, path_and_query, headers, body, upgrade);
     match tokio::time::timeout_at(deadline, sent).await {
         Ok(Ok(response)) => Ok(response),
@@ -409,7 +465,7 @@ pub async fn send(
 
 /// Reads a whole response body of at most `limit` bytes until `deadline`.
 pub async fn read_body(
-    body: Incoming,
+    body: Answer,
     limit: usize,
     deadline: tokio::time::Instant,
 ) -> Result<Bytes, BoxError> {
@@ -422,7 +478,7 @@ pub async fn read_body(
 
 /// A response body as a stream of chunks that fails at `deadline`.
 pub fn body_stream(
-    body: Incoming,
+    body: Answer,
     deadline: tokio::time::Instant,
 ) -> Pin<Box<dyn Stream<Item = Result<Bytes, BoxError>> + Send>> {
     let frames = body.into_data_stream();
@@ -507,9 +563,9 @@ mod tests {
                                             if piece == "k" {
                                                 held.notified().await;
                                             }
-                                            Ok::<_, std::convert::Infallible>(
-                                                hyper::body::Frame::data(Bytes::from(piece)),
-                                            )
+                                            Ok::<_, std::convert::Infallible>(Frame::data(
+                                                Bytes::from(piece),
+                                            ))
                                         }
                                     });
                                 BodyExt::boxed(http_body_util::StreamBody::new(pieces))
@@ -586,41 +642,64 @@ mod tests {
         }
     }
 
+    /// How many HTTP/1 connections the pool holds.
+    fn pooled(client: &UpstreamClient) -> usize {
+        client.pool.idle.lock().unwrap().http1.len()
+    }
+
     #[tokio::test]
-    async fn a_connection_still_reading_an_answer_is_not_handed_out() {
+    async fn a_connection_goes_back_to_the_pool_when_its_answer_has_been_read() {
         let upstream = Upstream::start(None).await;
         let config = UpstreamConfig::new(&format!("http://{}", upstream.addr));
         let client = UpstreamClient::new(&config).unwrap();
-        let body = || Either::Left(Full::new(Bytes::from("hi")));
-        let send = |path: &'static str| {
-            send(
+        let held = || async {
+            let body = Either::Left(Full::new(Bytes::from("hi")));
+            let sent = send(
                 &client,
                 Method::POST,
-                path,
+                "/held",
                 HeaderMap::new(),
-                body(),
+                body,
                 deadline(),
                 false,
-            )
+            );
+            sent.await.map_err(|(_, kind, _)| kind).unwrap()
         };
-        // The first answer is not over: its connection is busy.
-        let first = send("/held").await.map_err(|(_, kind, _)| kind).unwrap();
+        // While the first answer is not over, its connection is not in the
+        // pool, and another request takes a new one.
+        let first = held().await;
+        assert_eq!(pooled(&client), 0);
         assert_eq!(post(&client, "/second").await, "ok");
+        assert_eq!(pooled(&client), 1);
         upstream.release.notify_one();
         let first = read_body(first.into_body(), 1024, deadline())
             .await
             .unwrap();
         assert_eq!(first, "ok");
-        // Both connections are free now; the next request takes one of them.
+        assert_eq!(pooled(&client), 2);
+        // Both are reused.
         assert_eq!(post(&client, "/third").await, "ok");
-        let seen: Vec<(String, usize)> = upstream
+        assert_eq!(post(&client, "/fourth").await, "ok");
+        let connections: Vec<(String, usize)> = upstream
             .seen()
             .into_iter()
             .map(|s| (s.uri, s.connection))
             .collect();
-        assert_eq!(seen[0], ("/held".to_owned(), 0));
-        assert_eq!(seen[1], ("/second".to_owned(), 1));
-        assert!(seen[2].1 < 2, "{seen:?}");
+        assert_eq!(connections[0], ("/held".to_owned(), 0));
+        assert_eq!(connections[1], ("/second".to_owned(), 1));
+        assert!(
+            connections[2..].iter().all(|(_, c)| *c < 2),
+            "{connections:?}"
+        );
+
+        // An answer dropped before its end leaves its connection out of the
+        // pool (hyper closes it); the next request does not wait on it.
+        let pooled_before = pooled(&client);
+        let unread = held().await;
+        assert_eq!(pooled(&client), pooled_before - 1);
+        drop(unread);
+        assert_eq!(pooled(&client), pooled_before - 1);
+        assert_eq!(post(&client, "/fifth").await, "ok");
     }
 
     /// An upstream that answers one request per connection and then closes
