@@ -16,8 +16,11 @@ cleanup() {
 trap cleanup EXIT
 
 command -v oha >/dev/null || cargo install oha --locked
-cargo build --release --quiet --bin fairgate
+# The bench binaries first: building them links target/release/fairgate
+# too, with the dev-dependencies' features unified in, and the release
+# build after it puts back the binary that `cargo run --release` runs.
 cargo bench --no-run --quiet --bench mock_upstream --bench stream_ttfb 2>/dev/null
+cargo build --release --quiet --bin fairgate
 
 BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"You are a careful personal-finance assistant."},{"role":"user","content":"I earn 3,000 a month and spend 2,600. How should I start saving and investing?"}]}'
 echo "$BODY" >"$WORK/body.json"
