@@ -82,7 +82,7 @@ impl State {
     /// Builds the shared state: loads the rules, reads the keys named in the
     /// configuration from the environment, and checks that each upstream's
     /// client can be made (each serving thread makes its own on first use:
-    /// [`State::client`]).
+    /// [`UpstreamClient::of_this_thread`]).
     pub fn new(config: Config) -> anyhow::Result<State> {
         let rules = RuleStore::load(config.rules.dir.clone(), config.rules.compile_options())?;
         let metrics = Arc::new(Metrics::new());
@@ -97,7 +97,10 @@ impl State {
         for (name, upstream) in &config.upstreams {
             // Built once here so that a bad setting fails at start.
             if UpstreamClient::new(upstream).is_none() {
-                anyhow::bail!("upstreams.{name}.url: {:?} has no host", upstream.url);
+                anyhow::bail!(
+                    "upstreams.{name}.url: {:?} is not an http(s) URL with a host",
+                    upstream.url
+                );
             }
             if let Some(var) = &upstream.api_key_env {
                 let key = std::env::var(var).map_err(|_| {
@@ -124,24 +127,6 @@ impl State {
             tunnels: tokio::sync::watch::Sender::new(0),
             uploads: parts::Uploads::default(),
             next_id: AtomicU64::new(0),
-        })
-    }
-
-    /// This thread's client for `upstream`. Each serving thread keeps its
-    /// own connections, so that a connection is driven by the thread that
-    /// uses it, with no wake-ups across threads.
-    fn client(&self, upstream: &str) -> Option<UpstreamClient> {
-        thread_local! {
-            static CLIENTS: std::cell::RefCell<Vec<UpstreamClient>> = Default::default();
-        }
-        let config = self.config.upstreams.get(upstream)?;
-        CLIENTS.with_borrow_mut(|clients| {
-            if let Some(client) = clients.iter().find(|client| client.serves(config)) {
-                return Some(client.clone());
-            }
-            let client = UpstreamClient::new(config)?;
-            clients.push(client.clone());
-            Some(client)
         })
     }
 
@@ -444,9 +429,10 @@ async fn forward_on(
     body: UpstreamBody,
     upgrade: bool,
 ) -> Result<(Response<upstream::Answer>, tokio::time::Instant), Failure> {
-    let (Some(config), Some(client)) =
-        (state.config.upstreams.get(upstream), state.client(upstream))
-    else {
+    let Some(config) = state.config.upstreams.get(upstream) else {
+        return Err(Failure::NoRoute);
+    };
+    let Some(client) = UpstreamClient::of_this_thread(config) else {
         return Err(Failure::NoRoute);
     };
     let path = uri.path_and_query().map_or("/", |p| p.as_str());

@@ -25,6 +25,7 @@
 //! [`IDLE_TIMEOUT`] is dropped when the pool is next used (or when the
 //! upstream closes it), not at once.
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::pin::Pin;
@@ -226,8 +227,28 @@ impl UpstreamClient {
         })
     }
 
+    /// This thread's client of `upstream`, made on first use; `None` when
+    /// its URL has no host. Each serving thread keeps its own connections,
+    /// so that a connection is driven by the thread that uses it, with no
+    /// wake-ups across threads. Clients are told apart by their settings,
+    /// not their names: proxies in one process (tests) may name different
+    /// upstreams alike.
+    pub fn of_this_thread(upstream: &UpstreamConfig) -> Option<UpstreamClient> {
+        thread_local! {
+            static CLIENTS: RefCell<Vec<UpstreamClient>> = Default::default();
+        }
+        CLIENTS.with_borrow_mut(|clients| {
+            if let Some(client) = clients.iter().find(|client| client.serves(upstream)) {
+                return Some(client.clone());
+            }
+            let client = UpstreamClient::new(upstream)?;
+            clients.push(client.clone());
+            Some(client)
+        })
+    }
+
     /// Whether this is the client of `upstream` (the same URL and settings).
-    pub fn serves(&self, upstream: &UpstreamConfig) -> bool {
+    fn serves(&self, upstream: &UpstreamConfig) -> bool {
         self.pool.url == upstream.url && self.pool.connect_timeout_ms == upstream.connect_timeout_ms
     }
 
