@@ -22,7 +22,13 @@ command -v oha >/dev/null || cargo install oha --locked
 cargo bench --no-run --quiet --bench mock_upstream --bench stream_ttfb 2>/dev/null
 cargo build --release --quiet --bin fairgate
 
-BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"You are a careful personal-finance assistant."},{"role":"user","content":"I earn 3,000 a month and spend 2,600. How should I start saving and investing?"}]}'
+# SYSTEM_WORDS=N: a system prompt of N words of plain instructions instead
+# of the one-line default (apps send some hundreds), the same in every request.
+SYSTEM="You are a careful personal-finance assistant."
+if [ -n "${SYSTEM_WORDS:-}" ]; then
+  SYSTEM=$(python3 -c "import itertools, sys; w = 'Answer in plain words and explain each step of a budget before you suggest any product'.split(); print('You are a careful personal-finance assistant. ' + ' '.join(itertools.islice(itertools.cycle(w), int(sys.argv[1]))) + '.')" "$SYSTEM_WORDS")
+fi
+BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"'"$SYSTEM"'"},{"role":"user","content":"I earn 3,000 a month and spend 2,600. How should I start saving and investing?"}]}'
 echo "$BODY" >"$WORK/body.json"
 echo "${BODY%\}}"',"stream":true}' >"$WORK/stream.json"
 

@@ -9,6 +9,7 @@
 #   N=1000 bash benches/instructions.sh               # exchanges per measurement
 #   MOCK_OBFUSCATION=1 bash benches/instructions.sh   # stream chunks padded as OpenAI's are
 #   MOCK_ANSWER_REPEAT=30 bash benches/instructions.sh  # streams of a long answer (about 4 KB)
+#   SYSTEM_WORDS=500 bash benches/instructions.sh     # a system prompt of 500 words (about 3 KB) in every request
 #
 # For each binary and each kind of exchange (non-streaming, streaming with
 # the mock's 27 events): fairgate serves on its embedded defaults (side

@@ -23,6 +23,23 @@ async fn prompt_status(url: &str, content: &str) -> u16 {
         .as_u16()
 }
 
+/// The status of a request whose earlier turn is `content`: a text whose
+/// hits the proxy remembers (see `RuleSet::scan_remembered`).
+async fn history_status(url: &str, content: &str) -> u16 {
+    let messages = [
+        json!({"role": "user", "content": content}),
+        json!({"role": "user", "content": "And?"}),
+    ];
+    client()
+        .post(url)
+        .json(&json!({"model": "m", "messages": messages}))
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
 #[tokio::test]
 async fn reload_swaps_good_rules_and_keeps_old_ones_when_broken() {
     let dir = tempfile::tempdir().unwrap();
@@ -32,6 +49,8 @@ async fn reload_swaps_good_rules_and_keeps_old_ones_when_broken() {
     let chat = proxy.url("/v1/chat/completions");
     assert_eq!(prompt_status(&chat, "I like pineapple").await, 400);
     assert_eq!(prompt_status(&chat, "I like mango").await, 200);
+    assert_eq!(history_status(&chat, "I like mango").await, 200);
+    assert_eq!(history_status(&chat, "I like pineapple").await, 400);
 
     // A good edit, reloaded through the admin API.
     std::fs::write(dir.path().join("custom.yaml"), pack("mango")).unwrap();
@@ -45,6 +64,9 @@ async fn reload_swaps_good_rules_and_keeps_old_ones_when_broken() {
     assert_eq!(body["ok"], true);
     assert_eq!(prompt_status(&chat, "I like mango").await, 400);
     assert_eq!(prompt_status(&chat, "I like pineapple").await, 200);
+    // Texts remembered with the old rules are judged by the new ones.
+    assert_eq!(history_status(&chat, "I like mango").await, 400);
+    assert_eq!(history_status(&chat, "I like pineapple").await, 200);
 
     // A broken edit: rejected with the precise error; mango still blocks.
     std::fs::write(

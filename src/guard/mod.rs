@@ -58,10 +58,14 @@ pub fn scan_request(
     let mut contexts = Vec::new();
     let mut texts = RequestTexts::default();
     let mut edits = Vec::new();
-    for Text {
-        scope, text, span, ..
-    } in request_texts
-    {
+    for (i, text) in request_texts.iter().enumerate() {
+        let Text {
+            scope, text, span, ..
+        } = text;
+        // The texts before the last one (a system prompt, the turns before
+        // the latest) are mostly sent again by the next request, and their
+        // hits are remembered; the last one is new by nature.
+        let again = i + 1 < request_texts.len();
         let mut rewritten = String::new();
         let mut changed = false;
         for (range, part_scope) in split_context(text, *scope, context_tags) {
@@ -74,7 +78,10 @@ pub fn scan_request(
                 Scope::Context => contexts.push(part.to_owned()),
                 Scope::Response => {}
             }
-            let found = rules.scan(part_scope, part);
+            let found = match again {
+                true => rules.scan_remembered(part_scope, part),
+                false => rules.scan(part_scope, part),
+            };
             // The part as it goes upstream and into the record.
             let kept = if found.iter().any(|h| h.action == Action::Redact) {
                 changed = true;

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use regex::RegexBuilder;
 use regex_automata::Anchored;
@@ -167,8 +168,12 @@ pub(super) fn compile(
         packs: infos,
         matchers,
         version: format!("{:016x}", version.0),
+        id: NEXT_SET_ID.fetch_add(1, Ordering::Relaxed),
     })
 }
+
+/// The id of the next rule set compiled (see `RuleSet::scan_remembered`).
+static NEXT_SET_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Where errors of the rule being compiled go.
 struct RuleContext<'a> {

@@ -14,6 +14,7 @@ pub mod load;
 mod matcher;
 pub mod normalize;
 mod open;
+mod remembered;
 pub mod store;
 pub mod validate;
 
@@ -162,6 +163,9 @@ pub struct RuleSet {
     packs: Vec<PackInfo>,
     matchers: [matcher::ScopeMatcher; 3],
     version: String,
+    /// Unique to this compiled set in the process: what texts' remembered
+    /// hits are kept by (see [`RuleSet::scan_remembered`]).
+    id: u64,
 }
 
 impl RuleSet {
@@ -193,6 +197,14 @@ impl RuleSet {
         self.matchers[scope.index()]
             .scan(&self.rules, scope, text)
             .0
+    }
+
+    /// As [`RuleSet::scan`], for texts that are likely to be sent again
+    /// (a request's system prompt and earlier turns): the serving thread remembers
+    /// the hits of the texts it scanned lately with this set, and a text
+    /// found there is not scanned again (see `remembered.rs`).
+    pub fn scan_remembered(&self, scope: Scope, text: &str) -> Vec<Hit> {
+        remembered::hits(self.id, scope, text, || self.scan(scope, text))
     }
 
     /// As [`RuleSet::scan`], and also the normalized view of `text` it

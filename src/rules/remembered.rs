@@ -1,0 +1,245 @@
+//! The hits of texts scanned lately, so that a text sent again is not
+//! scanned again.
+//!
+//! Most of a chat request has been sent before: the system prompt comes
+//! with every request of an app, and each turn of a conversation sends the
+//! turns before it again, as retrieval sends the same documents. Each
+//! serving thread remembers, per rule set, the hits of the prompt and
+//! context texts it scanned before a request's last text (the last is new
+//! by nature: the user's latest turn), in two generations of [`BUDGET`]
+//! bytes each: when the newer one is full, the older one is dropped and the
+//! newer takes its place, and a text found in the older one moves to the
+//! newer. So what a thread keeps is bounded (two generations, the texts and
+//! their hits), texts in use stay, and forgetting costs no bookkeeping per
+//! lookup. A text is found by its content, compared whole, never by a hash
+//! alone; results are kept per rule set (a reload starts afresh).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::mem;
+
+use super::{Hit, Scope};
+
+/// Bytes per generation, per serving thread: the texts, and
+/// [`ENTRY_COST`] for each.
+pub const BUDGET: usize = 256 << 10;
+
+/// What an entry costs beside its text (its allocation and its slot in the
+/// table, about), so that many short texts are bounded too.
+const ENTRY_COST: usize = 64;
+
+/// A text longer than this is scanned every time: it would take a large
+/// share of a generation.
+pub const LONGEST: usize = BUDGET / 8;
+
+thread_local! {
+    static REMEMBERED: RefCell<Remembered> = RefCell::new(Remembered::default());
+}
+
+/// The hits of `text` in `scope` under rule set `set` (see
+/// `RuleSet::scan_remembered`): remembered by this thread, or from `scan`.
+pub fn hits(set: u64, scope: Scope, text: &str, scan: impl FnOnce() -> Vec<Hit>) -> Vec<Hit> {
+    if text.len() > LONGEST {
+        return scan();
+    }
+    REMEMBERED.with_borrow_mut(|remembered| remembered.hits(set, scope, text, scan))
+}
+
+/// One thread's memory of scanned texts.
+#[derive(Default)]
+pub struct Remembered {
+    /// The rule set the hits were found with.
+    set: u64,
+    newer: Generation,
+    older: Generation,
+}
+
+/// Texts and their hits, per scope.
+#[derive(Default)]
+struct Generation {
+    by_scope: [HashMap<Box<str>, Vec<Hit>>; 3],
+    /// Bytes of the texts held, with [`ENTRY_COST`] for each.
+    bytes: usize,
+}
+
+impl Remembered {
+    pub fn hits(
+        &mut self,
+        set: u64,
+        scope: Scope,
+        text: &str,
+        scan: impl FnOnce() -> Vec<Hit>,
+    ) -> Vec<Hit> {
+        if self.set != set {
+            *self = Remembered {
+                set,
+                ..Remembered::default()
+            };
+        }
+        let at = scope.index();
+        if let Some(hits) = self.newer.by_scope[at].get(text) {
+            return hits.clone();
+        }
+        let hits = match self.older.by_scope[at].remove_entry(text) {
+            Some((text, hits)) => {
+                self.older.bytes -= text.len() + ENTRY_COST;
+                self.keep(at, text, hits.clone());
+                return hits;
+            }
+            None => scan(),
+        };
+        self.keep(at, text.into(), hits.clone());
+        hits
+    }
+
+    /// Puts a text into the newer generation, which first becomes the
+    /// older one if the text would take it over [`BUDGET`].
+    fn keep(&mut self, scope: usize, text: Box<str>, hits: Vec<Hit>) {
+        let cost = text.len() + ENTRY_COST;
+        if self.newer.bytes + cost > BUDGET {
+            self.older = mem::take(&mut self.newer);
+        }
+        self.newer.bytes += cost;
+        self.newer.by_scope[scope].insert(text, hits);
+    }
+
+    /// Bytes held by both generations.
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
+        self.newer.bytes + self.older.bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::rules::Action;
+
+    fn hit(snippet: &str) -> Hit {
+        Hit {
+            rule: Arc::from("rule"),
+            category: Arc::from("category"),
+            scope: Scope::Prompt,
+            action: Action::Block,
+            weight: 1.0,
+            message: Arc::from(""),
+            placeholder: Arc::from(""),
+            start: 0,
+            end: snippet.len(),
+            snippet: snippet.to_owned(),
+        }
+    }
+
+    /// Looks `text` up, counting the scans it takes.
+    fn look_up(
+        remembered: &mut Remembered,
+        set: u64,
+        scope: Scope,
+        text: &str,
+        scans: &Cell<usize>,
+    ) -> Vec<Hit> {
+        remembered.hits(set, scope, text, || {
+            scans.set(scans.get() + 1);
+            vec![hit(text)]
+        })
+    }
+
+    #[test]
+    fn a_text_seen_before_is_not_scanned_again() {
+        let mut remembered = Remembered::default();
+        let scans = Cell::new(0);
+        let first = look_up(
+            &mut remembered,
+            1,
+            Scope::Prompt,
+            "You are a careful assistant.",
+            &scans,
+        );
+        let again = look_up(
+            &mut remembered,
+            1,
+            Scope::Prompt,
+            "You are a careful assistant.",
+            &scans,
+        );
+        assert_eq!(scans.get(), 1);
+        assert_eq!(first, again);
+        // Another text, another scope, another rule set: scanned.
+        look_up(
+            &mut remembered,
+            1,
+            Scope::Prompt,
+            "You are a careful assistant!",
+            &scans,
+        );
+        look_up(
+            &mut remembered,
+            1,
+            Scope::Context,
+            "You are a careful assistant.",
+            &scans,
+        );
+        assert_eq!(scans.get(), 3);
+        look_up(
+            &mut remembered,
+            2,
+            Scope::Prompt,
+            "You are a careful assistant.",
+            &scans,
+        );
+        assert_eq!(scans.get(), 4);
+        // The new rule set's hits replaced the old one's.
+        look_up(
+            &mut remembered,
+            1,
+            Scope::Prompt,
+            "You are a careful assistant.",
+            &scans,
+        );
+        assert_eq!(scans.get(), 5);
+    }
+
+    #[test]
+    fn memory_stays_within_two_generations_and_texts_in_use_stay() {
+        let mut remembered = Remembered::default();
+        let scans = Cell::new(0);
+        let system = "S".repeat(1000);
+        for i in 0..5_000 {
+            let text = format!("{i:0>200}");
+            look_up(&mut remembered, 1, Scope::Prompt, &text, &scans);
+            look_up(&mut remembered, 1, Scope::Prompt, &system, &scans);
+            assert!(
+                remembered.bytes() <= 2 * BUDGET,
+                "{} bytes",
+                remembered.bytes()
+            );
+        }
+        // 5,000 different texts, and the one sent every time scanned once.
+        assert_eq!(scans.get(), 5_001);
+        // The first texts were forgotten.
+        look_up(
+            &mut remembered,
+            1,
+            Scope::Prompt,
+            &format!("{:0>200}", 0),
+            &scans,
+        );
+        assert_eq!(scans.get(), 5_002);
+    }
+
+    #[test]
+    fn a_text_longer_than_the_limit_is_scanned_every_time() {
+        let scans = Cell::new(0);
+        let long = "x".repeat(LONGEST + 1);
+        for _ in 0..2 {
+            hits(7, Scope::Prompt, &long, || {
+                scans.set(scans.get() + 1);
+                Vec::new()
+            });
+        }
+        assert_eq!(scans.get(), 2);
+    }
+}
