@@ -3,8 +3,10 @@
 //!
 //! Most of a chat request has been sent before: the system prompt comes
 //! with every request of an app, and each turn of a conversation sends the
-//! turns before it again, as retrieval sends the same documents. Each
-//! serving thread remembers, per rule set, the hits of the prompt and
+//! turns before it again, as retrieval sends the same documents, and the
+//! lines of a batch file mostly share one system prompt. Each thread that
+//! scans requests (a serving thread, a batch upload's reader while it
+//! lives) remembers, per rule set, the hits of the prompt and
 //! context texts it scanned before a request's last text (the last is new
 //! by nature: the user's latest turn), in two generations of [`BUDGET`]
 //! bytes each: when the newer one is full, the older one is dropped and the
@@ -20,7 +22,7 @@ use std::mem;
 
 use super::{Hit, Scope};
 
-/// Bytes per generation, per serving thread: the texts, and
+/// Bytes per generation, per thread: the texts, and
 /// [`ENTRY_COST`] for each.
 pub const BUDGET: usize = 256 << 10;
 
