@@ -22,17 +22,30 @@ use std::mem;
 
 use super::{Hit, Scope};
 
-/// Bytes per generation, per thread: the texts, and
-/// [`ENTRY_COST`] for each.
+/// Bytes per generation, per thread: the texts and their hits (see
+/// [`cost`]).
 pub const BUDGET: usize = 256 << 10;
 
-/// What an entry costs beside its text (its allocation and its slot in the
-/// table, about), so that many short texts are bounded too.
+/// What an entry costs beside its text and hits (its allocation and its
+/// slot in the table, about), so that many short texts are bounded too.
 const ENTRY_COST: usize = 64;
 
-/// A text longer than this is scanned every time: it would take a large
-/// share of a generation.
-pub const LONGEST: usize = BUDGET / 8;
+/// The bytes an entry is counted for: its text, its hits (a text full of
+/// matches keeps many) and [`ENTRY_COST`].
+fn cost(text: &str, hits: &[Hit]) -> usize {
+    let hits: usize = hits
+        .iter()
+        .map(|hit| mem::size_of::<Hit>() + hit.snippet.len())
+        .sum();
+    text.len() + hits + ENTRY_COST
+}
+
+/// An entry counted for more than this (see [`cost`]) is not kept: it
+/// would take a large share of a generation.
+const LARGEST: usize = BUDGET / 8;
+
+/// A text longer than this is scanned every time, without a look-up.
+pub const LONGEST: usize = LARGEST;
 
 thread_local! {
     static REMEMBERED: RefCell<Remembered> = RefCell::new(Remembered::default());
@@ -60,7 +73,7 @@ pub struct Remembered {
 #[derive(Default)]
 struct Generation {
     by_scope: [HashMap<Box<str>, Vec<Hit>>; 3],
-    /// Bytes of the texts held, with [`ENTRY_COST`] for each.
+    /// What the entries held are counted for (see [`cost`]).
     bytes: usize,
 }
 
@@ -84,7 +97,7 @@ impl Remembered {
         }
         let hits = match self.older.by_scope[at].remove_entry(text) {
             Some((text, hits)) => {
-                self.older.bytes -= text.len() + ENTRY_COST;
+                self.older.bytes -= cost(&text, &hits);
                 self.keep(at, text, hits.clone());
                 return hits;
             }
@@ -95,9 +108,13 @@ impl Remembered {
     }
 
     /// Puts a text into the newer generation, which first becomes the
-    /// older one if the text would take it over [`BUDGET`].
+    /// older one if the text would take it over [`BUDGET`]; not an entry
+    /// over [`LARGEST`].
     fn keep(&mut self, scope: usize, text: Box<str>, hits: Vec<Hit>) {
-        let cost = text.len() + ENTRY_COST;
+        let cost = cost(&text, &hits);
+        if cost > LARGEST {
+            return;
+        }
         if self.newer.bytes + cost > BUDGET {
             self.older = mem::take(&mut self.newer);
         }
@@ -230,6 +247,32 @@ mod tests {
             &scans,
         );
         assert_eq!(scans.get(), 5_002);
+    }
+
+    #[test]
+    fn the_hits_of_a_text_count_toward_the_bound() {
+        let mut remembered = Remembered::default();
+        let text = "4111 1111 1111 1111 ".repeat(100);
+        let many = vec![hit(&text[..80]); 100];
+        remembered.hits(1, Scope::Context, &text, || many.clone());
+        assert!(remembered.bytes() >= text.len() + 100 * (mem::size_of::<Hit>() + 80));
+        for i in 0..200 {
+            remembered.hits(1, Scope::Context, &format!("{i} {text}"), || many.clone());
+            assert!(
+                remembered.bytes() <= 2 * BUDGET,
+                "{} bytes",
+                remembered.bytes()
+            );
+        }
+        // An entry that would take over an eighth of a generation is not kept.
+        let scans = Cell::new(0);
+        for _ in 0..2 {
+            remembered.hits(1, Scope::Context, "too many", || {
+                scans.set(scans.get() + 1);
+                vec![hit("x"); BUDGET / mem::size_of::<Hit>()]
+            });
+        }
+        assert_eq!(scans.get(), 2);
     }
 
     #[test]
