@@ -78,9 +78,10 @@ pub fn scan_request(
                 Scope::Context => contexts.push(part.to_owned()),
                 Scope::Response => {}
             }
-            let found = match again {
-                true => rules.scan_remembered(part_scope, part),
-                false => rules.scan(part_scope, part),
+            let found = if again {
+                rules.scan_remembered(part_scope, part)
+            } else {
+                rules.scan(part_scope, part)
             };
             // The part as it goes upstream and into the record.
             let kept = if found.iter().any(|h| h.action == Action::Redact) {

@@ -40,12 +40,9 @@ fn cost(text: &str, hits: &[Hit]) -> usize {
     text.len() + hits + ENTRY_COST
 }
 
-/// An entry counted for more than this (see [`cost`]) is not kept: it
-/// would take a large share of a generation.
+/// An entry counted for more than this (see [`cost`]) is not kept, nor
+/// a text this long looked up: it would take a large share of a generation.
 const LARGEST: usize = BUDGET / 8;
-
-/// A text longer than this is scanned every time, without a look-up.
-pub const LONGEST: usize = LARGEST;
 
 thread_local! {
     static REMEMBERED: RefCell<Remembered> = RefCell::new(Remembered::default());
@@ -54,7 +51,7 @@ thread_local! {
 /// The hits of `text` in `scope` under rule set `set` (see
 /// `RuleSet::scan_remembered`): remembered by this thread, or from `scan`.
 pub fn hits(set: u64, scope: Scope, text: &str, scan: impl FnOnce() -> Vec<Hit>) -> Vec<Hit> {
-    if text.len() > LONGEST {
+    if text.len() > LARGEST {
         return scan();
     }
     REMEMBERED.with_borrow_mut(|remembered| remembered.hits(set, scope, text, scan))
@@ -170,54 +167,19 @@ mod tests {
     fn a_text_seen_before_is_not_scanned_again() {
         let mut remembered = Remembered::default();
         let scans = Cell::new(0);
-        let first = look_up(
-            &mut remembered,
-            1,
-            Scope::Prompt,
-            "You are a careful assistant.",
-            &scans,
-        );
-        let again = look_up(
-            &mut remembered,
-            1,
-            Scope::Prompt,
-            "You are a careful assistant.",
-            &scans,
-        );
+        let mut look = |set, scope, text| look_up(&mut remembered, set, scope, text, &scans);
+        let text = "You are a careful assistant.";
+        let first = look(1, Scope::Prompt, text);
+        assert_eq!(look(1, Scope::Prompt, text), first);
         assert_eq!(scans.get(), 1);
-        assert_eq!(first, again);
         // Another text, another scope, another rule set: scanned.
-        look_up(
-            &mut remembered,
-            1,
-            Scope::Prompt,
-            "You are a careful assistant!",
-            &scans,
-        );
-        look_up(
-            &mut remembered,
-            1,
-            Scope::Context,
-            "You are a careful assistant.",
-            &scans,
-        );
+        look(1, Scope::Prompt, "You are a careful assistant!");
+        look(1, Scope::Context, text);
         assert_eq!(scans.get(), 3);
-        look_up(
-            &mut remembered,
-            2,
-            Scope::Prompt,
-            "You are a careful assistant.",
-            &scans,
-        );
+        look(2, Scope::Prompt, text);
         assert_eq!(scans.get(), 4);
         // The new rule set's hits replaced the old one's.
-        look_up(
-            &mut remembered,
-            1,
-            Scope::Prompt,
-            "You are a careful assistant.",
-            &scans,
-        );
+        look(1, Scope::Prompt, text);
         assert_eq!(scans.get(), 5);
     }
 
@@ -278,7 +240,7 @@ mod tests {
     #[test]
     fn a_text_longer_than_the_limit_is_scanned_every_time() {
         let scans = Cell::new(0);
-        let long = "x".repeat(LONGEST + 1);
+        let long = "x".repeat(LARGEST + 1);
         for _ in 0..2 {
             hits(7, Scope::Prompt, &long, || {
                 scans.set(scans.get() + 1);
