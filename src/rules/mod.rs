@@ -200,9 +200,9 @@ impl RuleSet {
     }
 
     /// As [`RuleSet::scan`], for texts that are likely to be sent again
-    /// (a request's system prompt and earlier turns): the serving thread remembers
-    /// the hits of the texts it scanned lately with this set, and a text
-    /// found there is not scanned again (see `remembered.rs`).
+    /// (a request's system prompt and earlier turns): the calling thread
+    /// remembers the hits of the texts it scanned lately with this set, and
+    /// a text found there is not scanned again (see `remembered.rs`).
     pub fn scan_remembered(&self, scope: Scope, text: &str) -> Vec<Hit> {
         remembered::hits(self.id, scope, text, || self.scan(scope, text))
     }
