@@ -32,6 +32,22 @@ BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"'"$SYSTEM"'
 echo "$BODY" >"$WORK/body.json"
 echo "${BODY%\}}"',"stream":true}' >"$WORK/stream.json"
 
+# SDK_HEADERS=1: requests carry the headers the official OpenAI Python SDK
+# sends (OHA_HEADERS, for oha) and the mock answers with OpenAI's
+# (MOCK_HEADERS): some 40 headers an exchange, as in production, against
+# the 2 and 1 of the default.
+OHA_HEADERS=(-H 'content-type: application/json')
+if [ -n "${SDK_HEADERS:-}" ]; then
+  export MOCK_HEADERS=1
+  OHA_HEADERS+=(-H 'accept: application/json' -H 'accept-encoding: gzip, deflate'
+    -H 'authorization: Bearer sk-bench-0000000000000000000000000000000000000000'
+    -H 'user-agent: OpenAI/Python 1.82.0' -H 'x-stainless-lang: python'
+    -H 'x-stainless-package-version: 1.82.0' -H 'x-stainless-os: Linux'
+    -H 'x-stainless-arch: x64' -H 'x-stainless-runtime: CPython'
+    -H 'x-stainless-runtime-version: 3.11.7' -H 'x-stainless-async: false'
+    -H 'x-stainless-retry-count: 0' -H 'x-stainless-read-timeout: 600')
+fi
+
 oha_json() { oha --no-tui --output-format json "$@" 2>/dev/null; }
 field() { python3 -c "import json,sys; d=json.load(sys.stdin); print($1)"; }
 

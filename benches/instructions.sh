@@ -10,6 +10,7 @@
 #   MOCK_OBFUSCATION=1 bash benches/instructions.sh   # stream chunks padded as OpenAI's are
 #   MOCK_ANSWER_REPEAT=30 bash benches/instructions.sh  # streams of a long answer (about 4 KB)
 #   SYSTEM_WORDS=500 bash benches/instructions.sh     # a system prompt of 500 words (about 3 KB) in every request
+#   SDK_HEADERS=1 bash benches/instructions.sh        # the OpenAI SDK's request headers and the API's answer headers
 #
 # For each binary and each kind of exchange (non-streaming, streaming with
 # the mock's 27 events): fairgate serves on its embedded defaults (side
@@ -39,7 +40,7 @@ count() {
   # Under valgrind the start takes a while.
   wait_for "http://$ADMIN/healthz" 1200
   if [ "$n" -gt 0 ]; then
-    oha --no-tui -n "$n" -c 16 -m POST -H 'content-type: application/json' -D "$body" \
+    oha --no-tui -n "$n" -c 16 -m POST "${OHA_HEADERS[@]}" -D "$body" \
       "http://127.0.0.1:$PORT/v1/chat/completions" >/dev/null 2>&1
   fi
   sleep 1

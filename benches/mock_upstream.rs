@@ -19,6 +19,10 @@
 //!
 //! With `MOCK_TOKEN_MS=N`, a stream's events are sent one by one, N
 //! milliseconds apart, as a model writes them (`benches/first_text.sh`).
+//!
+//! With `MOCK_HEADERS` set, every answer carries the 20 headers OpenAI's
+//! API adds to one (rate limits, request id, Cloudflare's, cookies), as a
+//! proxy in front of it relays them.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -100,10 +104,42 @@ enum Pace {
     Tokens(Duration),
 }
 
+/// The headers of an answer of OpenAI's API, less those hyper writes
+/// itself (`date`, `content-length` or `transfer-encoding`).
+const OPENAI_HEADERS: [(&str, &str); 20] = [
+    ("access-control-expose-headers", "X-Request-ID"),
+    ("openai-organization", "user-bench0000000000000000"),
+    ("openai-processing-ms", "412"),
+    ("openai-project", "proj_bench000000000000000000"),
+    ("openai-version", "2020-10-01"),
+    ("x-envoy-upstream-service-time", "418"),
+    ("x-ratelimit-limit-requests", "10000"),
+    ("x-ratelimit-limit-tokens", "10000000"),
+    ("x-ratelimit-remaining-requests", "9999"),
+    ("x-ratelimit-remaining-tokens", "9999975"),
+    ("x-ratelimit-reset-requests", "6ms"),
+    ("x-ratelimit-reset-tokens", "0s"),
+    ("x-request-id", "req_0123456789abcdef0123456789abcdef"),
+    (
+        "strict-transport-security",
+        "max-age=31536000; includeSubDomains; preload",
+    ),
+    ("cf-cache-status", "DYNAMIC"),
+    (
+        "set-cookie",
+        "__cf_bm=bench; path=/; expires=Thu, 26-Nov-26 01:00:00 GMT; domain=.api.openai.com; HttpOnly; Secure; SameSite=None",
+    ),
+    ("x-content-type-options", "nosniff"),
+    ("server", "cloudflare"),
+    ("cf-ray", "8e0123456789abcd-AMS"),
+    ("alt-svc", "h3=\":443\"; ma=86400"),
+];
+
 async fn reply(
     req: Request<Incoming>,
     stream: Bytes,
     pace: Pace,
+    openai_headers: bool,
 ) -> Result<Response<MockBody>, Infallible> {
     let body = req
         .into_body()
@@ -130,6 +166,13 @@ async fn reply(
         "content-type",
         hyper::header::HeaderValue::from_static(content_type),
     );
+    if openai_headers {
+        for (name, value) in OPENAI_HEADERS {
+            response
+                .headers_mut()
+                .append(name, hyper::header::HeaderValue::from_static(value));
+        }
+    }
     Ok(response)
 }
 
@@ -150,6 +193,7 @@ fn main() -> std::io::Result<()> {
         (None, Some(every)) => Pace::Tokens(every),
         (None, None) => Pace::AtOnce,
     };
+    let openai_headers = std::env::var_os("MOCK_HEADERS").is_some();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -161,7 +205,8 @@ fn main() -> std::io::Result<()> {
             let (socket, _) = listener.accept().await?;
             let stream = stream.clone();
             tokio::spawn(async move {
-                let service = service_fn(move |req| reply(req, stream.clone(), pace));
+                let service =
+                    service_fn(move |req| reply(req, stream.clone(), pace, openai_headers));
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(socket), service)
                     .await;
