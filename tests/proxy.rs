@@ -60,6 +60,69 @@ async fn allowed_chat_completion_is_relayed_with_verdict_header() {
     proxy.stop().await;
 }
 
+/// Every header but those of one connection passes both ways, a repeated
+/// one with its values in order, on a guarded route (an answer and a
+/// stream) as on one passed through.
+#[tokio::test]
+async fn headers_pass_both_ways_less_hop_by_hop_ones() {
+    let (mock, proxy) = start().await;
+    let script = json!({"headers": [
+        ["x-ratelimit-remaining-requests", "9"], ["set-cookie", "a=1"], ["set-cookie", "b=2"],
+        ["keep-alive", "timeout=5"], ["proxy-authenticate", "Basic"],
+    ]})
+    .to_string();
+    let requests = [
+        ("POST", "/v1/chat/completions", Some(chat("Hello", false))),
+        ("POST", "/v1/chat/completions", Some(chat("Hello", true))),
+        ("GET", "/v1/models", None),
+    ];
+    for (i, (method, path, body)) in requests.into_iter().enumerate() {
+        let mut request = client()
+            .request(method.parse().unwrap(), proxy.url(path))
+            .header("x-mock-reply", &script)
+            .header("x-custom", "kept")
+            .header("x-multi", "first")
+            .header("x-multi", "second")
+            .header("keep-alive", "timeout=5")
+            .header("proxy-authorization", "Basic c2VjcmV0")
+            .header("te", "trailers")
+            .header("x-fairgate-user", "u1");
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), 200, "{method} {path}");
+        let headers = response.headers();
+        assert_eq!(headers["x-ratelimit-remaining-requests"], "9");
+        let cookies: Vec<_> = headers.get_all("set-cookie").iter().collect();
+        assert_eq!(cookies, ["a=1", "b=2"], "{method} {path}");
+        assert!(!headers.contains_key("keep-alive"), "{method} {path}");
+        assert!(
+            !headers.contains_key("proxy-authenticate"),
+            "{method} {path}"
+        );
+        response.bytes().await.unwrap();
+
+        let seen = &mock.requests()[i];
+        assert_eq!(seen.header("x-custom"), Some("kept"));
+        let multi: Vec<_> = seen
+            .headers
+            .iter()
+            .filter(|(n, _)| n == "x-multi")
+            .collect();
+        assert_eq!(multi.len(), 2, "{method} {path}");
+        assert_eq!((&*multi[0].1, &*multi[1].1), ("first", "second"));
+        for gone in ["keep-alive", "proxy-authorization", "te", "x-fairgate-user"] {
+            assert_eq!(
+                seen.header(gone),
+                None,
+                "{gone} went upstream on {method} {path}"
+            );
+        }
+    }
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn allowed_bodies_pass_byte_for_byte_both_ways() {
     let (mock, proxy) = start().await;

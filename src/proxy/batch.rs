@@ -112,7 +112,7 @@ async fn upload(
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
     let upstream = route.upstream.clone();
-    let mut headers = super::upstream_headers(state, &upstream, dialect, &parts.headers);
+    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers.clone());
     let start = start.freeze();
     let body = if !whole {
         // Too large to read whole: what its start says decides.
@@ -465,7 +465,7 @@ async fn create(
         true => bytes,
         false => json::splice(&bytes, &edits),
     };
-    let mut headers = super::upstream_headers(state, &upstream, dialect, &parts.headers);
+    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers.clone());
     if decoded {
         headers.remove(header::CONTENT_ENCODING);
     }
@@ -551,7 +551,7 @@ async fn with_results_here(
     };
     let body = results_here(body, config.url.trim_end_matches('/'), &origin);
     let body = respond::full(body);
-    super::guarded_response(head.status, &head.headers, body, request_id, None)
+    super::guarded_response(head.status, head.headers, body, request_id, None)
 }
 
 /// `body` with the `results_url` of its batch object, or of each in its
@@ -640,7 +640,7 @@ async fn results(
         }
     });
     let body = StreamBody::new(body).boxed_unsync();
-    super::guarded_response(head.status, &head.headers, body, request_id, None)
+    super::guarded_response(head.status, head.headers, body, request_id, None)
 }
 
 /// A batch's results as they arrive: the part of a line not yet whole, and

@@ -369,6 +369,20 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
+/// Takes out of `headers` those that describe one connection rather than
+/// the message and, with `ours`, fairgate's own (`x-fairgate-*`). In place:
+/// copying the rest into a new map would hash each of them again, and an
+/// SDK's request and an API's answer carry some 40 between them.
+fn strip_hop_by_hop(headers: &mut HeaderMap, ours: bool) {
+    let strip = |name: &HeaderName| {
+        is_hop_by_hop(name) || (ours && name.as_str().starts_with("x-fairgate-"))
+    };
+    // Few or none are present: each is looked for again from the start.
+    while let Some(name) = headers.keys().find(|name| strip(name)).cloned() {
+        headers.remove(name);
+    }
+}
+
 /// The headers to send upstream: the client's, less hop-by-hop headers and
 /// fairgate's own, with the upstream's key in place of the client's when one
 /// is configured (as `x-api-key` for Anthropic, a bearer token for OpenAI).
@@ -376,15 +390,9 @@ fn upstream_headers(
     state: &State,
     upstream: &str,
     dialect: Dialect,
-    from: &HeaderMap,
+    mut headers: HeaderMap,
 ) -> HeaderMap {
-    let mut headers = HeaderMap::with_capacity(from.len());
-    for (name, value) in from {
-        if is_hop_by_hop(name) || name.as_str().starts_with("x-fairgate-") {
-            continue;
-        }
-        headers.append(name.clone(), value.clone());
-    }
+    strip_hop_by_hop(&mut headers, true);
     if let Some(key) = state.keys.get(upstream) {
         headers.remove(header::AUTHORIZATION);
         headers.remove("x-api-key");
@@ -607,14 +615,14 @@ async fn relay(
         return Err(respond::failure(dialect, Failure::NoRoute, request_id));
     };
     let (upstream, stream_mode) = (route.upstream.clone(), route.stream_mode);
-    let mut headers = upstream_headers(state, &upstream, dialect, req.headers());
+    let (parts, body) = req.into_parts();
+    let mut headers = upstream_headers(state, &upstream, dialect, parts.headers);
     if uncompressed {
         headers.insert(
             header::ACCEPT_ENCODING,
             HeaderValue::from_static("identity"),
         );
     }
-    let (parts, body) = req.into_parts();
     let body = Either::Right(Either::Left(body));
     match forward(state, &upstream, parts.method, &parts.uri, headers, body).await {
         Ok((response, deadline)) => Ok(Relayed {
@@ -638,31 +646,29 @@ fn stream_back(
     let body = upstream::body_stream(body, deadline).map(|chunk| chunk.map(Frame::data));
     let mut out = Response::new(StreamBody::new(body).boxed_unsync());
     *out.status_mut() = parts.status;
-    copy_response_headers(&parts.headers, out.headers_mut());
+    *out.headers_mut() = response_headers(parts.headers);
     respond::tag(&mut out, request_id, verdict);
     out
 }
 
-fn copy_response_headers(from: &HeaderMap, to: &mut HeaderMap) {
-    for (name, value) in from {
-        if !is_hop_by_hop(name) {
-            to.append(name.clone(), value.clone());
-        }
-    }
+/// The upstream's answer headers, to be relayed: less hop-by-hop ones.
+fn response_headers(mut headers: HeaderMap) -> HeaderMap {
+    strip_hop_by_hop(&mut headers, false);
+    headers
 }
 
 /// The response with a body the guard read (uncompressed, as fairgate
 /// asked for it): the upstream's status and headers, tagged.
 fn guarded_response(
     status: StatusCode,
-    headers: &HeaderMap,
+    headers: HeaderMap,
     body: ProxyBody,
     request_id: &str,
     verdict: Option<&str>,
 ) -> Response<ProxyBody> {
     let mut out = Response::new(body);
     *out.status_mut() = status;
-    copy_response_headers(headers, out.headers_mut());
+    *out.headers_mut() = response_headers(headers);
     out.headers_mut().remove(header::CONTENT_ENCODING);
     respond::tag(&mut out, request_id, verdict);
     out
@@ -799,7 +805,7 @@ async fn guarded(
         return out;
     }
 
-    let mut headers = upstream_headers(state, &upstream, dialect, &parts.headers);
+    let mut headers = upstream_headers(state, &upstream, dialect, parts.headers);
     if decoded {
         headers.remove(header::CONTENT_ENCODING);
     }
@@ -997,7 +1003,7 @@ async fn guarded(
     // Byte for byte what the upstream sent, unless the guard changed it.
     let body = respond::full(refused.or(scanned.redacted).unwrap_or(body));
     let verdict_name = Some(verdict.decision.as_str());
-    let out = guarded_response(status, &upstream_headers, body, request_id, verdict_name);
+    let out = guarded_response(status, upstream_headers, body, request_id, verdict_name);
     ending(draft, status);
     out
 }
@@ -1141,7 +1147,7 @@ fn guarded_stream(
     };
     let body = guard_body(setup, upstream::body_stream(body, deadline), done);
     let verdict = Some(scan.verdict.decision.as_str());
-    guarded_response(status, &headers, body, &request_id, verdict)
+    guarded_response(status, headers, body, &request_id, verdict)
 }
 
 #[cfg(test)]

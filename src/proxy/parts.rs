@@ -149,7 +149,7 @@ async fn create(
             false => state.uploads.end(id),
         }
     }
-    super::guarded_response(status, &head, respond::full(body), request_id, None)
+    super::guarded_response(status, head, respond::full(body), request_id, None)
 }
 
 /// Sends `req` upstream as it came and reads the whole answer.
@@ -214,7 +214,7 @@ async fn part(
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
     let upstream = route.upstream.clone();
-    let mut headers = super::upstream_headers(state, &upstream, dialect, req.headers());
+    let mut headers = super::upstream_headers(state, &upstream, dialect, req.headers().clone());
     headers.insert(
         header::ACCEPT_ENCODING,
         HeaderValue::from_static("identity"),
@@ -246,7 +246,7 @@ async fn part(
     {
         state.uploads.add_part(&upload, part, read.part);
     }
-    super::guarded_response(status, &head, respond::full(body), request_id, None)
+    super::guarded_response(status, head, respond::full(body), request_id, None)
 }
 
 #[derive(Deserialize)]
@@ -299,7 +299,7 @@ async fn complete(
         }
     }
     let upstream = route.upstream.clone();
-    let mut headers = super::upstream_headers(state, &upstream, dialect, &parts.headers);
+    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers.clone());
     headers.remove(header::CONTENT_ENCODING);
     let body = Either::Left(Full::new(body));
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
@@ -347,7 +347,7 @@ async fn complete_unknown(
         .ok()
         .filter(|upload| status.is_success() && upload["purpose"] == "batch");
     let Some(upload) = made else {
-        return super::guarded_response(status, &head, respond::full(body), request_id, None);
+        return super::guarded_response(status, head, respond::full(body), request_id, None);
     };
     let file = upload["file"]["id"].as_str().unwrap_or_default();
     let deleted = delete_file(state, &upstream, &sent, file).await;
@@ -380,7 +380,7 @@ async fn delete_file(state: &State, upstream: &str, sent: &http::HeaderMap, id: 
     else {
         return false;
     };
-    let mut headers = super::upstream_headers(state, upstream, Dialect::OpenAi, sent);
+    let mut headers = super::upstream_headers(state, upstream, Dialect::OpenAi, sent.clone());
     headers.remove(header::CONTENT_TYPE);
     headers.remove(header::CONTENT_ENCODING);
     let body = Either::Left(Full::default());

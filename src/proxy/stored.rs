@@ -80,7 +80,7 @@ pub(super) async fn fetch(
             )
         };
         let body = guard_body(setup, upstream::body_stream(body, deadline), done);
-        return super::guarded_response(head.status, &head.headers, body, request_id, None);
+        return super::guarded_response(head.status, head.headers, body, request_id, None);
     }
     if super::is_encoded(&head.headers) {
         return broken("encoded");
@@ -123,7 +123,7 @@ pub(super) async fn fetch(
         scanned.redacted.unwrap_or(body)
     };
     let (body, verdict) = (respond::full(body), Some(verdict.decision.as_str()));
-    super::guarded_response(head.status, &head.headers, body, request_id, verdict)
+    super::guarded_response(head.status, head.headers, body, request_id, verdict)
 }
 
 /// Counts the verdict of a text scanned outside an exchange (a fetch, a

@@ -25,8 +25,7 @@ use hyper_util::rt::TokioIo;
 
 use super::respond::{self, Failure};
 use super::{
-    ProxyBody, State, copy_response_headers, dialect_of_path, forward_on, stream_back,
-    upstream_headers,
+    ProxyBody, State, dialect_of_path, forward_on, response_headers, stream_back, upstream_headers,
 };
 use crate::config::Upgrades;
 use crate::exchange::{Batch, Endpoint, Stored};
@@ -69,7 +68,7 @@ pub async fn relay(
     let Some(route) = state.config.route(req.uri().path(), None) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
-    let mut headers = upstream_headers(state, &route.upstream, dialect, req.headers());
+    let mut headers = upstream_headers(state, &route.upstream, dialect, req.headers().clone());
     if let Some(protocol) = req.headers().get(header::UPGRADE) {
         headers.insert(header::UPGRADE, protocol.clone());
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
@@ -94,7 +93,7 @@ pub async fn relay(
     }
     let mut out = Response::new(Empty::new().map_err(|never| match never {}).boxed_unsync());
     *out.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-    copy_response_headers(response.headers(), out.headers_mut());
+    *out.headers_mut() = response_headers(response.headers().clone());
     for name in [header::UPGRADE, header::CONNECTION] {
         if let Some(value) = response.headers().get(&name) {
             out.headers_mut().insert(name, value.clone());

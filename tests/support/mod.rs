@@ -8,8 +8,9 @@
 //! body goes out as written, with `content_type` and `content_encoding`
 //! headers when the script gives them; `raw_sse` and `raw_pieces` go out
 //! in pieces of 7 bytes, the latter with its `content_type`, and with
-//! `"hold_open": true` the body then stays open, unended); without it the
-//! mock echoes "Hello from the mock.".
+//! `"hold_open": true` the body then stays open, unended; `"headers":
+//! [["name", "value"], ..]` are added to whatever it answers); without it
+//! the mock echoes "Hello from the mock.".
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -89,7 +90,27 @@ pub async fn start_mock() -> Mock {
 
 type MockBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
 
+/// The scripted answer, with the script's `headers` added.
 async fn mock_reply(
+    log: Arc<Mutex<Vec<Received>>>,
+    req: Request<Incoming>,
+) -> Result<Response<MockBody>, Infallible> {
+    let added: Vec<(String, String)> = req
+        .headers()
+        .get("x-mock-reply")
+        .and_then(|script| serde_json::from_slice::<Value>(script.as_bytes()).ok())
+        .and_then(|script| serde_json::from_value(script.get("headers")?.clone()).ok())
+        .unwrap_or_default();
+    let mut reply = scripted_reply(log, req).await?;
+    for (name, value) in added {
+        let name = hyper::header::HeaderName::from_bytes(name.as_bytes()).unwrap();
+        let value = hyper::header::HeaderValue::from_str(&value).unwrap();
+        reply.headers_mut().append(name, value);
+    }
+    Ok(reply)
+}
+
+async fn scripted_reply(
     log: Arc<Mutex<Vec<Received>>>,
     req: Request<Incoming>,
 ) -> Result<Response<MockBody>, Infallible> {
