@@ -32,7 +32,7 @@ NEW_PID=$FAIRGATE_PID
 cpu_per_request() {
   local t0 t1 n
   t0=$(awk '{print $14 + $15}' "/proc/$1/stat")
-  n=$(oha_json -z "${DURATION}s" -c 64 -m POST -H 'content-type: application/json' -D "$WORK/body.json" \
+  n=$(oha_json -z "${DURATION}s" -c 64 -m POST "${OHA_HEADERS[@]}" -D "$WORK/body.json" \
     "http://127.0.0.1:$2/v1/chat/completions" | field "sum(d['statusCodeDistribution'].values())")
   t1=$(awk '{print $14 + $15}' "/proc/$1/stat")
   python3 -c "print(round(($t1 - $t0) / $HZ / $n * 1e6, 2))"

@@ -33,9 +33,9 @@ echo "$BODY" >"$WORK/body.json"
 echo "${BODY%\}}"',"stream":true}' >"$WORK/stream.json"
 
 # SDK_HEADERS=1: requests carry the headers the official OpenAI Python SDK
-# sends (OHA_HEADERS, for oha) and the mock answers with OpenAI's
-# (MOCK_HEADERS): some 40 headers an exchange, as in production, against
-# the 2 and 1 of the default.
+# sends (OHA_HEADERS, which every oha load here sends; not the streams of
+# benches/stream_ttfb.rs) and the mock answers with OpenAI's (MOCK_HEADERS):
+# some 40 headers an exchange, as in production, against a few by default.
 OHA_HEADERS=(-H 'content-type: application/json')
 if [ -n "${SDK_HEADERS:-}" ]; then
   export MOCK_HEADERS=1

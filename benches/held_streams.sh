@@ -34,7 +34,7 @@ per_request() {
   local pid=$1 dir=$2
   callgrind_control -z "$pid" >/dev/null 2>&1
   callgrind_control -i on "$pid" >/dev/null 2>&1
-  oha --no-tui -n "$N" -c 16 -m POST -H 'content-type: application/json' -D "$WORK/body.json" \
+  oha --no-tui -n "$N" -c 16 -m POST "${OHA_HEADERS[@]}" -D "$WORK/body.json" \
     "http://127.0.0.1:$PORT/v1/chat/completions" >/dev/null 2>&1
   callgrind_control -i off "$pid" >/dev/null 2>&1
   callgrind_control -d "$pid" >/dev/null 2>&1
@@ -54,10 +54,10 @@ for bin in $BINS; do
     >/dev/null 2>"$dir/valgrind.log") &
   pid=$!
   wait_for "http://$ADMIN/healthz" 1200
-  oha --no-tui -n 300 -c 16 -m POST -H 'content-type: application/json' -D "$WORK/body.json" \
+  oha --no-tui -n 300 -c 16 -m POST "${OHA_HEADERS[@]}" -D "$WORK/body.json" \
     "http://127.0.0.1:$PORT/v1/chat/completions" >/dev/null 2>&1
   idle=$(per_request "$pid" "$dir")
-  oha --no-tui -n "$HELD" -c "$HELD" -m POST -H 'content-type: application/json' \
+  oha --no-tui -n "$HELD" -c "$HELD" -m POST "${OHA_HEADERS[@]}" \
     -D "$WORK/stream.json" "http://127.0.0.1:$PORT/v1/chat/completions" >/dev/null 2>&1 &
   held=$!
   # Until every stream is open and waiting on the mock.

@@ -27,7 +27,7 @@ BINS=${BINS:-$ROOT/target/release/fairgate}
 
 MOCK_STREAM_PAUSE_MS=$PAUSE_MS start_mock "$MOCK"
 streams() {
-  oha_json -n "$STREAMS" -c "$STREAMS" -m POST -H 'content-type: application/json' \
+  oha_json -n "$STREAMS" -c "$STREAMS" -m POST "${OHA_HEADERS[@]}" \
     -D "$WORK/stream.json" "http://$FAIRGATE/v1/chat/completions"
 }
 
@@ -37,7 +37,7 @@ for round in $(seq "$ROUNDS"); do
     rm -rf "$WORK/data"
     start_fairgate "$bin" "$FAIRGATE" "$ADMIN" "$WORK"
     pid=$FAIRGATE_PID
-    oha_json -z 3s -c 64 -m POST -H 'content-type: application/json' -D "$WORK/body.json" \
+    oha_json -z 3s -c 64 -m POST "${OHA_HEADERS[@]}" -D "$WORK/body.json" \
       "http://$FAIRGATE/v1/chat/completions" >/dev/null
     sleep 1
     idle=$(mem_mb VmRSS "$pid")

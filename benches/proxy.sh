@@ -96,7 +96,7 @@ closed_loop() {
   local url=$1 pid_ticks=$2 body=$3 queue=$4 u0 s0 u1 s1 qu0 qs0 qu1 qs1 json n
   read -r u0 s0 < <($pid_ticks)
   read -r qu0 qs0 < <($queue)
-  json=$(oha_json -z "${DURATION}s" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$body" "$url")
+  json=$(oha_json -z "${DURATION}s" -c "$CONCURRENCY" -m POST "${OHA_HEADERS[@]}" -D "$body" "$url")
   read -r u1 s1 < <($pid_ticks)
   read -r qu1 qs1 < <($queue)
   n=$(echo "$json" | field "sum(d['statusCodeDistribution'].values())")
@@ -127,7 +127,7 @@ for _ in $(seq "$ROUNDS"); do
   # share of each exchange (proxy_ms: total minus upstream).
   for t in "${TARGETS[@]}"; do
     from=$(now_ms)
-    json=$(oha_json -z "${DURATION}s" -q "$RATE" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' \
+    json=$(oha_json -z "${DURATION}s" -q "$RATE" -c "$CONCURRENCY" -m POST "${OHA_HEADERS[@]}" \
       -D "$WORK/body.json" "${URL[$t]}")
     if [ "$t" = fairgate ]; then WINDOWS+=("$from-$(now_ms)"); fi
     P50S[$t]+=" $(echo "$json" | field "d['latencyPercentiles']['p50'] * 1000")"
@@ -144,7 +144,7 @@ done
 
 # The run ends with 256 concurrent streams; the peak memory is the
 # process's over the whole run (VmHWM).
-oha_json -n 5120 -c 256 -m POST -H 'content-type: application/json' -D "$WORK/stream.json" \
+oha_json -n 5120 -c 256 -m POST "${OHA_HEADERS[@]}" -D "$WORK/stream.json" \
   "http://$FAIRGATE/v1/chat/completions" >/dev/null
 PEAK=$(mem_mb VmHWM "$FAIRGATE_PID")
 

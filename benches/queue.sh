@@ -37,9 +37,9 @@ YAML
   wait_for "http://127.0.0.1:$((port + 1))/healthz"
   local url="http://127.0.0.1:$port/v1/chat/completions"
   local json rps p50 p99
-  json=$(oha_json -z "${DURATION}s" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$WORK/body.json" "$url")
+  json=$(oha_json -z "${DURATION}s" -c "$CONCURRENCY" -m POST "${OHA_HEADERS[@]}" -D "$WORK/body.json" "$url")
   rps=$(echo "$json" | field "round(d['summary']['requestsPerSec'])")
-  json=$(oha_json -z "${DURATION}s" -q "$RATE" -c "$CONCURRENCY" -m POST -H 'content-type: application/json' -D "$WORK/body.json" "$url")
+  json=$(oha_json -z "${DURATION}s" -q "$RATE" -c "$CONCURRENCY" -m POST "${OHA_HEADERS[@]}" -D "$WORK/body.json" "$url")
   p50=$(echo "$json" | field "round(d['latencyPercentiles']['p50'] * 1000, 3)")
   p99=$(echo "$json" | field "round(d['latencyPercentiles']['p99'] * 1000, 3)")
   local page spilled processed

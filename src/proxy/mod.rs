@@ -377,8 +377,8 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, ours: bool) {
     let strip = |name: &HeaderName| {
         is_hop_by_hop(name) || (ours && name.as_str().starts_with("x-fairgate-"))
     };
-    // Few or none are present: each is looked for again from the start.
-    while let Some(name) = headers.keys().find(|name| strip(name)).cloned() {
+    let found: Vec<HeaderName> = headers.keys().filter(|name| strip(name)).cloned().collect();
+    for name in found {
         headers.remove(name);
     }
 }
