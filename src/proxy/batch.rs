@@ -465,7 +465,7 @@ async fn create(
         true => bytes,
         false => json::splice(&bytes, &edits),
     };
-    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers.clone());
+    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers);
     if decoded {
         headers.remove(header::CONTENT_ENCODING);
     }

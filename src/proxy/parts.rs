@@ -214,16 +214,17 @@ async fn part(
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
     let upstream = route.upstream.clone();
-    let mut headers = super::upstream_headers(state, &upstream, dialect, req.headers().clone());
+    let (mut parts, body) = req.into_parts();
+    // Sent with the length the client gave, not chunked.
+    let length = parts.headers.remove(header::CONTENT_LENGTH);
+    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers);
     headers.insert(
         header::ACCEPT_ENCODING,
         HeaderValue::from_static("identity"),
     );
-    // Sent with the length the client gave, not chunked.
-    if let Some(length) = req.headers().get(header::CONTENT_LENGTH) {
-        headers.insert(header::CONTENT_LENGTH, length.clone());
+    if let Some(length) = length {
+        headers.insert(header::CONTENT_LENGTH, length);
     }
-    let (parts, body) = req.into_parts();
     let (copies, reading) = lines::read(state, &upstream, boundary, "data");
     let frames = http_body_util::BodyStream::new(body).map(|frame| frame.map_err(BoxError::from));
     let body = lines::tee(frames, copies, None);
@@ -299,7 +300,7 @@ async fn complete(
         }
     }
     let upstream = route.upstream.clone();
-    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers.clone());
+    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers);
     headers.remove(header::CONTENT_ENCODING);
     let body = Either::Left(Full::new(body));
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
