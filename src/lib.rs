@@ -26,8 +26,9 @@
 //! 6. What the block decision does not need leaves the request path as a
 //!    [`record::ExchangeRecord`], pushed without waiting to the [`queue`]
 //!    (in process, or NATS JetStream). Workers ([`worker`]) compute the
-//!    [`quality`] metrics and store them in the [`sink`]s; [`eval`] runs the
-//!    same rules and metrics offline over a dataset.
+//!    [`quality`] metrics and store them in the [`sink`]s, each result as
+//!    one [`line`] of JSON; [`eval`] runs the same rules and metrics
+//!    offline over a dataset.
 //!
 //! Around that path: [`admin`] (metrics, health, rules, reload),
 //! [`telemetry`] (the Prometheus collectors), [`watch`] (reload on file
@@ -42,6 +43,7 @@ pub mod eval;
 pub mod exchange;
 pub mod guard;
 pub mod json;
+pub mod line;
 pub mod proxy;
 pub mod quality;
 pub mod queue;

@@ -98,7 +98,8 @@ impl Publisher {
             QueueItem::Feedback(f) => format!("feedback:{}", f.request_id),
         };
         headers.insert("Nats-Msg-Id", id.as_str());
-        let payload = sonic_rs::to_vec(item)?;
+        let mut payload = Vec::new();
+        crate::line::write_item(&mut payload, item)?;
         let ack = self
             .js
             .publish_with_headers(self.config.subject.clone(), headers, payload.into())

@@ -109,12 +109,9 @@ impl JsonlSink {
             return Ok(Stored::Duplicate);
         }
         // Whole lines only: the record is serialized before any of it is
-        // written. sonic-rs escapes strings with SIMD: 5.4k fewer
-        // instructions per exchange than serde_json (148,301 -> 142,857
-        // by benches/instructions.sh, 2,000 requests); the same JSON,
-        // which serde_json reads back (tested below).
+        // written.
         day.line.clear();
-        sonic_rs::to_writer(&mut day.line, processed)?;
+        crate::line::write(&mut day.line, processed)?;
         day.line.push(b'\n');
         day.file.write_all(&day.line)?;
         Ok(Stored::New)

@@ -107,7 +107,8 @@ impl Sinks {
         if stored == Stored::New
             && let Some((client, subject)) = &self.nats
         {
-            let payload = sonic_rs::to_vec(processed)?;
+            let mut payload = Vec::new();
+            crate::line::write(&mut payload, processed)?;
             client.publish(subject.clone(), payload.into()).await?;
             client.flush().await?;
         }
