@@ -1,7 +1,7 @@
 //! Records and results as JSON lines: a [`Processed`] (the line a sink
-//! stores) and a [`QueueItem`] (the message a NATS queue carries), written
-//! as the JSON of their `Serialize` derives, byte for byte, at a fraction
-//! of the cost.
+//! stores) and a [`QueueItem`] (the message a NATS queue carries, and the
+//! line a spill file keeps), written as the JSON of their `Serialize`
+//! derives, byte for byte, at a fraction of the cost.
 //!
 //! A result line is written once per exchange, on the side queue's thread,
 //! and was the largest single cost of an exchange (21.7k of some 120k

@@ -46,7 +46,8 @@ impl QueueItem {
 }
 
 /// Everything about one guarded exchange that is not needed for its block
-/// decision.
+/// decision. Written as JSON by [`crate::line`], field by field: a new
+/// field goes there too (its tests fail until it does).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExchangeRecord {
     pub schema_version: u32,

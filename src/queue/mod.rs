@@ -179,7 +179,8 @@ impl Spill {
     /// Hands one record to the spill writer as a JSON line; never waits on
     /// the file.
     pub fn append(&self, item: &QueueItem) -> std::io::Result<()> {
-        let mut line = serde_json::to_vec(item)?;
+        let mut line = Vec::new();
+        crate::line::write_item(&mut line, item).map_err(std::io::Error::other)?;
         line.push(b'\n');
         self.writer
             .send(SpillOp::Line(line))

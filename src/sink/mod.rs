@@ -15,6 +15,8 @@ use crate::quality::MetricResult;
 use crate::record::{ExchangeRecord, FeedbackRecord, QueueItem};
 
 /// The results of one queue item: the record itself and its metrics.
+/// Written as JSON by [`crate::line`], field by field: a new field goes
+/// there too (its tests fail until it does).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Processed {
     /// `exchange` or `feedback`.
