@@ -158,7 +158,7 @@ impl Metrics {
     pub fn answer(&self, answer: &Answer) -> Vec<MetricResult> {
         // The response is read into words once for every metric.
         let response = Words::new(answer.response);
-        let words: Vec<&str> = response.iter().collect();
+        let words = response.list();
         vec![
             self.entropy_of(&words),
             self.ground_truth_spearman(answer.response, answer.ground_truth),
@@ -175,7 +175,7 @@ impl Metrics {
 
     /// `min(0.5 × markers present, 1)`, each marker matched as whole words.
     pub fn politeness(&self, response: &str) -> MetricResult {
-        self.politeness_of(&Words::new(response).iter().collect::<Vec<_>>())
+        self.politeness_of(&Words::new(response).list())
     }
 
     fn politeness_of(&self, words: &[&str]) -> MetricResult {
@@ -215,7 +215,7 @@ impl Metrics {
     /// The eight emotion counts of a text: for each emotion, the number of
     /// token occurrences whose lexicon entry has it.
     fn emotion_counts(lexicon: &Lexicon, text: &str) -> [u64; 8] {
-        Self::counts_of(lexicon, &Words::new(text).iter().collect::<Vec<_>>())
+        Self::counts_of(lexicon, &Words::new(text).list())
     }
 
     fn counts_of(lexicon: &Lexicon, words: &[&str]) -> [u64; 8] {
@@ -234,7 +234,7 @@ impl Metrics {
     /// Shannon entropy (bits) of the response's emotion distribution,
     /// `P(e) = count(e) / Σ counts`.
     pub fn emotional_entropy(&self, response: &str) -> MetricResult {
-        self.entropy_of(&Words::new(response).iter().collect::<Vec<_>>())
+        self.entropy_of(&Words::new(response).list())
     }
 
     fn entropy_of(&self, words: &[&str]) -> MetricResult {
@@ -385,7 +385,7 @@ pub fn exact_match(response: &str, expected: Option<&str>) -> MetricResult {
 /// `|G ∩ E| / |E|` over the token sets of the response G and the expected
 /// answer E; 0 when E has no tokens.
 pub fn keyword_recall(response: &str, expected: Option<&str>) -> MetricResult {
-    recall_of(&Words::new(response).iter().collect::<Vec<_>>(), expected)
+    recall_of(&Words::new(response).list(), expected)
 }
 
 fn recall_of(response: &[&str], expected: Option<&str>) -> MetricResult {
