@@ -99,9 +99,9 @@ impl Words {
         })
     }
 
-    /// The words in order, in a vector made large enough at once (a word
-    /// and its space take some 6 bytes of English): grown from empty, it
-    /// was reallocated four times for a short answer.
+    /// The words in order, in a vector made large enough at once: room for
+    /// a word every 4 bytes, where English takes some 6 with its space.
+    /// Grown from empty, it was reallocated four times for a short answer.
     pub fn list(&self) -> Vec<&str> {
         let mut words = Vec::with_capacity(self.lower.len() / 4 + 1);
         words.extend(self.iter());
