@@ -19,8 +19,12 @@ command -v oha >/dev/null || cargo install oha --locked
 # The bench binaries first: building them links target/release/fairgate
 # too, with the dev-dependencies' features unified in, and the release
 # build after it puts back the binary that `cargo run --release` runs.
-cargo bench --no-run --quiet --bench mock_upstream --bench stream_ttfb 2>/dev/null
-cargo build --release --quiet --bin fairgate
+# NO_BUILD=1 skips both (each is a fat-LTO link of some minutes on two
+# cores) when the binaries in target/release are the ones to measure.
+if [ -z "${NO_BUILD:-}" ]; then
+  cargo bench --no-run --quiet --bench mock_upstream --bench stream_ttfb 2>/dev/null
+  cargo build --release --quiet --bin fairgate
+fi
 
 # SYSTEM_WORDS=N: a system prompt of N words of plain instructions instead
 # of the one-line default (apps send some hundreds), the same in every request.

@@ -6,6 +6,7 @@
 #
 #   bash benches/instructions.sh                      # this checkout's release build
 #   OLD=/path/to/old/fairgate bash benches/instructions.sh   # and an older binary, same run
+#   NEW=/path/to/fairgate OLD=... NO_BUILD=1 bash benches/instructions.sh  # two saved builds, no rebuild
 #   N=1000 bash benches/instructions.sh               # exchanges per measurement
 #   MOCK_OBFUSCATION=1 bash benches/instructions.sh   # stream chunks padded as OpenAI's are
 #   MOCK_ANSWER_REPEAT=30 bash benches/instructions.sh  # streams of a long answer (about 4 KB)
@@ -50,7 +51,7 @@ count() {
 }
 
 printf '%-40s %16s %16s\n' binary "instr/request" "instr/stream"
-for bin in "$PWD/target/release/fairgate" ${OLD:+"$OLD"}; do
+for bin in "${NEW:-$PWD/target/release/fairgate}" ${OLD:+"$OLD"}; do
   base=$(count "$bin" 0 "$WORK/body.json")
   plain=$(count "$bin" "$N" "$WORK/body.json")
   streams=$(count "$bin" "$N" "$WORK/stream.json")
