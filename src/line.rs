@@ -18,7 +18,6 @@
 
 use serde::Serialize;
 
-use crate::quality::MetricResult;
 use crate::record::{ExchangeRecord, QueueItem};
 use crate::sink::Processed;
 
@@ -53,7 +52,10 @@ pub fn write(out: &mut Vec<u8>, processed: &Processed) -> sonic_rs::Result<()> {
         value(out, br#","feedback":"#, feedback)?;
     }
     out.extend_from_slice(br#","metrics":"#);
-    list(out, &processed.metrics, metric)?;
+    list(out, &processed.metrics, |out, metric| {
+        object!(out, metric; name, score, reason, details);
+        Ok(())
+    })?;
     out.push(b'}');
     Ok(())
 }
@@ -123,16 +125,12 @@ fn exchange_record(
     Ok(())
 }
 
-fn metric(out: &mut Vec<u8>, metric: &MetricResult) -> sonic_rs::Result<()> {
-    object!(out, metric; name, score, reason, details);
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use serde_json::json;
 
     use super::*;
+    use crate::quality::MetricResult;
     use crate::record::{
         ClientMeta, FeedbackRecord, RecordHit, StakeType, TextMode, Texts, UserAction,
     };
