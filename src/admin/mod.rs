@@ -1,7 +1,12 @@
 //! The admin listener: `/metrics` (Prometheus), `/healthz`, `/readyz`,
-//! `/admin/rules` (packs, counts, version, last reload and error) and
-//! `POST /admin/reload`. When the configuration names a token, every request
-//! must carry it as `Authorization: Bearer <token>`.
+//! `/admin/rules` (packs, counts, version, last reload and error),
+//! `POST /admin/reload`, and the built-in dashboard (`/dashboard`, which
+//! polls `/admin/summary`; see [`dashboard`]). When the configuration
+//! names a token, every request must carry it as
+//! `Authorization: Bearer <token>`, but for the dashboard's page and its
+//! assets, which hold no data.
+
+pub mod dashboard;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -75,6 +80,23 @@ fn check_token(token: Option<&str>, req: &Request<Incoming>) -> Option<Response<
     Some(response)
 }
 
+/// A file of the dashboard, fixed at build time, with the page's
+/// Content-Security-Policy.
+fn page_asset(body: &'static str, kind: &'static str) -> Response<ProxyBody> {
+    let mut response = respond::text(StatusCode::OK, body.to_owned());
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, http::HeaderValue::from_static(kind));
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        http::HeaderValue::from_static(dashboard::POLICY),
+    );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        http::HeaderValue::from_static("nosniff"),
+    );
+    response
+}
+
 fn metrics_page(text: String) -> Response<ProxyBody> {
     let mut response = respond::text(StatusCode::OK, text);
     response.headers_mut().insert(
@@ -88,6 +110,17 @@ pub async fn handle(
     state: Arc<State>,
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible> {
+    if req.method() == Method::GET {
+        let asset = match req.uri().path() {
+            "/dashboard" => Some((dashboard::PAGE, "text/html; charset=utf-8")),
+            "/dashboard.js" => Some((dashboard::SCRIPT, "text/javascript; charset=utf-8")),
+            "/dashboard.css" => Some((dashboard::STYLE, "text/css; charset=utf-8")),
+            _ => None,
+        };
+        if let Some((body, kind)) = asset {
+            return Ok(page_asset(body, kind));
+        }
+    }
     if let Some(denied) = check_token(state.admin_token.as_deref(), &req) {
         return Ok(denied);
     }
@@ -95,6 +128,15 @@ pub async fn handle(
         (&Method::GET, "/metrics") => metrics_page(state.metrics.render()),
         (&Method::GET, "/healthz") => respond::text(StatusCode::OK, "ok\n".into()),
         (&Method::GET, "/readyz") => respond::text(StatusCode::OK, "ready\n".into()),
+        (&Method::GET, "/admin/summary") => {
+            let mut response =
+                json_response(StatusCode::OK, &dashboard::summary(&state), "admin", None);
+            response.headers_mut().insert(
+                header::CACHE_CONTROL,
+                http::HeaderValue::from_static("no-store"),
+            );
+            response
+        }
         (&Method::GET, "/admin/rules") => {
             let rules = state.rules.snapshot();
             let body = json!({

@@ -50,8 +50,8 @@ use crate::record::{
 };
 use crate::risk::{self, Decision, Verdict};
 use crate::rules::store::RuleStore;
-use crate::rules::{Hit, RuleSet, Scope};
-use crate::telemetry::Metrics;
+use crate::rules::{Action, Hit, RuleSet, Scope};
+use crate::telemetry::{BlockLog, Blocked, BlockedRule, Metrics};
 use respond::Failure;
 use upstream::{UpstreamBody, UpstreamClient};
 
@@ -71,6 +71,8 @@ pub struct State {
     keys: HashMap<String, HeaderValue>,
     /// The bearer token the admin listener requires, if any.
     pub admin_token: Option<String>,
+    /// The last blocked exchanges, for the admin dashboard.
+    pub blocked: BlockLog,
     /// Upgraded connections open now, which a shutdown waits for too.
     tunnels: tokio::sync::watch::Sender<usize>,
     /// Batch inputs being uploaded in parts.
@@ -124,6 +126,7 @@ impl State {
             queue,
             keys,
             admin_token,
+            blocked: BlockLog::default(),
             tunnels: tokio::sync::watch::Sender::new(0),
             uploads: parts::Uploads::default(),
             next_id: AtomicU64::new(0),
@@ -545,8 +548,12 @@ struct Ending<'a> {
 }
 
 impl RecordDraft {
-    /// Completes the record and hands it to the side queue.
+    /// Completes the record and hands it to the side queue; a blocked
+    /// exchange also goes to the dashboard's log.
     fn finish(self, state: &State, end: Ending) {
+        if end.verdict.decision == Decision::Block {
+            state.blocked.push(self.blocked(&end));
+        }
         let mode = state.config.records.texts;
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         let record = ExchangeRecord {
@@ -575,6 +582,39 @@ impl RecordDraft {
             client: self.client,
         };
         state.queue.push(QueueItem::Exchange(Box::new(record)));
+    }
+
+    /// The dashboard's entry for this exchange, blocked as `end` says:
+    /// before the upstream was called (the prompt or its context), or after.
+    fn blocked(&self, end: &Ending) -> Blocked {
+        let hits = &end.verdict.hits;
+        let scope = match end.upstream {
+            None => guard::block_scope(hits, Scope::Prompt),
+            Some(_) => Scope::Response.as_str(),
+        };
+        let mut rules: Vec<BlockedRule> = hits
+            .iter()
+            .map(|hit| BlockedRule {
+                rule: hit.rule.to_string(),
+                category: hit.category.to_string(),
+                scope: hit.scope.as_str(),
+                action: hit.action.as_str(),
+            })
+            .collect();
+        rules.sort_by_key(|rule| rule.action != Action::Block.as_str());
+        rules.dedup_by(|a, b| a.rule == b.rule && a.scope == b.scope);
+        Blocked {
+            request_id: self.request_id.clone(),
+            finished_ms: now_ms(),
+            route: self.endpoint.route().to_owned(),
+            upstream: self.upstream.clone(),
+            model: self.model.clone(),
+            stream: self.stream,
+            scope,
+            status: end.status,
+            risk: end.verdict.risk.total,
+            rules,
+        }
     }
 }
 

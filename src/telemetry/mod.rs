@@ -60,6 +60,15 @@ pub struct Metrics {
     quality: HistogramVec,
     /// `quality` of each metric seen so far, resolved once.
     quality_by_name: std::sync::Mutex<Vec<(String, Histogram)>>,
+    /// Each metric's name and label names, as registered.
+    described: Vec<Described>,
+}
+
+/// A metric's name and the names of its labels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Described {
+    pub name: String,
+    pub labels: Vec<String>,
 }
 
 /// Latency buckets from 50 µs to 60 s.
@@ -138,10 +147,21 @@ impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Metrics {
         let registry = Registry::new();
+        let described = std::cell::RefCell::new(Vec::new());
+        // Names are fixed and distinct, so registration cannot collide.
+        let register = |collector: Box<dyn prometheus::core::Collector>| {
+            described
+                .borrow_mut()
+                .extend(collector.desc().into_iter().map(|desc| Described {
+                    name: desc.fq_name.clone(),
+                    labels: desc.variable_labels.clone(),
+                }));
+            let _ = registry.register(collector);
+        };
         let counter = |name: &str, help: &str, labels: &[&str]| {
             let c = IntCounterVec::new(Opts::new(name, help), labels)
                 .unwrap_or_else(|e| unreachable_metric(name, e));
-            register(&registry, Box::new(c.clone()));
+            register(Box::new(c.clone()));
             c
         };
         let histogram = |name: &str, help: &str, labels: &[&str], buckets: &[f64]| {
@@ -150,7 +170,7 @@ impl Metrics {
                 labels,
             )
             .unwrap_or_else(|e| unreachable_metric(name, e));
-            register(&registry, Box::new(h.clone()));
+            register(Box::new(h.clone()));
             h
         };
         let requests = counter(
@@ -225,7 +245,7 @@ impl Metrics {
             .buckets(LATENCY_BUCKETS.to_vec()),
         )
         .unwrap_or_else(|e| unreachable_metric("fairgate_queue_lag_seconds", e));
-        register(&registry, Box::new(queue_lag.clone()));
+        register(Box::new(queue_lag.clone()));
         let quality = histogram(
             "fairgate_quality_score",
             "Quality metric scores by metric.",
@@ -237,10 +257,10 @@ impl Metrics {
             &["version"],
         )
         .unwrap_or_else(|e| unreachable_metric("fairgate_rules_info", e));
-        register(&registry, Box::new(rules_info.clone()));
+        register(Box::new(rules_info.clone()));
         let gauge = |name: &str, help: &str| {
             let g = IntGauge::new(name, help).unwrap_or_else(|e| unreachable_metric(name, e));
-            register(&registry, Box::new(g.clone()));
+            register(Box::new(g.clone()));
             g
         };
         let rules_loaded = gauge("fairgate_rules_loaded", "Rules serving.");
@@ -261,7 +281,7 @@ impl Metrics {
             "Rule reloads that failed.",
         )
         .unwrap_or_else(|e| unreachable_metric("fairgate_rules_reload_errors_total", e));
-        register(&registry, Box::new(reload_errors.clone()));
+        register(Box::new(reload_errors.clone()));
         let risk_by_scope = ["prompt", "response", "context", "total"]
             .map(|scope| risk.with_label_values(&[scope]));
         Metrics {
@@ -287,6 +307,7 @@ impl Metrics {
             queue_lag,
             quality,
             quality_by_name: Default::default(),
+            described: described.into_inner(),
         }
     }
 
@@ -321,6 +342,17 @@ impl Metrics {
         String::from_utf8(out).unwrap_or_default()
     }
 
+    /// Every metric's current values, for the admin dashboard's summary.
+    pub fn gather(&self) -> Vec<prometheus::proto::MetricFamily> {
+        self.registry.gather()
+    }
+
+    /// Each metric fairgate registers, with its label names: what a
+    /// dashboard may query, whether or not it has a value yet.
+    pub fn described(&self) -> &[Described] {
+        &self.described
+    }
+
     /// Records a newly serving rule set.
     pub fn rules_swapped(&self, version: &str, rules: usize) {
         self.rules_info.reset();
@@ -335,13 +367,64 @@ impl Default for Metrics {
     }
 }
 
-fn register(registry: &Registry, collector: Box<dyn prometheus::core::Collector>) {
-    // Names are fixed and distinct, so registration cannot collide.
-    let _ = registry.register(collector);
-}
-
 /// Metric definitions are constants: an invalid one is a programming error
 /// that the tests catch on the first run.
 fn unreachable_metric<T>(name: &str, error: prometheus::Error) -> T {
     panic!("metric {name} is invalid: {error}")
+}
+
+/// The last [`BlockLog::KEPT`] blocked exchanges, for the admin dashboard:
+/// where each was blocked and by which rules, never its texts (a blocked
+/// prompt may hold the very card number a rule caught).
+#[derive(Default)]
+pub struct BlockLog {
+    entries: std::sync::Mutex<std::collections::VecDeque<Blocked>>,
+}
+
+/// One blocked exchange, as the dashboard lists it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Blocked {
+    pub request_id: String,
+    pub finished_ms: i64,
+    pub route: String,
+    pub upstream: String,
+    /// The model the client asked for, as it wrote it: shown, never a label.
+    pub model: Option<String>,
+    pub stream: bool,
+    /// `prompt`, `context` or `response`: what was blocked.
+    pub scope: &'static str,
+    pub status: u16,
+    pub risk: f64,
+    /// The rules that hit, blocking ones first.
+    pub rules: Vec<BlockedRule>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BlockedRule {
+    pub rule: String,
+    pub category: String,
+    pub scope: &'static str,
+    pub action: &'static str,
+}
+
+impl BlockLog {
+    /// How many blocked exchanges the log keeps.
+    pub const KEPT: usize = 100;
+
+    /// Adds a blocked exchange, forgetting the oldest beyond [`Self::KEPT`].
+    pub fn push(&self, blocked: Blocked) {
+        // A poisoned lock only means a panic elsewhere mid-push: the log is
+        // still a list of whole entries.
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if entries.len() == Self::KEPT {
+            entries.pop_back();
+        }
+        entries.push_front(blocked);
+    }
+
+    /// The blocked exchanges kept, newest first.
+    pub fn newest_first(&self) -> Vec<Blocked> {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries.iter().cloned().collect()
+    }
 }
