@@ -1,10 +1,12 @@
-//! The admin listener's built-in dashboard page and its summary, over real
-//! sockets.
+//! The dashboards: the admin listener's built-in page and its summary, over
+//! real sockets, and the Grafana dashboard and Prometheus alerts in
+//! `deploy/`, held to the metrics fairgate registers.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
 use regex::Regex;
@@ -201,4 +203,150 @@ async fn the_summary_needs_the_admin_token_and_the_page_does_not() {
         assert_eq!(get(asset, None).await, 200, "{asset}");
     }
     proxy.stop().await;
+}
+
+/// Labels Prometheus adds to every series it scrapes, and a histogram's
+/// bucket bound.
+const SCRAPE_LABELS: [&str; 3] = ["job", "instance", "le"];
+
+/// Checks a PromQL expression against the metrics fairgate registers: every
+/// `fairgate_*` name is one of them (a histogram's by its `_bucket`, `_sum`
+/// or `_count` series), every label matched on is one of that metric's, and
+/// every label grouped `by` is one of some metric's in the expression.
+/// Returns the metrics named.
+fn check_query(
+    expr: &str,
+    registered: &HashMap<String, Vec<String>>,
+    problems: &mut Vec<String>,
+) -> Vec<String> {
+    let metric = Regex::new(r"\b(fairgate_[a-z_]+)(\{[^}]*\})?").unwrap();
+    let matcher = Regex::new(r#"([a-z_]+)\s*(?:=~|!~|!=|=)\s*""#).unwrap();
+    let by = Regex::new(r"\b(?:by|without)\s*\(([^)]*)\)").unwrap();
+    let mut named = Vec::new();
+    let mut labels: BTreeSet<&str> = SCRAPE_LABELS.into();
+    for found in metric.captures_iter(expr) {
+        let series = &found[1];
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| series.strip_suffix(suffix))
+            .filter(|base| registered.contains_key(*base))
+            .unwrap_or(series);
+        let Some(own) = registered.get(base) else {
+            problems.push(format!("{series} is not a fairgate metric, in {expr}"));
+            continue;
+        };
+        named.push(base.to_owned());
+        labels.extend(own.iter().map(String::as_str));
+        for matched in found.get(2).map_or("", |m| m.as_str()).split(',') {
+            let Some(label) = matcher.captures(matched) else {
+                continue;
+            };
+            let label = label.get(1).unwrap().as_str();
+            if !own.iter().any(|l| l == label) && !SCRAPE_LABELS.contains(&label) {
+                problems.push(format!("{base} has no label {label}, in {expr}"));
+            }
+        }
+    }
+    for grouped in by.captures_iter(expr) {
+        for label in grouped[1].split(',').map(str::trim) {
+            if !labels.contains(label) {
+                problems.push(format!("no metric of {expr} has the label {label}"));
+            }
+        }
+    }
+    named
+}
+
+#[test]
+fn the_grafana_dashboard_and_alerts_query_what_fairgate_exports() {
+    let metrics = fairgate::telemetry::Metrics::new();
+    let registered: HashMap<String, Vec<String>> = metrics
+        .described()
+        .iter()
+        .map(|d| (d.name.clone(), d.labels.clone()))
+        .collect();
+    assert!(registered.len() > 15, "{registered:?}");
+    let mut problems = Vec::new();
+    let mut queried = BTreeSet::new();
+
+    let dashboard: Value =
+        serde_json::from_str(&std::fs::read_to_string("deploy/grafana/fairgate.json").unwrap())
+            .unwrap();
+    let mut ids = BTreeSet::new();
+    let panels = dashboard["panels"].as_array().unwrap();
+    for panel in panels {
+        let title = panel["title"].as_str().unwrap();
+        assert!(
+            ids.insert(panel["id"].as_u64().unwrap()),
+            "{title}: id taken"
+        );
+        let grid = &panel["gridPos"];
+        let (x, w) = (grid["x"].as_u64().unwrap(), grid["w"].as_u64().unwrap());
+        assert!(x + w <= 24, "{title}: wider than the grid");
+        if panel["type"] == "row" {
+            continue;
+        }
+        assert_eq!(panel["datasource"]["uid"], "${datasource}", "{title}");
+        let targets = panel["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "{title}: no query");
+        for target in targets {
+            let expr = target["expr"].as_str().unwrap();
+            let named = check_query(expr, &registered, &mut problems);
+            assert!(!named.is_empty(), "{title}: queries no fairgate metric");
+            queried.extend(named);
+        }
+    }
+    for variable in dashboard["templating"]["list"].as_array().unwrap() {
+        if let Some(query) = variable["definition"].as_str() {
+            check_query(query, &registered, &mut problems);
+        }
+    }
+
+    let alerts: Value = serde_yaml_ng::from_str::<serde_yaml_ng::Value>(
+        &std::fs::read_to_string("deploy/alerts.yml").unwrap(),
+    )
+    .map(|yaml| serde_json::to_value(yaml).unwrap())
+    .unwrap();
+    let rules = alerts["groups"][0]["rules"].as_array().unwrap();
+    assert!(rules.len() >= 5);
+    for rule in rules {
+        let expr = rule["expr"].as_str().unwrap();
+        assert!(
+            !check_query(expr, &registered, &mut problems).is_empty(),
+            "{}: queries no fairgate metric",
+            rule["alert"]
+        );
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+
+    // Every metric fairgate registers has a panel.
+    let unshown: Vec<&String> = registered
+        .keys()
+        .filter(|name| !queried.contains(*name))
+        .collect();
+    assert!(unshown.is_empty(), "no panel shows {unshown:?}");
+}
+
+#[test]
+fn a_query_on_a_metric_or_label_fairgate_lacks_is_caught() {
+    let registered = HashMap::from([(
+        "fairgate_requests_total".to_owned(),
+        vec!["route".to_owned(), "verdict".to_owned()],
+    )]);
+    let mut problems = Vec::new();
+    check_query(
+        r#"sum by (verdict) (rate(fairgate_requests_total{job=~"$job", verdict="block"}[5m]))"#,
+        &registered,
+        &mut problems,
+    );
+    assert!(problems.is_empty(), "{problems:?}");
+    for wrong in [
+        r#"sum(rate(fairgate_request_total[5m]))"#,
+        r#"sum(rate(fairgate_requests_total{scope="prompt"}[5m]))"#,
+        r#"sum by (rule) (rate(fairgate_requests_total[5m]))"#,
+    ] {
+        let mut problems = Vec::new();
+        check_query(wrong, &registered, &mut problems);
+        assert_eq!(problems.len(), 1, "{wrong}: {problems:?}");
+    }
 }
