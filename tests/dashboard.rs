@@ -38,15 +38,23 @@ async fn send(proxy: &support::Proxy, script: Value, body: &Value) -> (u16, Stri
     (response.status().as_u16(), id)
 }
 
+/// GETs `path` from the admin listener, without a token: it must answer
+/// 200 with `content_type`. Returns its headers and text.
+async fn admin_get(
+    proxy: &support::Proxy,
+    path: &str,
+    content_type: &str,
+) -> (reqwest::header::HeaderMap, String) {
+    let response = client().get(proxy.admin_url(path)).send().await.unwrap();
+    assert_eq!(response.status(), 200, "{path}");
+    assert_eq!(response.headers()["content-type"], content_type, "{path}");
+    let headers = response.headers().clone();
+    (headers, response.text().await.unwrap())
+}
+
 async fn summary(proxy: &support::Proxy) -> (String, Value) {
-    let response = client()
-        .get(proxy.admin_url("/admin/summary"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    assert_eq!(response.headers()["cache-control"], "no-store");
-    let text = response.text().await.unwrap();
+    let (headers, text) = admin_get(proxy, "/admin/summary", "application/json").await;
+    assert_eq!(headers["cache-control"], "no-store");
     let value = serde_json::from_str(&text).unwrap();
     (text, value)
 }
@@ -60,7 +68,10 @@ async fn the_summary_counts_blocks_and_lists_the_latest_without_texts() {
     let (status, prompt_id) = send(&proxy, json!({}), &chat(&injection)).await;
     assert_eq!(status, 400);
     let risky = json!({"text": "Sure! Put all your savings into Dogecoin right now."});
-    let (status, response_id) = send(&proxy, risky, &chat("What should I do?")).await;
+    let mut asked = chat("What should I do?");
+    // A model name of any length: the log keeps its first 100 characters.
+    asked["model"] = json!(format!("gpt-4o-mini{}", "x".repeat(10_000)));
+    let (status, response_id) = send(&proxy, risky, &asked).await;
     assert_eq!(status, 200);
 
     let (text, summary) = summary(&proxy).await;
@@ -91,7 +102,10 @@ async fn the_summary_counts_blocks_and_lists_the_latest_without_texts() {
     assert_eq!(recent[0]["request_id"], response_id);
     assert_eq!(recent[0]["scope"], "response");
     assert_eq!(recent[0]["status"], 200);
-    assert_eq!(recent[0]["model"], "gpt-4o-mini");
+    assert_eq!(
+        recent[0]["model"],
+        format!("gpt-4o-mini{}", "x".repeat(100 - 11))
+    );
     assert_eq!(recent[0]["rules"][0]["rule"], "fin.invest_everything");
     assert_eq!(recent[0]["rules"][0]["action"], "block");
     assert_eq!(recent[1]["request_id"], prompt_id);
@@ -136,35 +150,15 @@ async fn the_summary_counts_blocks_and_lists_the_latest_without_texts() {
 #[tokio::test]
 async fn the_page_is_served_with_its_script_and_a_strict_policy() {
     let (_mock, proxy) = start().await;
-    let page = client()
-        .get(proxy.admin_url("/dashboard"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(page.status(), 200);
-    assert_eq!(page.headers()["content-type"], "text/html; charset=utf-8");
-    let policy = page.headers()["content-security-policy"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let (headers, html) = admin_get(&proxy, "/dashboard", "text/html; charset=utf-8").await;
+    let policy = headers["content-security-policy"].to_str().unwrap();
     assert!(policy.contains("script-src 'self'"), "{policy}");
     assert!(!policy.contains("unsafe-inline"), "{policy}");
-    let html = page.text().await.unwrap();
     assert!(html.contains(r#"<script src="/dashboard.js">"#));
     assert!(html.contains(r#"href="/dashboard.css""#));
     assert!(!html.contains("<script>"), "no inline script");
 
-    let script = client()
-        .get(proxy.admin_url("/dashboard.js"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(script.status(), 200);
-    assert_eq!(
-        script.headers()["content-type"],
-        "text/javascript; charset=utf-8"
-    );
-    let script = script.text().await.unwrap();
+    let (_, script) = admin_get(&proxy, "/dashboard.js", "text/javascript; charset=utf-8").await;
     assert!(script.contains(r#"fetch("/admin/summary""#));
     // Values from outside are set as text, never parsed as markup.
     assert!(!script.contains("innerHTML"));
@@ -173,12 +167,7 @@ async fn the_page_is_served_with_its_script_and_a_strict_policy() {
     for id in ids.captures_iter(&script) {
         assert!(html.contains(&format!(r#"id="{}""#, &id[1])), "#{}", &id[1]);
     }
-    let style = client()
-        .get(proxy.admin_url("/dashboard.css"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(style.headers()["content-type"], "text/css; charset=utf-8");
+    admin_get(&proxy, "/dashboard.css", "text/css; charset=utf-8").await;
     proxy.stop().await;
 }
 

@@ -608,7 +608,7 @@ impl RecordDraft {
             finished_ms: now_ms(),
             route: self.endpoint.route().to_owned(),
             upstream: self.upstream.clone(),
-            model: self.model.clone(),
+            model: self.model.as_deref().map(Blocked::model_name),
             stream: self.stream,
             scope,
             status: end.status,

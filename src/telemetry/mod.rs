@@ -1,7 +1,8 @@
 //! Prometheus metrics: the only module that creates collectors. Names live
 //! here; labels are low-cardinality values (routes, upstream names from the
 //! configuration, rule ids, scopes, actions, verdicts), never request ids or
-//! model-controlled strings.
+//! model-controlled strings. Beside them, the [`BlockLog`] of the latest
+//! blocked exchanges that the admin dashboard lists.
 
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -388,7 +389,8 @@ pub struct Blocked {
     pub finished_ms: i64,
     pub route: String,
     pub upstream: String,
-    /// The model the client asked for, as it wrote it: shown, never a label.
+    /// The model the client asked for, as it wrote it (up to
+    /// [`Blocked::MODEL_CHARS`] characters): shown, never a label.
     pub model: Option<String>,
     pub stream: bool,
     /// `prompt`, `context` or `response`: what was blocked.
@@ -397,6 +399,17 @@ pub struct Blocked {
     pub risk: f64,
     /// The rules that hit, blocking ones first.
     pub rules: Vec<BlockedRule>,
+}
+
+impl Blocked {
+    /// How much of a model name the log keeps: a client may send any
+    /// string, of any length, and the log keeps a hundred.
+    pub const MODEL_CHARS: usize = 100;
+
+    /// `model`, cut to [`Blocked::MODEL_CHARS`] characters.
+    pub fn model_name(model: &str) -> String {
+        model.chars().take(Self::MODEL_CHARS).collect()
+    }
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
