@@ -10,9 +10,10 @@
 //! escape (about 100 instructions a key in sonic-rs). Here each key, with
 //! the punctuation around it, is one copy of bytes made from the field's
 //! name when compiling (`fields!`, `object!`), and only the values go
-//! through sonic-rs, so that strings, numbers and
-//! `details` are escaped and formatted exactly as before. Tests hold the
-//! two writers to the same bytes for records with every field set.
+//! through sonic-rs, so that strings, numbers and `details` are escaped
+//! and formatted exactly as before; `usage` is written as the compact JSON
+//! text it is kept as ([`Usage`](crate::record::Usage)). Tests hold the
+//! writer to the bytes serde_json writes for records with every field set.
 //!
 //! The rare feedback record is written by its derive.
 
@@ -118,7 +119,12 @@ fn exchange_record(
         object!(out, hit; rule, category, scope, action, start, end, snippet);
         Ok(())
     })?;
-    fields!(out, record; upstream_ms, proxy_ms, total_ms, usage);
+    fields!(out, record; upstream_ms, proxy_ms, total_ms);
+    out.extend_from_slice(br#","usage":"#);
+    match &record.usage {
+        Some(usage) => out.extend_from_slice(usage.as_str().as_bytes()),
+        None => out.extend_from_slice(b"null"),
+    }
     out.extend_from_slice(br#","client":"#);
     object!(out, record.client; session, user, ground_truth, expected);
     out.push(b'}');
@@ -132,7 +138,7 @@ mod tests {
     use super::*;
     use crate::quality::MetricResult;
     use crate::record::{
-        ClientMeta, FeedbackRecord, RecordHit, StakeType, TextMode, Texts, UserAction,
+        ClientMeta, FeedbackRecord, RecordHit, StakeType, TextMode, Texts, Usage, UserAction,
     };
     use crate::risk::{Decision, Risk};
     use crate::rules::{Action, Scope};
@@ -185,9 +191,9 @@ mod tests {
             upstream_ms: Some(12.5),
             proxy_ms: 0.041,
             total_ms: 12.541,
-            usage: Some(
-                json!({"prompt_tokens": 20, "completion_tokens": 25, "nested": {"a": [1, 2.5, null]}}),
-            ),
+            usage: Some(Usage::from_json_text(
+                "{\n  \"prompt_tokens\": 20,\n  \"completion_tokens\": 25, \"nested\": {\"a\": [1, 2.5, null], \"k e\\\" y\": \" \\\\\"}\n}",
+            )),
             client: ClientMeta {
                 session: Some("s-1".into()),
                 user: Some("u-7".into()),
@@ -227,7 +233,7 @@ mod tests {
     #[test]
     fn an_exchange_line_is_what_serde_writes() {
         let processed = exchange();
-        let serde = sonic_rs::to_string(&processed).unwrap();
+        let serde = serde_json::to_string(&processed).unwrap();
         assert_eq!(line(&processed), serde);
         // And reads back as the same results.
         let mut back: Processed = serde_json::from_str(&line(&processed)).unwrap();
@@ -244,7 +250,7 @@ mod tests {
         let item = QueueItem::Exchange(record);
         let mut out = Vec::new();
         write_item(&mut out, &item).unwrap();
-        assert_eq!(out, sonic_rs::to_vec(&item).unwrap());
+        assert_eq!(out, serde_json::to_vec(&item).unwrap());
         let back: QueueItem = serde_json::from_slice(&out).unwrap();
         assert_eq!(back, item);
     }
@@ -260,7 +266,7 @@ mod tests {
         record.usage = None;
         record.client = ClientMeta::default();
         processed.metrics.clear();
-        assert_eq!(line(&processed), sonic_rs::to_string(&processed).unwrap());
+        assert_eq!(line(&processed), serde_json::to_string(&processed).unwrap());
     }
 
     #[test]
@@ -285,10 +291,10 @@ mod tests {
                 details: json!({"expected_success": 0.85}),
             }],
         };
-        assert_eq!(line(&processed), sonic_rs::to_string(&processed).unwrap());
+        assert_eq!(line(&processed), serde_json::to_string(&processed).unwrap());
         let item = QueueItem::Feedback(processed.feedback.unwrap());
         let mut out = Vec::new();
         write_item(&mut out, &item).unwrap();
-        assert_eq!(out, sonic_rs::to_vec(&item).unwrap());
+        assert_eq!(out, serde_json::to_vec(&item).unwrap());
     }
 }

@@ -74,7 +74,7 @@ async fn exchanges_hits_metrics_and_feedback_become_rows_once() {
 
     let row = db
         .query_one(
-            "SELECT session_id, verdict, status, (texts->'response'->>0) FROM fairgate_exchanges WHERE request_id = $1",
+            "SELECT session_id, verdict, status, (texts->'response'->>0), usage, record->'usage' FROM fairgate_exchanges WHERE request_id = $1",
             &[&allowed_id],
         )
         .await
@@ -83,6 +83,10 @@ async fn exchanges_hits_metrics_and_feedback_become_rows_once() {
     assert_eq!(row.get::<_, String>(1), "allow");
     assert_eq!(row.get::<_, i32>(2), 200);
     assert_eq!(row.get::<_, String>(3), "Hello from the mock.");
+    // The answer's usage, in its column and in the whole record.
+    let usage = row.get::<_, Value>(4);
+    assert_eq!(usage["total_tokens"], 12, "{usage}");
+    assert_eq!(row.get::<_, Value>(5), usage);
     let exact: f64 = db
         .query_one(
             "SELECT score FROM fairgate_metric_results WHERE request_id = $1 AND metric = 'exact_match'",

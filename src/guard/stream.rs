@@ -100,6 +100,7 @@ use tokio::sync::mpsc;
 use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint};
 use crate::proxy::ProxyBody;
+use crate::record::Usage;
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::normalize::{Normalized, clean_point_at_or_before, clean_point_in};
 use crate::rules::{Action, Hit, RuleSet, Scope};
@@ -153,7 +154,7 @@ pub struct StreamOutcome {
     /// The whole response text the upstream sent, redacted.
     pub text: String,
     /// The upstream's `usage`, when the stream reported one.
-    pub usage: Option<Value>,
+    pub usage: Option<Usage>,
     /// Time spent in the guard itself (parsing, scanning, re-framing).
     pub guard_time: Duration,
     pub malformed: bool,
@@ -801,7 +802,7 @@ impl Guard {
         StreamOutcome {
             verdict,
             text,
-            usage: self.usage.clone(),
+            usage: self.usage.as_ref().map(Usage::from_value),
             guard_time,
             malformed: self.malformed,
             upstream_failed: self.upstream_failed,

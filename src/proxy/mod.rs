@@ -34,7 +34,6 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use serde_json::Value;
 use tokio::net::TcpListener;
 
 use crate::config::{Config, OnBlock, StreamMode};
@@ -45,7 +44,7 @@ use crate::json::ReadError;
 use crate::queue::Queue;
 use crate::queue::pipeline::Pipeline;
 use crate::record::{
-    ClientMeta, ExchangeRecord, FeedbackRecord, FeedbackRequest, QueueItem, Texts, now_ms,
+    ClientMeta, ExchangeRecord, FeedbackRecord, FeedbackRequest, QueueItem, Texts, Usage, now_ms,
     record_hits,
 };
 use crate::risk::{self, Decision, Verdict};
@@ -544,7 +543,7 @@ struct Ending<'a> {
     upstream: Option<Duration>,
     /// fairgate's own share.
     proxy: Duration,
-    usage: Option<Value>,
+    usage: Option<Usage>,
 }
 
 impl RecordDraft {
@@ -974,7 +973,7 @@ async fn guarded(
             (guard::scan_plain_response(&rules, &body), None, true)
         }
     };
-    let usage = usage.and_then(|usage| serde_json::from_str::<Value>(usage).ok());
+    let usage = usage.map(Usage::from_json_text);
     let mut all: Vec<Hit> = scan.verdict.hits.clone();
     all.extend(scanned.hits);
     let verdict = risk::assess(&state.config.risk, all, &scan.relevance);

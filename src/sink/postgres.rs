@@ -181,7 +181,7 @@ async fn write(client: &mut Client, p: &Processed) -> anyhow::Result<Stored> {
                     &r.upstream_ms,
                     &r.proxy_ms,
                     &r.total_ms,
-                    &r.usage,
+                    &r.usage.as_ref().map(tokio_postgres::types::Json),
                     &r.client.session,
                     &r.client.user,
                     &texts,
