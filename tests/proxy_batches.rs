@@ -77,6 +77,7 @@ async fn a_batch_with_a_blocked_request_never_reaches_the_upstream() {
     let response = proxy.post("/v1/messages/batches", json!({}), &batch).await;
     assert_eq!(response.status(), 400);
     assert_eq!(response.headers()["x-should-retry"], "false");
+    let id = response.headers()["x-fairgate-request-id"].clone();
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["type"], "error");
     assert_eq!(body["error"]["type"], "invalid_request_error");
@@ -92,6 +93,13 @@ async fn a_batch_with_a_blocked_request_never_reaches_the_upstream() {
     let allowed =
         series(r#"fairgate_requests_total{route="batches",upstream="anthropic",verdict="allow"}"#);
     assert_eq!(allowed, Some(1.0), "{metrics}");
+    // Listed on the dashboard under the request that sent the batch.
+    let recent = proxy.recent_blocks().await;
+    assert_eq!(recent.len(), 1, "{recent:?}");
+    assert_eq!(recent[0]["request_id"], id.to_str().unwrap());
+    assert_eq!(recent[0]["route"], "batches");
+    assert_eq!(recent[0]["scope"], "prompt");
+    assert_eq!(recent[0]["rules"][0]["rule"], "jb.persona");
     proxy.stop().await;
 }
 
@@ -219,6 +227,12 @@ async fn results_are_relayed_line_by_line_as_the_rules_allow() {
         r#"fairgate_blocks_total{route="batch_results",scope="response"}"#,
     );
     assert_eq!(blocks, Some(1.0), "{metrics}");
+    let recent = proxy.recent_blocks().await;
+    assert_eq!(recent.len(), 1, "{recent:?}");
+    assert_eq!(recent[0]["route"], "batch_results");
+    assert_eq!(recent[0]["rules"][0]["rule"], "fin.invest_everything");
+    // A line of the results was refused, not the fetch.
+    assert_eq!(recent[0]["status"], Value::Null);
     proxy.stop().await;
 }
 

@@ -73,6 +73,10 @@ async fn a_stored_answer_comes_back_as_its_refusal() {
         r#"fairgate_blocks_total{route="stored",scope="response"}"#,
     );
     assert_eq!(blocks, Some(2.0), "{metrics}");
+    let recent = proxy.recent_blocks().await;
+    let listed: Vec<(&Value, &Value)> =
+        recent.iter().map(|b| (&b["route"], &b["status"])).collect();
+    assert_eq!(listed, [(&json!("stored"), &json!(200)); 2], "{recent:?}");
     proxy.stop().await;
 }
 

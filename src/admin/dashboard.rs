@@ -7,7 +7,8 @@
 //! The summary is read from the same Prometheus registry as `/metrics`
 //! (counts since the process started; the page works out rates between two
 //! polls), plus the [`BlockLog`](crate::telemetry::BlockLog) of the latest
-//! blocked exchanges. It holds no texts, and neither does the log.
+//! blocks: of exchanges, of a batch's requests and answers, of stored
+//! answers fetched again. It holds no texts, and neither does the log.
 //!
 //! The page and its assets hold no data, so they are served without the
 //! admin token; the summary needs it like every other admin path. The page

@@ -43,7 +43,7 @@ use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
 
 use super::respond::{self, Failure};
-use super::stored::count;
+use super::stored::{ScannedIn, count};
 use super::{BoxError, ProxyBody, Relayed, State, lines, upstream};
 use crate::config::OnBlock;
 use crate::exchange::{self, Batch, BatchAnswer, BatchRequest, Dialect};
@@ -174,7 +174,7 @@ async fn read_on_the_way(
 ) -> Response<ProxyBody> {
     let dialect = Dialect::OpenAi;
     let (start, rest, boundary) = input;
-    let (copies, reading) = lines::read(state, &upstream, boundary, "file");
+    let (copies, reading) = lines::read(state, &upstream, boundary, "file", request_id);
     let (allow, allowed) = tokio::sync::oneshot::channel();
     let judging = {
         let (state, upstream, request_id) =
@@ -356,24 +356,35 @@ fn scan_one(
     request: &BatchRequest,
     request_id: &str,
 ) -> Result<Edits, Box<Response<ProxyBody>>> {
-    let scan = scan_counted(state, rules, upstream, request);
+    let scan = scan_counted(state, rules, upstream, request, request_id);
     match Refusal::of_block(request, &scan.verdict.hits, scan.verdict.decision) {
         Some(refusal) => Err(Box::new(refusal.respond(dialect, place, request_id))),
         None => Ok(scan.edits),
     }
 }
 
-/// One request of a batch scanned as a prompt, and counted.
+/// One request of a batch scanned as a prompt, and counted (a block is
+/// logged under `request_id`, the request that sent it).
 pub(super) fn scan_counted(
     state: &State,
     rules: &RuleSet,
     upstream: &str,
     request: &BatchRequest,
+    request_id: &str,
 ) -> guard::RequestScan {
     let guard = &state.config.guard;
     let texts = &request.params.texts;
     let scan = guard::scan_request(rules, &state.config.risk, &guard.context_tags, texts);
-    count(state, REQUESTS, upstream, Scope::Prompt, &scan.verdict);
+    let scanned_in = ScannedIn {
+        route: REQUESTS,
+        upstream,
+        request_id,
+        scope: Scope::Prompt,
+        // The batch's 400 may come with a later request (an upload's
+        // completion).
+        status: None,
+    };
+    count(state, scanned_in, &scan.verdict);
     scan
 }
 
@@ -747,7 +758,14 @@ impl Lines {
         let state = &self.state;
         let scanned = guard::scan_response(&self.rules, line, &answer.texts);
         let verdict = risk::assess(&state.config.risk, scanned.hits, &[]);
-        count(state, RESULTS, &self.upstream, Scope::Response, &verdict);
+        let scanned_in = ScannedIn {
+            route: RESULTS,
+            upstream: &self.upstream,
+            request_id: &self.request_id,
+            scope: Scope::Response,
+            status: None,
+        };
+        count(state, scanned_in, &verdict);
         if verdict.decision != Decision::Block {
             return scanned
                 .redacted

@@ -70,9 +70,10 @@ pub(super) fn read(
     upstream: &str,
     boundary: String,
     field: &'static str,
+    request_id: &str,
 ) -> (mpsc::Sender<Bytes>, JoinHandle<Read>) {
     let (copies, pieces) = mpsc::channel(8);
-    let reader = LineReader::new(state.clone(), upstream.to_owned());
+    let reader = LineReader::new(state.clone(), upstream.to_owned(), request_id.to_owned());
     let runtime = tokio::runtime::Handle::current();
     let reading = tokio::task::spawn_blocking(move || {
         runtime.block_on(read_form(reader, pieces, boundary, field))
@@ -223,18 +224,21 @@ struct LineReader {
     state: Arc<State>,
     rules: Arc<RuleSet>,
     upstream: String,
+    /// The upload that sends the form.
+    request_id: String,
     part: Part,
     /// The line being read.
     line: Vec<u8>,
 }
 
 impl LineReader {
-    fn new(state: Arc<State>, upstream: String) -> LineReader {
+    fn new(state: Arc<State>, upstream: String, request_id: String) -> LineReader {
         let rules = state.rules.snapshot();
         LineReader {
             state,
             rules,
             upstream,
+            request_id,
             part: Part::default(),
             line: Vec::new(),
         }
@@ -271,7 +275,8 @@ impl LineReader {
             return;
         }
         let index = self.part.lines;
-        if let Some(refused) = refusal(&self.state, &self.rules, &self.upstream, line) {
+        let (state, rules) = (&self.state, &self.rules);
+        if let Some(refused) = refusal(state, rules, &self.upstream, line, &self.request_id) {
             self.part.refused = Some((index, refused));
         }
     }
@@ -283,7 +288,13 @@ impl LineReader {
 }
 
 /// What refuses a batch in `line` of its input, if anything does.
-fn refusal(state: &State, rules: &RuleSet, upstream: &str, line: &[u8]) -> Option<Refused> {
+fn refusal(
+    state: &State,
+    rules: &RuleSet,
+    upstream: &str,
+    line: &[u8],
+    request_id: &str,
+) -> Option<Refused> {
     if line.trim_ascii().is_empty() {
         return None;
     }
@@ -291,7 +302,7 @@ fn refusal(state: &State, rules: &RuleSet, upstream: &str, line: &[u8]) -> Optio
         Ok(request) => request,
         Err(error) => return Some(Refused::Unreadable(Failure::unreadable(&error))),
     };
-    let scan = scan_counted(state, rules, upstream, &request);
+    let scan = scan_counted(state, rules, upstream, &request, request_id);
     let verdict = &scan.verdict;
     match verdict.decision {
         Decision::Redact => Some(Refused::Rules(Refusal::of_redaction(
@@ -329,7 +340,7 @@ pub(super) fn check(
         if let Some(head) = &part.head {
             carry.extend_from_slice(head);
             lines += 1;
-            if let Some(refused) = refusal(state, rules, upstream, &carry) {
+            if let Some(refused) = refusal(state, rules, upstream, &carry, request_id) {
                 return Some(refuse(&refused, lines));
             }
             carry.clear();
@@ -343,7 +354,7 @@ pub(super) fn check(
             return Some(respond::failure(dialect, Failure::TooLarge, request_id));
         }
     }
-    let refused = refusal(state, rules, upstream, &carry)?;
+    let refused = refusal(state, rules, upstream, &carry, request_id)?;
     Some(refuse(&refused, lines + 1))
 }
 

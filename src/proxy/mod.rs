@@ -49,7 +49,7 @@ use crate::record::{
 };
 use crate::risk::{self, Decision, Verdict};
 use crate::rules::store::RuleStore;
-use crate::rules::{Action, Hit, RuleSet, Scope};
+use crate::rules::{Hit, RuleSet, Scope};
 use crate::telemetry::{BlockLog, Blocked, BlockedRule, Metrics};
 use respond::Failure;
 use upstream::{UpstreamBody, UpstreamClient};
@@ -591,17 +591,6 @@ impl RecordDraft {
             None => guard::block_scope(hits, Scope::Prompt),
             Some(_) => Scope::Response.as_str(),
         };
-        let mut rules: Vec<BlockedRule> = hits
-            .iter()
-            .map(|hit| BlockedRule {
-                rule: hit.rule.to_string(),
-                category: hit.category.to_string(),
-                scope: hit.scope.as_str(),
-                action: hit.action.as_str(),
-            })
-            .collect();
-        rules.sort_by_key(|rule| rule.action != Action::Block.as_str());
-        rules.dedup_by(|a, b| a.rule == b.rule && a.scope == b.scope);
         Blocked {
             request_id: self.request_id.clone(),
             finished_ms: now_ms(),
@@ -610,9 +599,9 @@ impl RecordDraft {
             model: self.model.as_deref().map(Blocked::model_name),
             stream: self.stream,
             scope,
-            status: end.status,
+            status: Some(end.status),
             risk: end.verdict.risk.total,
-            rules,
+            rules: BlockedRule::of(hits),
         }
     }
 }

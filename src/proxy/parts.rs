@@ -225,7 +225,7 @@ async fn part(
     if let Some(length) = length {
         headers.insert(header::CONTENT_LENGTH, length);
     }
-    let (copies, reading) = lines::read(state, &upstream, boundary, "data");
+    let (copies, reading) = lines::read(state, &upstream, boundary, "data", request_id);
     let frames = http_body_util::BodyStream::new(body).map(|frame| frame.map_err(BoxError::from));
     let body = lines::tee(frames, copies, None);
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);

@@ -23,8 +23,10 @@ use crate::exchange::{Dialect, Endpoint, ResponseBody, Stored};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json::ReadError;
+use crate::record::now_ms;
 use crate::risk::{self, Decision, Verdict};
 use crate::rules::Scope;
+use crate::telemetry::{Blocked, BlockedRule};
 
 /// The route label of these fetches in the metrics.
 const ROUTE: &str = "stored";
@@ -69,15 +71,16 @@ pub(super) async fn fetch(
             started: Instant::now(),
             include_usage: false,
         };
-        let counted = state.clone();
+        let (counted, request_id_kept) = (state.clone(), request_id.to_owned());
         let done = move |outcome: StreamOutcome| {
-            count(
-                &counted,
-                ROUTE,
-                &upstream,
-                Scope::Response,
-                &outcome.verdict,
-            )
+            let scanned_in = ScannedIn {
+                route: ROUTE,
+                upstream: &upstream,
+                request_id: &request_id_kept,
+                scope: Scope::Response,
+                status: None,
+            };
+            count(&counted, scanned_in, &outcome.verdict)
         };
         let body = guard_body(setup, upstream::body_stream(body, deadline), done);
         return super::guarded_response(head.status, head.headers, body, request_id, None);
@@ -102,17 +105,26 @@ pub(super) async fn fetch(
         Err(_) => (guard::scan_plain_response(&rules, &body), false),
     };
     let verdict = risk::assess(&state.config.risk, scanned.hits, &[]);
-    count(state, ROUTE, &upstream, Scope::Response, &verdict);
+    let refuses = json && state.config.guard.on_block == OnBlock::Refusal;
+    let refused_as = match stored {
+        Stored::Response => Some(Endpoint::Responses),
+        Stored::ChatCompletion => Some(Endpoint::ChatCompletions),
+        _ => None,
+    }
+    .filter(|_| refuses);
+    let scanned_in = ScannedIn {
+        route: ROUTE,
+        upstream: &upstream,
+        request_id,
+        scope: Scope::Response,
+        status: Some(if refused_as.is_some() { 200 } else { 400 }),
+    };
+    count(state, scanned_in, &verdict);
     let body = if verdict.decision == Decision::Block {
         let message = block_message(&verdict.hits);
         tracing::info!(request_id, rules = ?rule_ids(&verdict.hits), "stored answer blocked");
         // Fetched as it was refused when it was made.
-        let refused_as = match stored {
-            Stored::Response => Some(Endpoint::Responses),
-            Stored::ChatCompletion => Some(Endpoint::ChatCompletions),
-            _ => None,
-        };
-        match refused_as.filter(|_| json && state.config.guard.on_block == OnBlock::Refusal) {
+        match refused_as {
             Some(endpoint) => respond::refusal(endpoint, &body, &message),
             None => {
                 let ids = rule_ids(&verdict.hits);
@@ -126,18 +138,43 @@ pub(super) async fn fetch(
     super::guarded_response(head.status, head.headers, body, request_id, verdict)
 }
 
-/// Counts the verdict of a text scanned outside an exchange (a fetch, a
-/// batch's request or answer) on `route`: its hits, risk and block.
-pub(super) fn count(state: &State, route: &str, upstream: &str, scanned: Scope, verdict: &Verdict) {
+/// What was scanned outside an exchange (a fetch, a batch's request or
+/// answer), for its counts and the dashboard's block log.
+pub(super) struct ScannedIn<'a> {
+    pub route: &'static str,
+    pub upstream: &'a str,
+    /// The request whose body or answer held it.
+    pub request_id: &'a str,
+    pub scope: Scope,
+    /// The status the client gets if it blocks (see [`Blocked::status`]).
+    pub status: Option<u16>,
+}
+
+/// Counts the verdict of a text scanned outside an exchange: its hits,
+/// risk and block; a block also goes to the dashboard's log.
+pub(super) fn count(state: &State, scanned: ScannedIn, verdict: &Verdict) {
     let metrics = &state.metrics;
     super::record_verdict(metrics, verdict);
     let decision = verdict.decision;
+    let route = scanned.route;
     metrics
         .requests
-        .with_label_values(&[route, upstream, decision.as_str()])
+        .with_label_values(&[route, scanned.upstream, decision.as_str()])
         .inc();
     if decision == Decision::Block {
-        let scope = guard::block_scope(&verdict.hits, scanned);
+        let scope = guard::block_scope(&verdict.hits, scanned.scope);
         metrics.blocks.with_label_values(&[route, scope]).inc();
+        state.blocked.push(Blocked {
+            request_id: scanned.request_id.to_owned(),
+            finished_ms: now_ms(),
+            route: route.to_owned(),
+            upstream: scanned.upstream.to_owned(),
+            model: None,
+            stream: false,
+            scope,
+            status: scanned.status,
+            risk: verdict.risk.total,
+            rules: BlockedRule::of(&verdict.hits),
+        });
     }
 }

@@ -395,7 +395,10 @@ pub struct Blocked {
     pub stream: bool,
     /// `prompt`, `context` or `response`: what was blocked.
     pub scope: &'static str,
-    pub status: u16,
+    /// The HTTP status the client got; none for a block in a batch (a
+    /// request of its input, a line of its results) or in a stored
+    /// answer's stream.
+    pub status: Option<u16>,
     pub risk: f64,
     /// The rules that hit, blocking ones first.
     pub rules: Vec<BlockedRule>,
@@ -418,6 +421,30 @@ pub struct BlockedRule {
     pub category: String,
     pub scope: &'static str,
     pub action: &'static str,
+}
+
+impl BlockedRule {
+    /// The rules of `hits`, each once a scope, blocking ones first.
+    pub fn of(hits: &[crate::rules::Hit]) -> Vec<BlockedRule> {
+        let mut rules: Vec<BlockedRule> = Vec::with_capacity(hits.len());
+        for hit in hits {
+            let scope = hit.scope.as_str();
+            if !rules
+                .iter()
+                .any(|r| *r.rule == *hit.rule && r.scope == scope)
+            {
+                rules.push(BlockedRule {
+                    rule: hit.rule.to_string(),
+                    category: hit.category.to_string(),
+                    scope,
+                    action: hit.action.as_str(),
+                });
+            }
+        }
+        // Stable: the hits' order otherwise.
+        rules.sort_by_key(|rule| rule.action != crate::rules::Action::Block.as_str());
+        rules
+    }
 }
 
 impl BlockLog {

@@ -495,6 +495,27 @@ impl Proxy {
             .expect("a text page")
     }
 
+    /// The admin dashboard's summary (`/admin/summary`).
+    pub async fn summary(&self) -> Value {
+        client()
+            .get(self.admin_url("/admin/summary"))
+            .send()
+            .await
+            .expect("the admin listener answers")
+            .json()
+            .await
+            .expect("a JSON summary")
+    }
+
+    /// The dashboard's latest blocked exchanges, newest first.
+    pub async fn recent_blocks(&self) -> Vec<Value> {
+        let summary = self.summary().await;
+        summary["recent_blocks"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
     /// POSTs `body` to `path`; the mock answers as `script` says (see the
     /// module documentation).
     pub async fn post(&self, path: &str, script: Value, body: &Value) -> reqwest::Response {
