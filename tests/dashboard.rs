@@ -7,11 +7,10 @@
 mod support;
 
 use std::collections::{BTreeSet, HashMap};
-use std::path::Path;
 
 use regex::Regex;
 use serde_json::{Value, json};
-use support::{client, config, start, start_mock};
+use support::{client, start};
 
 const SECRET_KEY: &str = "sk-dashboard-secret-1234567890";
 const CARD: &str = "4111 1111 1111 1111";
@@ -173,11 +172,7 @@ async fn the_page_is_served_with_its_script_and_a_strict_policy() {
 
 #[tokio::test]
 async fn the_summary_needs_the_admin_token_and_the_page_does_not() {
-    let mock = start_mock().await;
-    let mut state = fairgate::proxy::State::new(config(&mock.url(), Path::new("rules"))).unwrap();
-    // What `admin.token_env` would have read from the environment.
-    state.admin_token = Some("s3cret-token".into());
-    let proxy = support::start_proxy_state(state).await;
+    let (_mock, proxy) = support::start_with_admin_token("s3cret-token").await;
     let get = |path: &str, token: Option<&str>| {
         let mut request = client().get(proxy.admin_url(path));
         if let Some(token) = token {

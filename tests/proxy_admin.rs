@@ -213,11 +213,7 @@ async fn metrics_count_requests_blocks_and_rule_hits() {
 
 #[tokio::test]
 async fn admin_requires_the_token_when_one_is_configured() {
-    let mock = start_mock().await;
-    let mut state = fairgate::proxy::State::new(config(&mock.url(), Path::new("rules"))).unwrap();
-    // What `admin.token_env` would have read from the environment.
-    state.admin_token = Some("s3cret-token".into());
-    let proxy = support::start_proxy_state(state).await;
+    let (_mock, proxy) = support::start_with_admin_token("s3cret-token").await;
     let url = proxy.admin_url("/metrics");
     assert_eq!(client().get(&url).send().await.unwrap().status(), 401);
     assert_eq!(

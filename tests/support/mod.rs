@@ -483,10 +483,10 @@ impl Proxy {
         format!("http://{}{path}", self.admin)
     }
 
-    /// The Prometheus page of the admin listener.
-    pub async fn metrics(&self) -> String {
+    /// A page of the admin listener, as text.
+    async fn admin_page(&self, path: &str) -> String {
         client()
-            .get(self.admin_url("/metrics"))
+            .get(self.admin_url(path))
             .send()
             .await
             .expect("the admin listener answers")
@@ -495,16 +495,14 @@ impl Proxy {
             .expect("a text page")
     }
 
+    /// The Prometheus page of the admin listener.
+    pub async fn metrics(&self) -> String {
+        self.admin_page("/metrics").await
+    }
+
     /// The admin dashboard's summary (`/admin/summary`).
     pub async fn summary(&self) -> Value {
-        client()
-            .get(self.admin_url("/admin/summary"))
-            .send()
-            .await
-            .expect("the admin listener answers")
-            .json()
-            .await
-            .expect("a JSON summary")
+        serde_json::from_str(&self.admin_page("/admin/summary").await).expect("a JSON summary")
     }
 
     /// The dashboard's latest blocked exchanges, newest first.
@@ -705,6 +703,17 @@ pub async fn start_proxy_state_without_pipeline(state: State) -> Proxy {
 pub async fn start() -> (Mock, Proxy) {
     let mock = start_mock().await;
     let proxy = start_proxy(config(&mock.url(), Path::new("rules"))).await;
+    (mock, proxy)
+}
+
+/// Proxy in front of a fresh mock, with the shipped rules, whose admin
+/// listener requires `token` (what `admin.token_env` would have read from
+/// the environment).
+pub async fn start_with_admin_token(token: &str) -> (Mock, Proxy) {
+    let mock = start_mock().await;
+    let mut state = State::new(config(&mock.url(), Path::new("rules"))).expect("proxy state");
+    state.admin_token = Some(token.to_owned());
+    let proxy = start_proxy_state(state).await;
     (mock, proxy)
 }
 
