@@ -27,8 +27,13 @@ function number(n) {
 }
 
 function ms(value) {
-  if (value == null) return "–";
+  if (typeof value !== "number" || !Number.isFinite(value)) return "–";
   return value < 1 ? `${(value * 1000).toFixed(0)} µs` : `${value.toFixed(value < 10 ? 2 : 0)} ms`;
+}
+
+// A number with `digits` decimals; a dash for none (JSON writes NaN as null).
+function fixed(n, digits) {
+  return typeof n === "number" && Number.isFinite(n) ? n.toFixed(digits) : "–";
 }
 
 function percent(part, whole) {
@@ -157,7 +162,7 @@ function render(summary) {
       b.model || "",
       b.scope,
       b.rules.map((r) => `${r.rule} (${r.action})`).join(", "),
-      { text: b.risk.toFixed(2), cls: "n" },
+      { text: fixed(b.risk, 2), cls: "n" },
     ]), "no blocked exchange since the proxy started");
   const errors = [
     ...pairs(summary.errors.upstream).map(([kind, n]) => ["upstream", kind, n]),
@@ -166,9 +171,9 @@ function render(summary) {
   ];
   table("errors", ["where", "kind", "#count"], errors);
   table("risk", ["scope", "mean", "#exchanges"],
-    Object.entries(summary.risk).map(([scope, r]) => [scope, { text: r.mean.toFixed(3), cls: "n" }, r.count]));
+    Object.entries(summary.risk).map(([scope, r]) => [scope, { text: fixed(r.mean, 3), cls: "n" }, r.count]));
   table("quality", ["metric", "mean", "#scores"],
-    Object.entries(summary.quality).map(([metric, q]) => [metric, { text: q.mean.toFixed(3), cls: "n" }, q.count]));
+    Object.entries(summary.quality).map(([metric, q]) => [metric, { text: fixed(q.mean, 3), cls: "n" }, q.count]));
 }
 
 async function poll() {
