@@ -136,7 +136,7 @@ impl Serialize for Usage {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         // serde_json writes a RawValue as it is; `line` writes the text
         // itself (sonic-rs does not know serde_json's RawValue).
-        serde_json::value::RawValue::from_string(self.0.to_string())
+        serde_json::from_str::<&serde_json::value::RawValue>(&self.0)
             .map_err(serde::ser::Error::custom)?
             .serialize(serializer)
     }

@@ -133,24 +133,22 @@ struct Families(Vec<MetricFamily>);
 type Labels<'a> = BTreeMap<&'a str, &'a str>;
 
 impl Families {
-    fn metrics(&self, name: &str) -> &[Metric] {
-        self.0
-            .iter()
-            .find(|family| family.name() == name)
-            .map_or(&[], |family| &family.metric)
+    fn family(&self, name: &str) -> Option<&MetricFamily> {
+        self.0.iter().find(|family| family.name() == name)
     }
 
-    fn kind(&self, name: &str) -> Option<MetricType> {
-        self.0
-            .iter()
-            .find(|family| family.name() == name)
-            .map(|family| family.type_())
+    fn metrics(&self, name: &str) -> &[Metric] {
+        self.family(name).map_or(&[], |family| &family.metric)
     }
 
     /// Each series of a counter or gauge: its labels and value.
     fn series(&self, name: &str) -> Vec<(Labels<'_>, f64)> {
-        let gauge = self.kind(name) == Some(MetricType::GAUGE);
-        self.metrics(name)
+        let Some(family) = self.family(name) else {
+            return Vec::new();
+        };
+        let gauge = family.type_() == MetricType::GAUGE;
+        family
+            .metric
             .iter()
             .map(|metric| {
                 let value = if gauge {

@@ -83,7 +83,7 @@ fn check_token(token: Option<&str>, req: &Request<Incoming>) -> Option<Response<
 /// A file of the dashboard, fixed at build time, with the page's
 /// Content-Security-Policy.
 fn page_asset(body: &'static str, kind: &'static str) -> Response<ProxyBody> {
-    let mut response = respond::text(StatusCode::OK, body.to_owned());
+    let mut response = Response::new(respond::full(bytes::Bytes::from_static(body.as_bytes())));
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, http::HeaderValue::from_static(kind));
     headers.insert(

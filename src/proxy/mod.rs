@@ -50,7 +50,7 @@ use crate::record::{
 use crate::risk::{self, Decision, Verdict};
 use crate::rules::store::RuleStore;
 use crate::rules::{Hit, RuleSet, Scope};
-use crate::telemetry::{BlockLog, Blocked, BlockedRule, Metrics};
+use crate::telemetry::{BlockLog, Blocked, Metrics};
 use respond::Failure;
 use upstream::{UpstreamBody, UpstreamClient};
 
@@ -586,23 +586,21 @@ impl RecordDraft {
     /// The dashboard's entry for this exchange, blocked as `end` says:
     /// before the upstream was called (the prompt or its context), or after.
     fn blocked(&self, end: &Ending) -> Blocked {
-        let hits = &end.verdict.hits;
         let scope = match end.upstream {
-            None => guard::block_scope(hits, Scope::Prompt),
+            None => guard::block_scope(&end.verdict.hits, Scope::Prompt),
             Some(_) => Scope::Response.as_str(),
         };
-        Blocked {
-            request_id: self.request_id.clone(),
-            finished_ms: now_ms(),
-            route: self.endpoint.route().to_owned(),
-            upstream: self.upstream.clone(),
-            model: self.model.as_deref().map(Blocked::model_name),
-            stream: self.stream,
+        let route = self.endpoint.route();
+        let status = Some(end.status);
+        Blocked::new(
+            &self.request_id,
+            route,
+            &self.upstream,
             scope,
-            status: Some(end.status),
-            risk: end.verdict.risk.total,
-            rules: BlockedRule::of(hits),
-        }
+            status,
+            end.verdict,
+        )
+        .of_exchange(self.model.as_deref(), self.stream)
     }
 }
 

@@ -23,10 +23,9 @@ use crate::exchange::{Dialect, Endpoint, ResponseBody, Stored};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json::ReadError;
-use crate::record::now_ms;
 use crate::risk::{self, Decision, Verdict};
 use crate::rules::Scope;
-use crate::telemetry::{Blocked, BlockedRule};
+use crate::telemetry::Blocked;
 
 /// The route label of these fetches in the metrics.
 const ROUTE: &str = "stored";
@@ -164,17 +163,8 @@ pub(super) fn count(state: &State, scanned: ScannedIn, verdict: &Verdict) {
     if decision == Decision::Block {
         let scope = guard::block_scope(&verdict.hits, scanned.scope);
         metrics.blocks.with_label_values(&[route, scope]).inc();
-        state.blocked.push(Blocked {
-            request_id: scanned.request_id.to_owned(),
-            finished_ms: now_ms(),
-            route: route.to_owned(),
-            upstream: scanned.upstream.to_owned(),
-            model: None,
-            stream: false,
-            scope,
-            status: scanned.status,
-            risk: verdict.risk.total,
-            rules: BlockedRule::of(&verdict.hits),
-        });
+        let (id, upstream, status) = (scanned.request_id, scanned.upstream, scanned.status);
+        let blocked = Blocked::new(id, route, upstream, scope, status, verdict);
+        state.blocked.push(blocked);
     }
 }

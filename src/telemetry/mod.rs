@@ -409,9 +409,36 @@ impl Blocked {
     /// string, of any length, and the log keeps a hundred.
     pub const MODEL_CHARS: usize = 100;
 
-    /// `model`, cut to [`Blocked::MODEL_CHARS`] characters.
-    pub fn model_name(model: &str) -> String {
-        model.chars().take(Self::MODEL_CHARS).collect()
+    /// The entry of a block, now, by `verdict`, of `scope` in what
+    /// `request_id` carried on `route`; no model, not a stream.
+    pub fn new(
+        request_id: &str,
+        route: &str,
+        upstream: &str,
+        scope: &'static str,
+        status: Option<u16>,
+        verdict: &crate::risk::Verdict,
+    ) -> Blocked {
+        Blocked {
+            request_id: request_id.to_owned(),
+            finished_ms: crate::record::now_ms(),
+            route: route.to_owned(),
+            upstream: upstream.to_owned(),
+            model: None,
+            stream: false,
+            scope,
+            status,
+            risk: verdict.risk.total,
+            rules: BlockedRule::of(&verdict.hits),
+        }
+    }
+
+    /// The entry of an exchange: the model the client asked for (cut to
+    /// [`Blocked::MODEL_CHARS`] characters) and whether it streamed.
+    pub fn of_exchange(mut self, model: Option<&str>, stream: bool) -> Blocked {
+        self.model = model.map(|model| model.chars().take(Self::MODEL_CHARS).collect());
+        self.stream = stream;
+        self
     }
 }
 
