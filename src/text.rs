@@ -14,20 +14,22 @@ static WORD_CHAR: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(r"^[\p{L}\p{M}\p{Nd}]$").unwrap()
 });
 
-/// The length of the character at byte `at` (a character boundary) when it
-/// belongs to words; `None` for another character or the end. Called for
-/// every byte of every answer the quality metrics read, so the ASCII case
-/// is inlined into the loop (left to the optimizer, it was not in one
-/// build: 2,000 more instructions per request) and the rest is not.
-#[inline(always)]
-fn word_char_len(text: &str, at: usize) -> Option<usize> {
-    let byte = *text.as_bytes().get(at)?;
-    if byte.is_ascii() {
-        return (byte.is_ascii_alphanumeric() || byte == b'\'').then_some(1);
+/// What an ASCII byte is to words: part of one (letters, digits and the
+/// apostrophe) or a separator. Bytes from 0x80 start or continue another
+/// character and are decoded ([`wide_word_char_len`]).
+const ASCII_WORD: [bool; 128] = {
+    let mut table = [false; 128];
+    let mut byte = 0;
+    while byte < 128 {
+        table[byte] = (byte as u8).is_ascii_alphanumeric() || byte == b'\'' as usize;
+        byte += 1;
     }
-    wide_word_char_len(text, at)
-}
+    table
+};
 
+/// The length of the character at byte `at` (a character boundary, not
+/// ASCII) when it belongs to words; `None` for another character. Kept out
+/// of the word loop, which decides ASCII bytes by a table.
 #[inline(never)]
 fn wide_word_char_len(text: &str, at: usize) -> Option<usize> {
     let c = text[at..].chars().next()?;
@@ -69,21 +71,38 @@ impl Words {
     }
 
     /// The words in order. Runs of word characters are found by a loop over
-    /// the bytes: ASCII is decided inline, and only a byte that starts
-    /// another character is decoded and looked up by its Unicode class. Most
-    /// text is ASCII, and this is a hot path of the workers.
+    /// the bytes: an ASCII byte is decided by a table, and only a byte that
+    /// starts another character is decoded and looked up by its Unicode
+    /// class. Most text is ASCII, and this is a hot path of the workers.
     pub fn iter(&self) -> impl Iterator<Item = &str> {
         let text = self.lower.as_str();
+        let bytes = text.as_bytes();
         let mut at = 0;
-        std::iter::from_fn(move || {
-            while at < text.len() {
-                let start = at;
-                while let Some(len) = word_char_len(text, at) {
-                    at += len;
+        // Past the run of word characters that starts at `at`.
+        let run_end = move |mut at: usize| {
+            while let Some(&byte) = bytes.get(at) {
+                match ASCII_WORD.get(usize::from(byte)) {
+                    Some(true) => at += 1,
+                    Some(false) => break,
+                    None => match wide_word_char_len(text, at) {
+                        Some(len) => at += len,
+                        None => break,
+                    },
                 }
+            }
+            at
+        };
+        std::iter::from_fn(move || {
+            while let Some(&byte) = bytes.get(at) {
+                if ASCII_WORD.get(usize::from(byte)) == Some(&false) {
+                    at += 1;
+                    continue;
+                }
+                let start = at;
+                at = run_end(at);
                 if at == start {
-                    // Not a word character: step over it.
-                    at += char_len(text.as_bytes()[at]);
+                    // Another character that is not a word character.
+                    at += char_len(byte);
                     continue;
                 }
                 let mut word = &text[start..at];
