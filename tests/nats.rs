@@ -270,10 +270,24 @@ async fn results_are_published_on_the_results_subject() {
         let result: Value = serde_json::from_slice(&message.payload).unwrap();
         assert_eq!(result["kind"], "exchange");
         assert_eq!(result["metrics"].as_array().unwrap().len(), 10);
-        seen.push(result["request_id"].as_str().unwrap().to_owned());
+        seen.push((
+            result["request_id"].as_str().unwrap().to_owned(),
+            message.payload.to_vec(),
+        ));
     }
     seen.sort();
     ids.sort();
-    assert_eq!(seen, ids);
+    assert_eq!(
+        seen.iter().map(|(id, _)| id).collect::<Vec<_>>(),
+        ids.iter().collect::<Vec<_>>()
+    );
+    // With the JSON-lines sink too, what is published is the line written,
+    // byte for byte.
+    proxy.wait_for_results(3).await;
+    let mut lines = proxy.result_lines();
+    lines.sort();
+    let mut published: Vec<Vec<u8>> = seen.into_iter().map(|(_, payload)| payload).collect();
+    published.sort();
+    assert_eq!(lines, published);
     proxy.stop().await;
 }

@@ -117,6 +117,18 @@ impl JsonlSink {
     }
 
     pub async fn write(&self, processed: &Processed) -> anyhow::Result<Stored> {
+        self.write_keeping(processed, None).await
+    }
+
+    /// [`JsonlSink::write`], and when `keep` is given, a copy of the line
+    /// written (without its newline) in it, for another sink to send the
+    /// same bytes without serializing the result again. A duplicate leaves
+    /// `keep` as it was.
+    pub async fn write_keeping(
+        &self,
+        processed: &Processed,
+        keep: Option<&mut Vec<u8>>,
+    ) -> anyhow::Result<Stored> {
         let number = processed.processed_ms.div_euclid(MS_PER_DAY);
         let mut day = self
             .day
@@ -134,6 +146,9 @@ impl JsonlSink {
         // written.
         day.line.clear();
         crate::line::write(&mut day.line, processed)?;
+        if let Some(keep) = keep {
+            keep.extend_from_slice(&day.line);
+        }
         day.line.push(b'\n');
         day.file.write_all(&day.line)?;
         Ok(Stored::New)

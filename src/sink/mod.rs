@@ -100,8 +100,12 @@ impl Sinks {
         if let Some(pg) = &self.postgres {
             stored = pg.write(processed).await?;
         }
+        // The line the JSON-lines sink writes is the one published: it is
+        // serialized once.
+        let mut line = Vec::new();
         if let Some(jsonl) = &self.jsonl {
-            let written = jsonl.write(processed).await?;
+            let keep = self.nats.is_some().then_some(&mut line);
+            let written = jsonl.write_keeping(processed, keep).await?;
             if self.postgres.is_none() {
                 stored = written;
             }
@@ -109,9 +113,10 @@ impl Sinks {
         if stored == Stored::New
             && let Some((client, subject)) = &self.nats
         {
-            let mut payload = Vec::new();
-            crate::line::write(&mut payload, processed)?;
-            client.publish(subject.clone(), payload.into()).await?;
+            if line.is_empty() {
+                crate::line::write(&mut line, processed)?;
+            }
+            client.publish(subject.clone(), line.into()).await?;
             client.flush().await?;
         }
         Ok(stored)

@@ -585,21 +585,31 @@ impl Proxy {
     /// The results the JSON-lines sink has written so far, one value per
     /// line.
     pub fn results(&self) -> Vec<Value> {
+        self.result_lines()
+            .iter()
+            .map(|line| serde_json::from_slice::<Value>(line).expect("a JSON line"))
+            .collect()
+    }
+
+    /// The lines the JSON-lines sink has written so far, as written
+    /// (without their newlines).
+    pub fn result_lines(&self) -> Vec<Vec<u8>> {
         let Some(jsonl) = &self.state.config.sinks.jsonl else {
             return Vec::new();
         };
         let Ok(entries) = std::fs::read_dir(&jsonl.dir) else {
             return Vec::new();
         };
-        let mut rows = Vec::new();
+        let mut lines = Vec::new();
         for entry in entries.flatten() {
-            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
-            rows.extend(
-                text.lines()
-                    .map(|l| serde_json::from_str::<Value>(l).expect("a JSON line")),
+            let text = std::fs::read(entry.path()).unwrap_or_default();
+            lines.extend(
+                text.split(|&b| b == b'\n')
+                    .filter(|line| !line.is_empty())
+                    .map(<[u8]>::to_vec),
             );
         }
-        rows
+        lines
     }
 
     /// Waits until the JSON-lines sink holds `n` results (or 20 s pass).
