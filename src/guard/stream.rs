@@ -87,6 +87,7 @@
 mod event;
 
 use std::fmt::Display;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -449,8 +450,9 @@ pub struct Guard {
     /// Hits in text that Responses API events repeat but the stream did
     /// not carry.
     repeated_hits: Vec<Hit>,
-    /// The first OpenAI chunk with text, the template for re-framed chunks.
-    template: Option<Value>,
+    /// The first OpenAI chunk with text (its JSON text), the template for
+    /// re-framed chunks.
+    template: Option<String>,
     /// Responses API: the first text event of each content part, the
     /// template for its re-framed text; the response of
     /// `response.created`, for a blocked stream's last event; the parts
@@ -913,10 +915,14 @@ impl Guard {
                     _ => None,
                 });
         }
-        if self.template.is_none()
-            && let Ok(json) = serde_json::from_str::<Value>(data)
-        {
-            self.set_template(json);
+        if self.template.is_none() {
+            let plain = match text {
+                Some(text) if matches!(kind, Kind::Text { .. }) => {
+                    plain_text(event, data, &text.token, self.setup.endpoint)
+                }
+                _ => None,
+            };
+            self.set_template(data, plain);
         }
         kind
     }
@@ -1059,8 +1065,20 @@ impl Guard {
         }
     }
 
-    fn set_template(&mut self, template: Value) {
-        self.template = Some(template);
+    /// Keeps the chunk `data` as the template of re-framed chunks, and the
+    /// parts of a text chunk around its text: `data`'s own, cut at
+    /// `plain` (the place of its text, when the chunk is a plain text
+    /// chunk, see [`plain_text`]), or else the template's as
+    /// [`Guard::openai_chunk`] makes it.
+    fn set_template(&mut self, data: &str, plain: Option<Range<usize>>) {
+        self.template = Some(data.to_owned());
+        if let Some(text) = plain {
+            self.text_frame_parts = Some((
+                format!("data: {}", &data[..text.start]),
+                format!("{}\n\n", &data[text.end..]),
+            ));
+            return;
+        }
         // No text holds NUL characters; the marker cannot occur otherwise.
         const MARKER: &str = "\0fairgate\0";
         let frame = json_text(&self.openai_chunk(MARKER, Value::Null));
@@ -1512,8 +1530,13 @@ impl Guard {
     fn openai_chunk(&self, text: &str, finish_reason: Value) -> Value {
         let mut chunk = self
             .template
-            .clone()
+            .as_deref()
+            .and_then(|template| serde_json::from_str(template).ok())
             .unwrap_or_else(|| json!({"choices": [{"index": self.choice}]}));
+        // This guard's choice only: the template's others have their text.
+        if let Some(Value::Array(choices)) = chunk.get_mut("choices") {
+            choices.truncate(1);
+        }
         if let Some(choice) = chunk.get_mut("choices").and_then(|c| c.get_mut(0)) {
             if self.setup.endpoint == Endpoint::Completions {
                 choice["text"] = json!(text);
@@ -1686,6 +1709,37 @@ impl Guard {
 
 /// `value` as JSON text. Written straight into a buffer: its `Display`
 /// (`to_string`) goes through the formatter, a call per piece.
+/// The place of the text in `data`, an OpenAI chunk whose text is at
+/// `token`, when a chunk that carries other text is this one with only
+/// that string changed, as [`Guard::openai_chunk`] would make it: one
+/// choice, its delta (chat) holding the text alone, `finish_reason` null,
+/// no `logprobs` and no `usage`. Such a chunk is cut around its text
+/// without building its JSON tree, and re-framed chunks keep the
+/// upstream's order of members.
+fn plain_text(
+    event: &Event,
+    data: &str,
+    token: &Range<usize>,
+    endpoint: Endpoint,
+) -> Option<Range<usize>> {
+    let choice = &event.choice;
+    let (before, after) = (&data[..token.start], &data[token.end..]);
+    let alone = match endpoint {
+        Endpoint::ChatCompletions => {
+            before.ends_with(r#""delta":{"content":"#) && after.starts_with('}')
+        }
+        Endpoint::Completions => before.ends_with(r#""text":"#),
+        _ => false,
+    };
+    let plain = alone
+        && choice.alone
+        && !choice.finished
+        && choice.logprobs.is_none()
+        && event.usage.is_none()
+        && memchr::memmem::find(data.as_bytes(), br#""finish_reason":null"#).is_some();
+    plain.then(|| token.clone())
+}
+
 fn json_text(value: &Value) -> String {
     // A `Value` always serializes: its keys are strings.
     serde_json::to_string(value).unwrap_or_default()
@@ -1899,6 +1953,62 @@ mod tests {
             Kind::Choice(index) => format!("choice {index}"),
             Kind::Other => "other".into(),
             Kind::Malformed => "malformed".into(),
+        }
+    }
+
+    #[test]
+    fn re_framed_text_keeps_a_plain_chunk_as_it_came_and_rebuilds_another() {
+        let frame_after = |endpoint: Endpoint, first: &str| {
+            let mut guard = Guard::new(setup(endpoint, StreamMode::Holdback));
+            describe(&mut guard, first);
+            String::from_utf8(guard.text_frame("caf\u{e9} \"x\"", 0).to_vec()).unwrap()
+        };
+        // Plain text chunks: the upstream's bytes, only the text changed.
+        let plain = [
+            (
+                Endpoint::ChatCompletions,
+                r#"{"id":"c","object":"chat.completion.chunk","created":1,"choices":[{"index":0,"delta":{"content":"first"},"logprobs":null,"finish_reason":null}],"usage":null,"obfuscation":"pad"}"#,
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"id":"c","choices":[{"text":"first","index":0,"logprobs":null,"finish_reason":null}],"model":"m"}"#,
+            ),
+        ];
+        for (endpoint, first) in plain {
+            let expected = format!(
+                "data: {}\n\n",
+                first.replace(r#""first""#, r#""café \"x\"""#)
+            );
+            assert_eq!(frame_after(endpoint, first), expected, "{first}");
+        }
+        // Anything more in the chunk (a role, several choices, a finish,
+        // logprobs, usage, no finish_reason) and the chunk is rebuilt:
+        // the delta holds the text alone, finish_reason null, no usage.
+        let rebuilt = [
+            r#"{"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":"first"},"finish_reason":null}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first","refusal":null},"finish_reason":null}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first"},"finish_reason":null},{"index":1,"delta":{"content":"other"},"finish_reason":null}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first"},"logprobs":{"content":[]},"finish_reason":null}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first"},"finish_reason":null}],"usage":{"total_tokens":3}}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first"}}]}"#,
+        ];
+        for first in rebuilt {
+            let frame = frame_after(Endpoint::ChatCompletions, first);
+            let data: Value = serde_json::from_str(
+                frame
+                    .strip_prefix("data: ")
+                    .unwrap()
+                    .strip_suffix("\n\n")
+                    .unwrap(),
+            )
+            .unwrap();
+            let choice = &data["choices"][0];
+            assert_eq!(choice["delta"], json!({"content": "café \"x\""}), "{first}");
+            assert_eq!(choice["finish_reason"], Value::Null, "{first}");
+            assert!(choice.get("logprobs").is_none_or(Value::is_null), "{first}");
+            assert!(data.get("usage").is_none(), "{first}");
+            assert_eq!(data["id"], "c", "{first}");
+            assert_eq!(data["choices"].as_array().unwrap().len(), 1, "{first}");
         }
     }
 

@@ -99,6 +99,8 @@ pub struct Choice<'a> {
     pub logprobs: Option<&'a str>,
     /// Whether `finish_reason` is there and not `null`.
     pub finished: bool,
+    /// Whether it is the only item of `choices`.
+    pub alone: bool,
 }
 
 impl<'a> Event<'a> {
@@ -187,6 +189,7 @@ impl<'a> Choice<'a> {
                 },
             )?;
             item = reader.jiter.array_step()?;
+            choice.alone = item.is_none();
         }
         while let Some(peek) = item {
             reader.jiter.known_skip(peek)?;
