@@ -21,7 +21,9 @@
 //!   it**. The text is re-framed: the client gets well-formed deltas that
 //!   need not line up with the upstream's (a chat completion chunk carries
 //!   the `logprobs` entries of the upstream chunks whose text it
-//!   completes, but for redacted text). On a block the stream ends as the
+//!   completes, but for redacted text). An OpenAI text chunk is the
+//!   upstream's first one with only its text changed, when that one is
+//!   plain (see `plain_text`); else it is rebuilt from it. On a block the stream ends as the
 //!   SDKs expect: OpenAI, a
 //!   chunk with `finish_reason: "content_filter"` and `data: [DONE]` (when
 //!   the client asked for usage, the upstream is read on, unsent, for up to
