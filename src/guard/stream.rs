@@ -23,10 +23,10 @@
 //!   the `logprobs` entries of the upstream chunks whose text it
 //!   completes, but for redacted text). An OpenAI text chunk is the
 //!   upstream's first one with only its text changed, when that one is
-//!   plain (see `plain_text`); else it is rebuilt from it. On a block the stream ends as the
-//!   SDKs expect: OpenAI, a
-//!   chunk with `finish_reason: "content_filter"` and `data: [DONE]` (when
-//!   the client asked for usage, the upstream is read on, unsent, for up to
+//!   plain (see `plain_text`); else it is rebuilt from it. On a block the
+//!   stream ends as the SDKs expect: OpenAI, a chunk with
+//!   `finish_reason: "content_filter"` and `data: [DONE]` (when the
+//!   client asked for usage, the upstream is read on, unsent, for up to
 //!   10 s until its usage chunk, which goes out before `[DONE]`; a stream
 //!   of several choices, `n` > 1, is guarded choice by choice, each a text
 //!   of its own, and a block ends every choice not yet finished);
@@ -1709,8 +1709,6 @@ impl Guard {
     }
 }
 
-/// `value` as JSON text. Written straight into a buffer: its `Display`
-/// (`to_string`) goes through the formatter, a call per piece.
 /// The place of the text in `data`, an OpenAI chunk whose text is at
 /// `token`, when a chunk that carries other text is this one with only
 /// that string changed, as [`Guard::openai_chunk`] would make it: one
@@ -1742,6 +1740,8 @@ fn plain_text(
     plain.then(|| token.clone())
 }
 
+/// `value` as JSON text. Written straight into a buffer: its `Display`
+/// (`to_string`) goes through the formatter, a call per piece.
 fn json_text(value: &Value) -> String {
     // A `Value` always serializes: its keys are strings.
     serde_json::to_string(value).unwrap_or_default()
