@@ -116,15 +116,11 @@ impl JsonlSink {
         format!("results-{day}.jsonl")
     }
 
-    pub async fn write(&self, processed: &Processed) -> anyhow::Result<Stored> {
-        self.write_keeping(processed, None).await
-    }
-
-    /// [`JsonlSink::write`], and when `keep` is given, a copy of the line
-    /// written (without its newline) in it, for another sink to send the
-    /// same bytes without serializing the result again. A duplicate leaves
-    /// `keep` as it was.
-    pub async fn write_keeping(
+    /// Writes the line of `processed`, unless it is a duplicate. When
+    /// `keep` is given, a copy of the line written (without its newline)
+    /// goes in it, for another sink to send the same bytes without
+    /// serializing the result again; a duplicate leaves it as it was.
+    pub async fn write(
         &self,
         processed: &Processed,
         keep: Option<&mut Vec<u8>>,
@@ -225,7 +221,9 @@ mod tests {
         let sink = JsonlSink::new(dir.path());
         for i in 0..100 {
             assert_eq!(
-                sink.write(&processed(&format!("r{i:03}"))).await.unwrap(),
+                sink.write(&processed(&format!("r{i:03}")), None)
+                    .await
+                    .unwrap(),
                 Stored::New
             );
         }
@@ -236,19 +234,19 @@ mod tests {
         let mut reopened = JsonlSink::new(dir.path());
         reopened.tail_bytes = line * 21 / 2;
         assert_eq!(
-            reopened.write(&processed("r099")).await.unwrap(),
+            reopened.write(&processed("r099"), None).await.unwrap(),
             Stored::Duplicate
         );
         assert_eq!(
-            reopened.write(&processed("r090")).await.unwrap(),
+            reopened.write(&processed("r090"), None).await.unwrap(),
             Stored::Duplicate
         );
         assert_eq!(
-            reopened.write(&processed("r089")).await.unwrap(),
+            reopened.write(&processed("r089"), None).await.unwrap(),
             Stored::New
         );
         assert_eq!(
-            reopened.write(&processed("r000")).await.unwrap(),
+            reopened.write(&processed("r000"), None).await.unwrap(),
             Stored::New
         );
         reopened.flush().unwrap();
@@ -270,7 +268,7 @@ mod tests {
         };
         let mut result = processed("r1");
         result.metrics = vec![metric(0.1 + 0.2), metric(f64::NAN), metric(f64::INFINITY)];
-        sink.write(&result).await.unwrap();
+        sink.write(&result, None).await.unwrap();
         sink.flush().unwrap();
         let name = JsonlSink::file_name(result.processed_ms);
         let line = std::fs::read_to_string(dir.path().join(name)).unwrap();

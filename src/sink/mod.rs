@@ -105,7 +105,7 @@ impl Sinks {
         let mut line = Vec::new();
         if let Some(jsonl) = &self.jsonl {
             let keep = self.nats.is_some().then_some(&mut line);
-            let written = jsonl.write_keeping(processed, keep).await?;
+            let written = jsonl.write(processed, keep).await?;
             if self.postgres.is_none() {
                 stored = written;
             }
