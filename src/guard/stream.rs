@@ -88,6 +88,7 @@
 
 mod event;
 
+use std::cell::OnceCell;
 use std::fmt::Display;
 use std::ops::Range;
 use std::sync::Arc;
@@ -455,6 +456,9 @@ pub struct Guard {
     /// The first OpenAI chunk with text (its JSON text), the template for
     /// re-framed chunks.
     template: Option<String>,
+    /// `template`'s JSON tree, read once a frame is first built from it
+    /// (a plain text chunk needs none, see [`plain_text`]).
+    template_tree: OnceCell<Option<Value>>,
     /// Responses API: the first text event of each content part, the
     /// template for its re-framed text; the response of
     /// `response.created`, for a blocked stream's last event; the parts
@@ -526,6 +530,7 @@ impl Guard {
             held_whole: false,
             repeated_hits: Vec::new(),
             template: None,
+            template_tree: OnceCell::new(),
             part_templates: Vec::new(),
             response_template: None,
             parts: 0,
@@ -921,6 +926,7 @@ impl Guard {
             let plain = match text {
                 Some(text) if matches!(kind, Kind::Text { .. }) => {
                     plain_text(event, data, &text.token, self.setup.endpoint)
+                        .then(|| text.token.clone())
                 }
                 _ => None,
             };
@@ -1074,6 +1080,7 @@ impl Guard {
     /// [`Guard::openai_chunk`] makes it.
     fn set_template(&mut self, data: &str, plain: Option<Range<usize>>) {
         self.template = Some(data.to_owned());
+        self.template_tree = OnceCell::new();
         if let Some(text) = plain {
             self.text_frame_parts = Some((
                 format!("data: {}", &data[..text.start]),
@@ -1530,10 +1537,12 @@ impl Guard {
 
     /// A chunk like the upstream's, carrying `text` and `finish_reason`.
     fn openai_chunk(&self, text: &str, finish_reason: Value) -> Value {
-        let mut chunk = self
-            .template
-            .as_deref()
-            .and_then(|template| serde_json::from_str(template).ok())
+        let tree = self.template_tree.get_or_init(|| {
+            let template = self.template.as_deref()?;
+            serde_json::from_str(template).ok()
+        });
+        let mut chunk = tree
+            .clone()
             .unwrap_or_else(|| json!({"choices": [{"index": self.choice}]}));
         // This guard's choice only: the template's others have their text.
         if let Some(Value::Array(choices)) = chunk.get_mut("choices") {
@@ -1709,19 +1718,14 @@ impl Guard {
     }
 }
 
-/// The place of the text in `data`, an OpenAI chunk whose text is at
-/// `token`, when a chunk that carries other text is this one with only
-/// that string changed, as [`Guard::openai_chunk`] would make it: one
-/// choice, its delta (chat) holding the text alone, `finish_reason` null,
-/// no `logprobs` and no `usage`. Such a chunk is cut around its text
+/// Whether `data`, an OpenAI chunk whose text is at `token`, is plain: a
+/// chunk that carries other text is this one with only that string
+/// changed, as [`Guard::openai_chunk`] would make it (one choice, its
+/// delta, in chat, holding the text alone, `finish_reason` null, no
+/// `logprobs` and no `usage`). Such a chunk is cut around its text
 /// without building its JSON tree, and re-framed chunks keep the
 /// upstream's order of members.
-fn plain_text(
-    event: &Event,
-    data: &str,
-    token: &Range<usize>,
-    endpoint: Endpoint,
-) -> Option<Range<usize>> {
+fn plain_text(event: &Event, data: &str, token: &Range<usize>, endpoint: Endpoint) -> bool {
     let choice = &event.choice;
     let (before, after) = (&data[..token.start], &data[token.end..]);
     let alone = match endpoint {
@@ -1731,13 +1735,12 @@ fn plain_text(
         Endpoint::Completions => before.ends_with(r#""text":"#),
         _ => false,
     };
-    let plain = alone
+    alone
         && choice.alone
         && !choice.finished
         && choice.logprobs.is_none()
         && event.usage.is_none()
-        && memchr::memmem::find(data.as_bytes(), br#""finish_reason":null"#).is_some();
-    plain.then(|| token.clone())
+        && memchr::memmem::find(data.as_bytes(), br#""finish_reason":null"#).is_some()
 }
 
 /// `value` as JSON text. Written straight into a buffer: its `Display`
