@@ -88,13 +88,14 @@
 
 mod event;
 
+use std::borrow::Cow;
 use std::cell::OnceCell;
 use std::fmt::Display;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use futures_util::{Stream, StreamExt};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
@@ -279,26 +280,32 @@ pub struct SseParser {
 }
 
 impl SseParser {
-    /// The events that `chunk` completes. Events that lie whole in the
-    /// chunk are split off it, not copied (an upstream that sends many
-    /// events at once costs no copy, and no buffer of that size kept for
-    /// the rest of the stream); only an event cut between chunks is put
-    /// together in `buf`.
-    pub fn push(&mut self, mut chunk: Bytes) -> Vec<SseEvent> {
-        let mut events = Vec::new();
+    /// The events that `chunk` completes, read one by one as they are
+    /// taken. Events that lie whole in the chunk are split off it, not
+    /// copied (an upstream that sends many events at once costs no copy,
+    /// and no buffer of that size kept for the rest of the stream); only an
+    /// event cut between chunks is put together in `buf`. Nor are they
+    /// gathered in a vector first: an upstream's burst of hundreds of
+    /// events grew one, copied at each doubling.
+    pub fn push(&mut self, mut chunk: Bytes) -> Events<'_> {
+        let mut joined = None;
         if !self.buf.is_empty() {
-            let Some(end) = self.end_across(&chunk) else {
-                self.buf.extend_from_slice(&chunk);
-                return events;
-            };
-            self.buf.extend_from_slice(&chunk.split_to(end));
-            events.extend(parse_event(self.buf.split().freeze()));
+            match self.end_across(&chunk) {
+                Some(end) => {
+                    self.buf.extend_from_slice(&chunk.split_to(end));
+                    joined = Some(self.buf.split().freeze());
+                }
+                None => {
+                    self.buf.extend_from_slice(&chunk);
+                    chunk = Bytes::new();
+                }
+            }
         }
-        while let Some(end) = event_end(&chunk, 0) {
-            events.extend(parse_event(chunk.split_to(end)));
+        Events {
+            parser: self,
+            joined,
+            rest: chunk,
         }
-        self.buf.extend_from_slice(&chunk);
-        events
     }
 
     /// Where in `chunk` the event begun in `buf` ends, if it does. `buf`
@@ -313,6 +320,42 @@ impl SseParser {
             Some(end) => Some(end.saturating_sub(tail.len())),
             None => event_end(chunk, 0),
         }
+    }
+}
+
+/// The events a chunk completes ([`SseParser::push`]). Once dropped, what
+/// follows the chunk's last complete event waits in the parser for the
+/// next chunk; complete events not taken are dropped with it.
+pub struct Events<'p> {
+    parser: &'p mut SseParser,
+    /// The event begun in earlier chunks that this one completes.
+    joined: Option<Bytes>,
+    /// The chunk from the next event on.
+    rest: Bytes,
+}
+
+impl Iterator for Events<'_> {
+    type Item = SseEvent;
+
+    fn next(&mut self) -> Option<SseEvent> {
+        if let Some(event) = self.joined.take().and_then(parse_event) {
+            return Some(event);
+        }
+        while let Some(end) = event_end(&self.rest, 0) {
+            if let Some(event) = parse_event(self.rest.split_to(end)) {
+                return Some(event);
+            }
+        }
+        None
+    }
+}
+
+impl Drop for Events<'_> {
+    fn drop(&mut self) {
+        while let Some(end) = event_end(&self.rest, 0) {
+            self.rest.advance(end);
+        }
+        self.parser.buf.extend_from_slice(&self.rest);
     }
 }
 
@@ -385,11 +428,48 @@ struct HeldFrame {
     opens: Option<u64>,
 }
 
+/// An event's text: where it lies in the event's data when it stands
+/// there as it reads (a JSON string without escapes, as most are), or else
+/// the text itself, decoded. The first is not copied out of the event.
+enum EventText {
+    In(Range<usize>),
+    Decoded(String),
+}
+
+impl EventText {
+    /// `text`, read from the event data `data`.
+    fn of(text: Cow<'_, str>, data: &str) -> EventText {
+        match text {
+            Cow::Borrowed(text) => {
+                let start = (text.as_ptr() as usize).wrapping_sub(data.as_ptr() as usize);
+                let span = start..start.wrapping_add(text.len());
+                match data.get(span.clone()) {
+                    Some(within) if std::ptr::eq(within, text) => EventText::In(span),
+                    _ => EventText::Decoded(text.to_owned()),
+                }
+            }
+            Cow::Owned(text) => EventText::Decoded(text),
+        }
+    }
+
+    /// The text, of `event` (the event it was read from).
+    fn of_event<'e>(&'e self, event: &'e SseEvent) -> &'e str {
+        match self {
+            EventText::In(span) => event
+                .data
+                .as_deref()
+                .and_then(|data| data.get(span.clone()))
+                .unwrap_or_default(),
+            EventText::Decoded(text) => text,
+        }
+    }
+}
+
 /// What an event means to the guard.
 enum Kind {
     /// Response text, with the content block it belongs to (Anthropic).
     Text {
-        text: String,
+        text: EventText,
         block: u64,
     },
     /// Text the guard cannot re-frame, in an event it holds whole: a
@@ -623,6 +703,7 @@ impl Guard {
             // mode then reads as text (monitor passes the start as it came).
             Kind::BlockStart { block, text } if !text.is_empty() => {
                 if self.setup.mode == StreamMode::Monitor {
+                    let text = EventText::Decoded(text);
                     return self.monitor(event, Kind::Text { text, block });
                 }
                 let start = self.emptied_start(&event);
@@ -632,6 +713,7 @@ impl Guard {
                 };
                 let mut frames = self.by_mode(start, kind);
                 let delta = parse_event(self.text_frame(&text, block)).unwrap_or(event);
+                let text = EventText::Decoded(text);
                 frames.extend(self.by_mode(delta, Kind::Text { text, block }));
                 frames
             }
@@ -832,7 +914,7 @@ impl Guard {
             && let Some(text) = shape.text(data)
         {
             return Kind::Text {
-                text: text.into_owned(),
+                text: EventText::of(text, data),
                 block: shape.block,
             };
         }
@@ -878,7 +960,7 @@ impl Guard {
             self.shape = Some(Shape::of(data, text.token.clone(), &event.skipped, block));
         }
         Kind::Text {
-            text: text.value.clone().into_owned(),
+            text: EventText::of(text.value.clone(), data),
             block,
         }
     }
@@ -941,7 +1023,7 @@ impl Guard {
             Some("response.output_text.delta") => {
                 let Some(text) = &event.delta_text else {
                     return Kind::Text {
-                        text: String::new(),
+                        text: EventText::Decoded(String::new()),
                         block: part,
                     };
                 };
@@ -1030,7 +1112,7 @@ impl Guard {
                         self.text(event, text, event.index.unwrap_or(0), data)
                     }
                     (Some(kind), None) if kind == "text_delta" => Kind::Text {
-                        text: String::new(),
+                        text: EventText::Decoded(String::new()),
                         block: event.index.unwrap_or(0),
                     },
                     _ => match delta.held_text() {
@@ -1099,7 +1181,7 @@ impl Guard {
 
     fn monitor(&mut self, event: SseEvent, kind: Kind) -> Vec<Bytes> {
         match kind {
-            Kind::Text { text, .. } => self.acc.push_str(&text),
+            Kind::Text { text, .. } => self.acc.push_str(text.of_event(&event)),
             Kind::Held { text, .. } => self.held_text.push_str(&text),
             Kind::BlockStart { .. } => self.separate_held(),
             Kind::Malformed => self.malformed = true,
@@ -1117,7 +1199,7 @@ impl Guard {
         match kind {
             Kind::Text { text, block } => {
                 let start = self.acc.len();
-                self.push_text(&text);
+                self.push_text(text.of_event(&event));
                 self.held
                     .push((event, Some((start, self.acc.len(), block))));
                 Vec::new()
@@ -1169,7 +1251,7 @@ impl Guard {
                 }
                 self.block = block;
                 self.block_open = true;
-                self.push_text(&text);
+                self.push_text(text.of_event(&event));
                 if !self.deferring && self.check_due() {
                     frames.append(&mut self.check(false));
                 }
@@ -1949,7 +2031,7 @@ mod tests {
     fn describe(guard: &mut Guard, data: &str) -> String {
         let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
         match guard.classify(&event) {
-            Kind::Text { text, block } => format!("text {text:?} {block}"),
+            Kind::Text { text, block } => format!("text {:?} {block}", text.of_event(&event)),
             Kind::BlockEnd => "block end".into(),
             Kind::Held { text, finished, .. } => format!("held {text:?} {finished}"),
             Kind::BlockStart { block, text } => format!("block start {block} {text:?}"),
@@ -2512,7 +2594,7 @@ mod tests {
                 let piece = |range: std::ops::Range<usize>| {
                     Bytes::copy_from_slice(&input.as_bytes()[range])
                 };
-                let mut events = parser.push(piece(0..cut));
+                let mut events: Vec<SseEvent> = parser.push(piece(0..cut)).collect();
                 events.extend(parser.push(piece(cut..second)));
                 events.extend(parser.push(piece(second..input.len())));
                 let got: Vec<_> = events
@@ -2526,6 +2608,49 @@ mod tests {
         }
     }
 
+    /// An event's text that stands in its data as it reads is kept as its
+    /// place there; text decoded from escapes, or from elsewhere, as itself.
+    #[test]
+    fn event_text_is_its_place_in_the_data_when_it_stands_there() {
+        let event = parse_event(Bytes::from_static(
+            b"data: {\"content\":\"Save \\u00e9\"}\n\n",
+        ))
+        .unwrap();
+        let data = event.data.as_deref().unwrap();
+        let within = EventText::of(Cow::Borrowed(&data[12..16]), data);
+        assert!(matches!(within, EventText::In(ref span) if *span == (12..16)));
+        assert_eq!(within.of_event(&event), "Save");
+        let other = String::from("Save");
+        let elsewhere = EventText::of(Cow::Borrowed(&other), data);
+        assert!(matches!(elsewhere, EventText::Decoded(_)));
+        assert_eq!(elsewhere.of_event(&event), "Save");
+        let decoded = EventText::of(Cow::Owned("Save é".into()), data);
+        assert_eq!(decoded.of_event(&event), "Save é");
+    }
+
+    /// Events are read as they are taken: a chunk's events left untaken
+    /// are dropped, and the event it leaves unfinished is completed by the
+    /// next chunk, as when every event is taken.
+    #[test]
+    fn parser_keeps_the_unfinished_event_when_events_are_left_untaken() {
+        let mut parser = SseParser::default();
+        let mut events = parser.push(Bytes::from_static(
+            b"data: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4",
+        ));
+        assert_eq!(events.next().and_then(|e| e.data).as_deref(), Some("1"));
+        drop(events);
+        let rest: Vec<_> = parser
+            .push(Bytes::from_static(b"2\n\ndata: 5\n"))
+            .map(|e| e.data)
+            .collect();
+        assert_eq!(rest, [Some("42".to_owned())]);
+        let last: Vec<_> = parser
+            .push(Bytes::from_static(b"\n"))
+            .map(|e| e.raw)
+            .collect();
+        assert_eq!(last, [Bytes::from_static(b"data: 5\n\n")]);
+    }
+
     /// The same stream cut into many small pieces at random: the events,
     /// and their bytes, are the same however it is cut.
     #[test]
@@ -2534,7 +2659,6 @@ mod tests {
             .repeat(4);
         let whole: Vec<Bytes> = SseParser::default()
             .push(Bytes::from(input.clone()))
-            .into_iter()
             .map(|e| e.raw)
             .collect();
         assert_eq!(whole.len(), 20);
@@ -2546,7 +2670,7 @@ mod tests {
             while at < input.len() {
                 let end = (at + 1 + rng.below(6)).min(input.len());
                 let piece = Bytes::copy_from_slice(&input.as_bytes()[at..end]);
-                raw.extend(parser.push(piece).into_iter().map(|e| e.raw));
+                raw.extend(parser.push(piece).map(|e| e.raw));
                 at = end;
             }
             assert_eq!(raw, whole);
