@@ -437,17 +437,11 @@ enum EventText {
 }
 
 impl EventText {
-    /// `text`, read from the event data `data`.
-    fn of(text: Cow<'_, str>, data: &str) -> EventText {
-        match text {
-            Cow::Borrowed(text) => {
-                let start = (text.as_ptr() as usize).wrapping_sub(data.as_ptr() as usize);
-                let span = start..start.wrapping_add(text.len());
-                match data.get(span.clone()) {
-                    Some(within) if std::ptr::eq(within, text) => EventText::In(span),
-                    _ => EventText::Decoded(text.to_owned()),
-                }
-            }
+    /// A text read from an event's data.
+    fn of(text: Text<'_>) -> EventText {
+        match text.value {
+            // The token without its quotes: a string read as it stands.
+            Cow::Borrowed(_) => EventText::In(text.token.start + 1..text.token.end - 1),
             Cow::Owned(text) => EventText::Decoded(text),
         }
     }
@@ -914,7 +908,7 @@ impl Guard {
             && let Some(text) = shape.text(data)
         {
             return Kind::Text {
-                text: EventText::of(text, data),
+                text: EventText::of(text),
                 block: shape.block,
             };
         }
@@ -960,7 +954,7 @@ impl Guard {
             self.shape = Some(Shape::of(data, text.token.clone(), &event.skipped, block));
         }
         Kind::Text {
-            text: EventText::of(text.value.clone(), data),
+            text: EventText::of(text.clone()),
             block,
         }
     }
@@ -2609,23 +2603,35 @@ mod tests {
     }
 
     /// An event's text that stands in its data as it reads is kept as its
-    /// place there; text decoded from escapes, or from elsewhere, as itself.
+    /// place there, whether the event is read in full or by its shape;
+    /// text with escapes is kept decoded.
     #[test]
     fn event_text_is_its_place_in_the_data_when_it_stands_there() {
-        let event = parse_event(Bytes::from_static(
-            b"data: {\"content\":\"Save \\u00e9\"}\n\n",
-        ))
-        .unwrap();
-        let data = event.data.as_deref().unwrap();
-        let within = EventText::of(Cow::Borrowed(&data[12..16]), data);
-        assert!(matches!(within, EventText::In(ref span) if *span == (12..16)));
-        assert_eq!(within.of_event(&event), "Save");
-        let other = String::from("Save");
-        let elsewhere = EventText::of(Cow::Borrowed(&other), data);
-        assert!(matches!(elsewhere, EventText::Decoded(_)));
-        assert_eq!(elsewhere.of_event(&event), "Save");
-        let decoded = EventText::of(Cow::Owned("Save é".into()), data);
-        assert_eq!(decoded.of_event(&event), "Save é");
+        let mut guard = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
+        let chunk = |text: &str| {
+            parse_event(Bytes::from(format!(
+                "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{text}}},\"finish_reason\":null}}]}}\n\n"
+            )))
+            .unwrap()
+        };
+        // The first is read in full, the next by the shape it leaves.
+        for (text, place) in [
+            (r#""Save""#, Some(43..47)),
+            (r#""Spend""#, Some(43..48)),
+            (r#""Save \u00e9""#, None),
+        ] {
+            let event = chunk(text);
+            let Kind::Text { text: read, .. } = guard.classify(&event) else {
+                panic!("{text} is not text");
+            };
+            match (&read, place) {
+                (EventText::In(span), Some(place)) => assert_eq!(*span, place, "{text}"),
+                (EventText::Decoded(_), None) => {}
+                _ => panic!("{text} kept in the wrong form"),
+            }
+            let expected: String = serde_json::from_str(text).unwrap();
+            assert_eq!(read.of_event(&event), expected);
+        }
     }
 
     /// Events are read as they are taken: a chunk's events left untaken

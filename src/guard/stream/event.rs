@@ -347,9 +347,15 @@ impl Shape {
         }
     }
 
-    /// The text of an event of this shape that carries some. `None` when
-    /// the event has another shape (and must be read in full).
-    pub fn text<'a>(&self, data: &'a str) -> Option<Cow<'a, str>> {
+    /// The text of an event of this shape that carries some, its token
+    /// placed in `data`. `None` when the event has another shape (and must
+    /// be read in full).
+    pub fn text<'a>(&self, data: &'a str) -> Option<Text<'a>> {
+        // A string read from `data[at..]`, its token placed in `data`.
+        let placed = |mut text: Text<'a>, at: usize| {
+            text.token = text.token.start + at..text.token.end + at;
+            text
+        };
         if let Some(between) = data
             .strip_prefix(self.before.as_str())
             .and_then(|rest| rest.strip_suffix(self.after.as_str()))
@@ -358,7 +364,7 @@ impl Shape {
             if let Ok(Some(text)) = reader.string()
                 && reader.jiter.finish().is_ok()
             {
-                return Some(text.value).filter(|text| !text.is_empty());
+                return Some(placed(text, self.before.len())).filter(|text| !text.value.is_empty());
             }
         }
         let (last, before) = self.fixed.split_last()?;
@@ -372,15 +378,16 @@ impl Shape {
             }
             let mut reader = Reader::new(rest);
             let string = reader.string().ok()??;
+            let at = data.len() - rest.len();
             rest = &rest[string.token.end..];
             if place == self.text {
-                text = Some(string.value);
+                text = Some(placed(string, at));
             }
         }
         if rest != last {
             return None;
         }
-        text.filter(|text| !text.is_empty())
+        text.filter(|text| !text.value.is_empty())
     }
 }
 
@@ -464,10 +471,19 @@ mod tests {
         assert_eq!(read.skipped.len(), 2);
         let text = read.choice.delta.content.unwrap().token;
         let shape = Shape::of(&first, text, &read.skipped, 0);
+        // The text and where its token lies in the event.
+        let text = |data: &str| {
+            shape
+                .text(data)
+                .map(|text| (text.value.into_owned(), data[text.token].to_owned()))
+        };
         let two = event(r#""c1""#, r#""two""#, r#""q""#);
-        assert_eq!(shape.text(&two).as_deref(), Some("two"));
+        assert_eq!(text(&two), Some(("two".into(), r#""two""#.into())));
         let escaped = event(r#""c2""#, r#""t\nw""#, r#""""#);
-        assert_eq!(shape.text(&escaped).as_deref(), Some("t\nw"));
+        assert_eq!(text(&escaped), Some(("t\nw".into(), r#""t\nw""#.into())));
+        // By the quicker test, when only the text differs, too.
+        let three = event(r#""c1""#, r#""three""#, r#""xyz""#);
+        assert_eq!(text(&three), Some(("three".into(), r#""three""#.into())));
         // Anything but one string in each place is read in full.
         for (id, text, pad) in [
             (r#""c1""#, r#""""#, r#""x""#),
@@ -481,7 +497,7 @@ mod tests {
             (r#""c1""#, r#""two""#, r#""x","choices":[]"#),
         ] {
             let data = event(id, text, pad);
-            assert_eq!(shape.text(&data), None, "{data}");
+            assert!(shape.text(&data).is_none(), "{data}");
         }
     }
 }
