@@ -32,7 +32,16 @@ SYSTEM="You are a careful personal-finance assistant."
 if [ -n "${SYSTEM_WORDS:-}" ]; then
   SYSTEM=$(python3 -c "import itertools, sys; w = 'Answer in plain words and explain each step of a budget before you suggest any product'.split(); print('You are a careful personal-finance assistant. ' + ' '.join(itertools.islice(itertools.cycle(w), int(sys.argv[1]))) + '.')" "$SYSTEM_WORDS")
 fi
-BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"'"$SYSTEM"'"},{"role":"user","content":"I earn 3,000 a month and spend 2,600. How should I start saving and investing?"}]}'
+# DIALECT=anthropic: Messages API requests (API_PATH /v1/messages), which
+# the mock answers in Anthropic's dialect; OpenAI's chat completions else.
+QUESTION="I earn 3,000 a month and spend 2,600. How should I start saving and investing?"
+if [ "${DIALECT:-openai}" = anthropic ]; then
+  API_PATH=/v1/messages
+  BODY='{"model":"claude-bench","max_tokens":1024,"system":"'"$SYSTEM"'","messages":[{"role":"user","content":"'"$QUESTION"'"}]}'
+else
+  API_PATH=/v1/chat/completions
+  BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"'"$SYSTEM"'"},{"role":"user","content":"'"$QUESTION"'"}]}'
+fi
 echo "$BODY" >"$WORK/body.json"
 echo "${BODY%\}}"',"stream":true}' >"$WORK/stream.json"
 

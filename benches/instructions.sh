@@ -12,6 +12,7 @@
 #   MOCK_ANSWER_REPEAT=30 bash benches/instructions.sh  # streams of a long answer (about 4 KB)
 #   SYSTEM_WORDS=500 bash benches/instructions.sh     # a system prompt of 500 words (about 3 KB) in every request
 #   SDK_HEADERS=1 bash benches/instructions.sh        # the OpenAI SDK's request headers and the API's answer headers
+#   DIALECT=anthropic bash benches/instructions.sh    # Anthropic's Messages API (POST /v1/messages) instead
 #
 # For each binary and each kind of exchange (non-streaming, streaming with
 # the mock's 27 events): fairgate serves on its embedded defaults (side
@@ -36,13 +37,13 @@ count() {
   dir=$(mktemp -d -p "$WORK")
   (cd "$dir" && RUST_LOG=warn exec valgrind --tool=callgrind --callgrind-out-file="$dir/out" "$bin" serve \
     --listen "127.0.0.1:$PORT" --admin-listen "$ADMIN" --rules "$OLDPWD/rules" --upstream-openai "http://$MOCK" \
-    >/dev/null 2>"$dir/valgrind.log") &
+    --upstream-anthropic "http://$MOCK" >/dev/null 2>"$dir/valgrind.log") &
   local pid=$!
   # Under valgrind the start takes a while.
   wait_for "http://$ADMIN/healthz" 1200
   if [ "$n" -gt 0 ]; then
     oha --no-tui -n "$n" -c 16 -m POST "${OHA_HEADERS[@]}" -D "$body" \
-      "http://127.0.0.1:$PORT/v1/chat/completions" >/dev/null 2>&1
+      "http://127.0.0.1:$PORT$API_PATH" >/dev/null 2>&1
   fi
   sleep 1
   kill -TERM "$pid"

@@ -1,6 +1,8 @@
 //! A fast mock LLM upstream for `benches/proxy.sh`: answers
 //! `POST /v1/chat/completions` with a fixed completion, or a fixed SSE stream
-//! when the request asks for one, and everything else with a small JSON.
+//! when the request asks for one, `POST /v1/messages` the same in
+//! Anthropic's dialect, and everything else with a small JSON (a chat
+//! completion's).
 //!
 //! `cargo bench --bench mock_upstream -- 127.0.0.1:18101`
 //!
@@ -40,18 +42,51 @@ use tokio::net::TcpListener;
 
 const COMPLETION: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","created":1,"model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"Start with a budget, build an emergency fund of three to six months of expenses, then invest regularly in broad index funds."},"finish_reason":"stop"}],"usage":{"prompt_tokens":20,"completion_tokens":25,"total_tokens":45}}"#;
 
-fn stream_body() -> String {
-    let words = "Start with a budget, build an emergency fund of three to six months of expenses, then invest regularly in broad index funds over many years.";
-    let mut out = String::from(
-        "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n",
-    );
-    let obfuscation = std::env::var_os("MOCK_OBFUSCATION").is_some();
+const MESSAGE: &str = r#"{"id":"msg_bench","type":"message","role":"assistant","model":"bench","content":[{"type":"text","text":"Start with a budget, build an emergency fund of three to six months of expenses, then invest regularly in broad index funds."}],"stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":20,"output_tokens":25}}"#;
+
+const WORDS: &str = "Start with a budget, build an emergency fund of three to six months of expenses, then invest regularly in broad index funds over many years.";
+
+/// The stream's words (with their spaces), `MOCK_ANSWER_REPEAT` times over.
+fn answer_words() -> Vec<String> {
     let repeat = std::env::var("MOCK_ANSWER_REPEAT")
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(1);
-    let words = format!("{words} ").repeat(repeat);
-    for (i, word) in words.trim_end().split_inclusive(' ').enumerate() {
+    let words = format!("{WORDS} ").repeat(repeat);
+    words
+        .trim_end()
+        .split_inclusive(' ')
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The stream of a message in Anthropic's dialect, a text delta a word.
+fn messages_stream_body() -> String {
+    let mut out = String::from(concat!(
+        "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_bench\",\"type\":\"message\",\"role\":\"assistant\",\"model\":\"bench\",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"input_tokens\":20,\"output_tokens\":1}}}\n\n",
+        "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n",
+        "event: ping\ndata: {\"type\": \"ping\"}\n\n",
+    ));
+    for word in answer_words() {
+        out.push_str(&format!(
+            "event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\"index\":0,\"delta\":{{\"type\":\"text_delta\",\"text\":{}}}}}\n\n",
+            serde_json::to_string(&word).unwrap_or_default()
+        ));
+    }
+    out.push_str(concat!(
+        "event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n",
+        "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\",\"stop_sequence\":null},\"usage\":{\"output_tokens\":25}}\n\n",
+        "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+    ));
+    out
+}
+
+fn stream_body() -> String {
+    let mut out = String::from(
+        "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n",
+    );
+    let obfuscation = std::env::var_os("MOCK_OBFUSCATION").is_some();
+    for (i, word) in answer_words().iter().enumerate() {
         let padding = if obfuscation {
             format!(r#","obfuscation":"{}""#, &"Xq7pZ2kLm9Rt4vBw"[i % 8..])
         } else {
@@ -135,12 +170,25 @@ const OPENAI_HEADERS: [(&str, &str); 20] = [
     ("alt-svc", "h3=\":443\"; ma=86400"),
 ];
 
+/// The answers of each dialect: a stream and a whole body.
+#[derive(Clone)]
+struct Answers {
+    chat_stream: Bytes,
+    messages_stream: Bytes,
+}
+
 async fn reply(
     req: Request<Incoming>,
-    stream: Bytes,
+    answers: Answers,
     pace: Pace,
     openai_headers: bool,
 ) -> Result<Response<MockBody>, Infallible> {
+    let messages = req.uri().path().ends_with("/v1/messages");
+    let (stream, whole) = if messages {
+        (answers.messages_stream, MESSAGE)
+    } else {
+        (answers.chat_stream, COMPLETION)
+    };
     let body = req
         .into_body()
         .collect()
@@ -158,7 +206,7 @@ async fn reply(
     } else {
         (
             "application/json",
-            Either::Left(Full::new(Bytes::from_static(COMPLETION.as_bytes()))),
+            Either::Left(Full::new(Bytes::from_static(whole.as_bytes()))),
         )
     };
     let mut response = Response::new(payload);
@@ -199,14 +247,17 @@ fn main() -> std::io::Result<()> {
         .build()?;
     runtime.block_on(async move {
         let listener = TcpListener::bind(addr).await?;
-        let stream = Bytes::from(stream_body());
+        let answers = Answers {
+            chat_stream: Bytes::from(stream_body()),
+            messages_stream: Bytes::from(messages_stream_body()),
+        };
         eprintln!("mock upstream on {addr}");
         loop {
             let (socket, _) = listener.accept().await?;
-            let stream = stream.clone();
+            let answers = answers.clone();
             tokio::spawn(async move {
                 let service =
-                    service_fn(move |req| reply(req, stream.clone(), pace, openai_headers));
+                    service_fn(move |req| reply(req, answers.clone(), pace, openai_headers));
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(socket), service)
                     .await;
