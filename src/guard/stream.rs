@@ -96,6 +96,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
+use bytestring::ByteString;
 use futures_util::{Stream, StreamExt};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
@@ -263,13 +264,14 @@ where
         .boxed_unsync()
 }
 
-/// One server-sent event.
+/// One server-sent event. Its name and data are, in the forms the APIs
+/// send, slices of `raw` (not copies).
 #[derive(Debug, Clone)]
 pub struct SseEvent {
     /// The event as received, with its blank line.
     pub raw: Bytes,
-    pub event: Option<String>,
-    pub data: Option<String>,
+    pub event: Option<ByteString>,
+    pub data: Option<ByteString>,
 }
 
 /// Splits a byte stream into events at blank lines.
@@ -316,9 +318,9 @@ impl SseParser {
         let head = chunk.len().min(3);
         seam[..tail.len()].copy_from_slice(tail);
         seam[tail.len()..tail.len() + head].copy_from_slice(&chunk[..head]);
-        match event_end(&seam[..tail.len() + head], 0) {
-            Some(end) => Some(end.saturating_sub(tail.len())),
-            None => event_end(chunk, 0),
+        match event_end(&seam[..tail.len() + head]) {
+            Some((end, _)) => Some(end.saturating_sub(tail.len())),
+            None => event_end(chunk).map(|(end, _)| end),
         }
     }
 }
@@ -341,8 +343,8 @@ impl Iterator for Events<'_> {
         if let Some(event) = self.joined.take().and_then(parse_event) {
             return Some(event);
         }
-        while let Some(end) = event_end(&self.rest, 0) {
-            if let Some(event) = parse_event(self.rest.split_to(end)) {
+        while let Some((end, lines)) = event_end(&self.rest) {
+            if let Some(event) = read_event(self.rest.split_to(end), lines) {
                 return Some(event);
             }
         }
@@ -352,41 +354,93 @@ impl Iterator for Events<'_> {
 
 impl Drop for Events<'_> {
     fn drop(&mut self) {
-        while let Some(end) = event_end(&self.rest, 0) {
+        while let Some((end, _)) = event_end(&self.rest) {
             self.rest.advance(end);
         }
         self.parser.buf.extend_from_slice(&self.rest);
     }
 }
 
-/// The end (after the blank line) of the first complete event in `buf`,
-/// looking from `from` on.
-fn event_end(buf: &[u8], from: usize) -> Option<usize> {
-    memchr::memchr_iter(b'\n', buf.get(from..)?).find_map(|at| {
-        let nl = from + at;
-        if buf.get(nl + 1) == Some(&b'\n') {
-            Some(nl + 2)
-        } else if buf.get(nl + 1..nl + 3) == Some(b"\r\n") {
-            Some(nl + 3)
-        } else {
-            None
-        }
-    })
+/// The lines of an event, as the search for its end saw them: the forms
+/// the APIs send, which are read without a second look for line ends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Lines {
+    /// One line, ended by `\n` (and the blank line's `\n`), no `\r`.
+    One,
+    /// Two lines, the first ending at this `\n`, no `\r`: Anthropic's
+    /// `event:` and `data:`.
+    Two(usize),
+    /// Any other: read line by line.
+    Other,
 }
 
+/// The end (after the blank line) of the first complete event in `buf`,
+/// and its [`Lines`].
+fn event_end(buf: &[u8]) -> Option<(usize, Lines)> {
+    let mut first = None;
+    let mut breaks = 0usize;
+    let mut cr = false;
+    for at in memchr::memchr2_iter(b'\n', b'\r', buf) {
+        if buf[at] == b'\r' {
+            cr = true;
+            continue;
+        }
+        match buf.get(at + 1..).unwrap_or_default() {
+            [b'\n', ..] => {
+                let lines = match (breaks, first) {
+                    _ if cr => Lines::Other,
+                    (0, _) => Lines::One,
+                    (1, Some(first)) => Lines::Two(first),
+                    _ => Lines::Other,
+                };
+                return Some((at + 2, lines));
+            }
+            [b'\r', b'\n', ..] => return Some((at + 3, Lines::Other)),
+            _ => {
+                breaks += 1;
+                first.get_or_insert(at);
+            }
+        }
+    }
+    None
+}
+
+/// One whole event (its blank line included) read.
 fn parse_event(raw: Bytes) -> Option<SseEvent> {
-    // Most events are one `data: ` line: read as the loop below would.
-    if let Some(line) = raw
-        .strip_prefix(b"data: ")
-        .and_then(|rest| rest.strip_suffix(b"\n\n"))
-        && memchr::memchr2(b'\n', b'\r', line).is_none()
-        && let Ok(data) = std::str::from_utf8(line)
+    let lines = match event_end(&raw) {
+        Some((end, lines)) if end == raw.len() => lines,
+        _ => Lines::Other,
+    };
+    read_event(raw, lines)
+}
+
+/// Reads the event `raw`, whose lines are `lines`.
+fn read_event(raw: Bytes, lines: Lines) -> Option<SseEvent> {
+    // The forms the APIs send, read as the loop below would read them:
+    // their name and data are the places in `raw` that follow `event:` and
+    // `data: `. Either form ends in the blank line's "\n\n".
+    let body = raw.len().saturating_sub(2);
+    let starts =
+        |at: usize, prefix: &[u8]| raw.get(at..).is_some_and(|line| line.starts_with(prefix));
+    let (event, data) = match lines {
+        Lines::One if starts(0, b"data: ") => (None, Some(6..body)),
+        Lines::Two(end) if starts(0, b"event:") && starts(end + 1, b"data: ") => {
+            (Some(6..end), Some(end + 7..body))
+        }
+        _ => (None, None),
+    };
+    if let Some(data) = data
+        && data.start <= data.end
+        && let Ok(data) = ByteString::try_from(raw.slice(data))
+        && let Ok(event) = event
+            .map(|name| ByteString::try_from(raw.slice(name)))
+            .transpose()
     {
-        let data = Some(data.to_owned());
+        let event = event.map(|name| name.slice_ref(name.trim_start()));
         return Some(SseEvent {
             raw,
-            event: None,
-            data,
+            event,
+            data: Some(data),
         });
     }
     let text = match std::str::from_utf8(&raw) {
@@ -398,7 +452,7 @@ fn parse_event(raw: Bytes) -> Option<SseEvent> {
     for line in text.lines() {
         let line = line.trim_end_matches('\r');
         if let Some(value) = line.strip_prefix("event:") {
-            event = Some(value.trim_start().to_owned());
+            event = Some(ByteString::from(value.trim_start()));
         } else if let Some(value) = line.strip_prefix("data:") {
             let value = value.strip_prefix(' ').unwrap_or(value);
             match &mut data {
@@ -413,6 +467,7 @@ fn parse_event(raw: Bytes) -> Option<SseEvent> {
     if event.is_none() && data.is_none() && text.trim().is_empty() {
         return None;
     }
+    let data = data.map(ByteString::from);
     Some(SseEvent { raw, event, data })
 }
 
@@ -1593,10 +1648,7 @@ impl Guard {
             return sse(Some("response.output_text.delta"), &Value::Object(frame));
         }
         match self.dialect {
-            Dialect::Anthropic => sse(
-                Some("content_block_delta"),
-                &json!({"type": "content_block_delta", "index": block, "delta": {"type": "text_delta", "text": text}}),
-            ),
+            Dialect::Anthropic => anthropic_text_frame(text, block),
             Dialect::OpenAi => match &self.text_frame_parts {
                 Some((before, after)) => {
                     let mut frame = Vec::with_capacity(before.len() + text.len() + after.len() + 8);
@@ -1817,6 +1869,21 @@ fn plain_text(event: &Event, data: &str, token: &Range<usize>, endpoint: Endpoin
         && choice.logprobs.is_none()
         && event.usage.is_none()
         && memchr::memmem::find(data.as_bytes(), br#""finish_reason":null"#).is_some()
+}
+
+/// An Anthropic `content_block_delta` of `text` in block `block`, its
+/// members in the API's order, written straight out: no JSON tree.
+fn anthropic_text_frame(text: &str, block: u64) -> Bytes {
+    const HEAD: &[u8] =
+        b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":";
+    let mut frame = Vec::with_capacity(HEAD.len() + text.len() + 64);
+    frame.extend_from_slice(HEAD);
+    frame.extend_from_slice(itoa::Buffer::new().format(block).as_bytes());
+    frame.extend_from_slice(br#","delta":{"type":"text_delta","text":"#);
+    // Writing a string into a Vec cannot fail; escaped, it holds no line end.
+    let _ = serde_json::to_writer(&mut frame, text);
+    frame.extend_from_slice(b"}}\n\n");
+    Bytes::from(frame)
 }
 
 /// `value` as JSON text. Written straight into a buffer: its `Display`
@@ -2602,6 +2669,93 @@ mod tests {
         }
     }
 
+    /// The forms the APIs send (one `data:` line; an `event:` line and a
+    /// `data:` line) are told apart by the search for the event's end and
+    /// read without a second search; they read as line by line they would,
+    /// and whatever else comes is read line by line.
+    #[test]
+    fn events_of_the_apis_forms_read_as_line_by_line() {
+        for (input, lines) in [
+            ("data: {\"a\":1}\n\n", Lines::One),
+            ("data: [DONE]\n\n", Lines::One),
+            ("data: \n\n", Lines::One),
+            ("data:x\n\n", Lines::One),
+            ("data:  x\n\n", Lines::One),
+            (": keep-alive\n\n", Lines::One),
+            ("id: 7\n\n", Lines::One),
+            (
+                "event: ping\ndata: {\"type\": \"ping\"}\n\n",
+                Lines::Two(11),
+            ),
+            ("event:ping\ndata: {}\n\n", Lines::Two(10)),
+            ("event:   ping\ndata: {}\n\n", Lines::Two(13)),
+            ("event: a\ndata:b\n\n", Lines::Two(8)),
+            ("event: \ndata: b\n\n", Lines::Two(7)),
+            ("data: a\ndata: b\n\n", Lines::Two(7)),
+            ("id: 1\ndata: b\n\n", Lines::Two(5)),
+            ("data: b\nevent: a\n\n", Lines::Two(7)),
+            ("event: a\ndata: b\ndata: c\n\n", Lines::Other),
+            ("event: a\nid: 2\ndata: b\n\n", Lines::Other),
+            ("data: a\r\n\r\n", Lines::Other),
+            ("data: a\n\r\n", Lines::Other),
+            ("event: a\r\ndata: b\n\n", Lines::Other),
+            ("data: a\rdata: b\n\n", Lines::Other),
+            ("data: caf\u{e9}\n\n", Lines::One),
+        ] {
+            let raw = Bytes::from(input);
+            assert_eq!(event_end(&raw), Some((raw.len(), lines)), "{input:?}");
+            let fast = read_event(raw.clone(), lines);
+            let slow = read_event(raw.clone(), Lines::Other);
+            let read = |e: &Option<SseEvent>| {
+                e.as_ref()
+                    .map(|e| (e.raw.clone(), e.event.clone(), e.data.clone()))
+            };
+            assert_eq!(read(&fast), read(&slow), "{input:?}");
+        }
+        // Bytes that are not UTF-8, in the name or the data, are read as
+        // line by line they are (lossily).
+        for input in [
+            &b"event: \xff\ndata: b\n\n"[..],
+            b"data: \xfe\n\n",
+            b"event: a\ndata: \xfe\n\n",
+        ] {
+            let raw = Bytes::copy_from_slice(input);
+            let (_, lines) = event_end(&raw).unwrap();
+            assert_ne!(lines, Lines::Other);
+            let fast = read_event(raw.clone(), lines).unwrap();
+            let slow = read_event(raw, Lines::Other).unwrap();
+            assert_eq!((fast.event, fast.data), (slow.event, slow.data));
+        }
+        // Nor does a read of a part of an event fail.
+        for input in ["", "\n", "data", "data: a\n"] {
+            let event = parse_event(Bytes::from(input));
+            assert!(event.is_none_or(|e| e.raw == input), "{input:?}");
+        }
+    }
+
+    /// Anthropic's re-framed text is a `content_block_delta` with its
+    /// members in the API's order, its text escaped onto one line.
+    #[test]
+    fn anthropic_text_frames_are_the_apis_deltas() {
+        let text = "Say \"no\"\nto 💰\u{1}";
+        let frame = anthropic_text_frame(text, 2);
+        let event = parse_event(frame.clone()).expect("an event");
+        assert_eq!(event.raw, frame);
+        assert_eq!(event.event.as_deref(), Some("content_block_delta"));
+        let data = event.data.as_deref().expect("data");
+        assert!(
+            data.starts_with(
+                r#"{"type":"content_block_delta","index":2,"delta":{"type":"text_delta","text":"#
+            ),
+            "{data}"
+        );
+        let json: Value = serde_json::from_str(data).unwrap();
+        assert_eq!(
+            json,
+            json!({"type": "content_block_delta", "index": 2, "delta": {"type": "text_delta", "text": text}})
+        );
+    }
+
     /// An event's text that stands in its data as it reads is kept as its
     /// place there, whether the event is read in full or by its shape;
     /// text with escapes is kept decoded.
@@ -2649,7 +2803,7 @@ mod tests {
             .push(Bytes::from_static(b"2\n\ndata: 5\n"))
             .map(|e| e.data)
             .collect();
-        assert_eq!(rest, [Some("42".to_owned())]);
+        assert_eq!(rest, [Some(ByteString::from("42"))]);
         let last: Vec<_> = parser
             .push(Bytes::from_static(b"\n"))
             .map(|e| e.raw)
@@ -2756,7 +2910,7 @@ mod tests {
                 let event = parse_event(frame.clone()).expect("an event");
                 let data = event.data.as_deref().expect("data");
                 let json = (data != "[DONE]").then(|| serde_json::from_str(data).expect("JSON"));
-                (event.event, json)
+                (event.event.map(String::from), json)
             })
             .collect()
     }
