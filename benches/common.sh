@@ -80,14 +80,14 @@ mem_mb() { awk "/^$1:/ {printf \"%.1f\", \$2 / 1024}" "/proc/$2/status"; }
 
 # Starts fairgate build $1 serving on $2, its admin listener on $3, from
 # directory $4 (whose ./data takes its results and spills), on the shipped
-# rules with the mock ($MOCK) as its OpenAI upstream, and any further
+# rules with the mock ($MOCK) as its OpenAI and Anthropic upstream, and any further
 # arguments; waits until it answers and sets FAIRGATE_PID.
 start_fairgate() {
   local bin=$1 listen=$2 admin=$3 dir=$4 rules=$PWD/rules
   shift 4
   mkdir -p "$dir"
   (cd "$dir" && RUST_LOG=warn exec "$bin" serve --listen "$listen" --admin-listen "$admin" \
-    --rules "$rules" --upstream-openai "http://$MOCK" "$@" >/dev/null 2>&1) &
+    --rules "$rules" --upstream-openai "http://$MOCK" --upstream-anthropic "http://$MOCK" "$@" >/dev/null 2>&1) &
   FAIRGATE_PID=$!
   PIDS+=("$FAIRGATE_PID")
   wait_for "http://$admin/healthz"

@@ -10,6 +10,7 @@
 #   DURATION=5 bash benches/proxy.sh # shorter
 #   THREADS=1 bash benches/proxy.sh  # fairgate on one serving thread (default: one per core)
 #   FAIRGATE_BIN=/path/to/fairgate bash benches/proxy.sh  # another build (default: this checkout's release build)
+#   DIALECT=anthropic bash benches/proxy.sh  # Messages API exchanges (POST /v1/messages) instead of chat completions
 #
 # Reports, per target, the median of ROUNDS rounds (default 3) taken in
 # turn across the targets: closed-loop requests/s at fixed concurrency and
@@ -109,8 +110,8 @@ closed_loop() {
 # median of the rounds is reported (and the ratios of each round). Each
 # round appends one value per figure to a space-separated list.
 TARGETS=(direct nginx passthrough fairgate)
-declare -A URL=([direct]=http://$MOCK/v1/chat/completions [nginx]=http://$NGINX/v1/chat/completions
-  [passthrough]=http://$FAIRGATE/v1/embeddings [fairgate]=http://$FAIRGATE/v1/chat/completions)
+declare -A URL=([direct]=http://$MOCK$API_PATH [nginx]=http://$NGINX$API_PATH
+  [passthrough]=http://$FAIRGATE/v1/embeddings [fairgate]=http://$FAIRGATE$API_PATH)
 declare -A TICKS=([direct]=none [nginx]=nginx_ticks [passthrough]=fairgate_ticks [fairgate]=fairgate_ticks)
 declare -A QUEUE=([direct]=none [nginx]=none [passthrough]=none [fairgate]=queue_ticks)
 declare -A RPS USR SYS QCPU SRPS SUSR SSYS SQCPU P50S P99S T50S T99S
@@ -145,7 +146,7 @@ done
 # The run ends with 256 concurrent streams; the peak memory is the
 # process's over the whole run (VmHWM).
 oha_json -n 5120 -c 256 -m POST "${OHA_HEADERS[@]}" -D "$WORK/stream.json" \
-  "http://$FAIRGATE/v1/chat/completions" >/dev/null
+  "http://$FAIRGATE$API_PATH" >/dev/null
 PEAK=$(mem_mb VmHWM "$FAIRGATE_PID")
 
 # On SIGTERM fairgate writes out the results it holds.

@@ -123,7 +123,10 @@ impl Usage {
 
     /// From a usage object read from a stream's events.
     pub fn from_value(value: &Value) -> Usage {
-        Usage(value.to_string().into())
+        // Written straight into a buffer: `Display` (`to_string`) goes
+        // through the formatter, a call per piece. A `Value` always
+        // serializes (its keys are strings).
+        Usage(serde_json::to_string(value).unwrap_or_default().into())
     }
 
     /// The object's JSON text.

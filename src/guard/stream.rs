@@ -1407,8 +1407,16 @@ impl Guard {
     /// and the held events too once their text is scanned.
     fn check(&mut self, final_check: bool) -> Vec<Bytes> {
         let window_start = window_start(&self.acc, self.checked, self.released, self.hold());
-        self.checked = self.acc.len();
-        let view = self.scan_window(window_start);
+        // Text scanned to its end already has its hits: the checks at a
+        // block's end, the answer's and the stream's (Anthropic's
+        // `content_block_stop`, `message_delta` and `message_stop`; OpenAI's
+        // finish chunk and `[DONE]`) follow one another with no text between.
+        let view = if self.checked == self.acc.len() {
+            None
+        } else {
+            self.checked = self.acc.len();
+            self.scan_window(window_start)
+        };
         if final_check {
             self.scan_held();
         }
