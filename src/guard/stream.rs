@@ -425,7 +425,11 @@ fn read_event(raw: Bytes, lines: Lines) -> Option<SseEvent> {
     let (event, data) = match lines {
         Lines::One if starts(0, b"data: ") => (None, Some(6..body)),
         Lines::Two(end) if starts(0, b"event:") && starts(end + 1, b"data: ") => {
-            (Some(6..end), Some(end + 7..body))
+            // The name after its spaces; one that starts with other
+            // whitespace is read line by line.
+            let name = 6 + raw[6..end].iter().take_while(|&&b| b == b' ').count();
+            let plain = raw.get(name).is_some_and(u8::is_ascii_graphic);
+            (plain.then_some(name..end), plain.then_some(end + 7..body))
         }
         _ => (None, None),
     };
@@ -436,7 +440,6 @@ fn read_event(raw: Bytes, lines: Lines) -> Option<SseEvent> {
             .map(|name| ByteString::try_from(raw.slice(name)))
             .transpose()
     {
-        let event = event.map(|name| name.slice_ref(name.trim_start()));
         return Some(SseEvent {
             raw,
             event,
@@ -608,7 +611,9 @@ pub struct Guard {
     finished: bool,
     malformed: bool,
     upstream_failed: bool,
-    usage: Option<Value>,
+    /// The upstream's usage: the JSON text of its object, as the upstream
+    /// wrote it (Anthropic's two reports merged).
+    usage: Option<String>,
     /// A blocked OpenAI stream whose client asked for usage: the upstream
     /// is read on (nothing of it sent) until its usage chunk, which is then
     /// sent before `[DONE]`.
@@ -942,7 +947,7 @@ impl Guard {
         StreamOutcome {
             verdict,
             text,
-            usage: self.usage.as_ref().map(Usage::from_value),
+            usage: self.usage.as_deref().map(Usage::from_json_text),
             guard_time,
             malformed: self.malformed,
             upstream_failed: self.upstream_failed,
@@ -992,13 +997,18 @@ impl Guard {
     /// `usage` chunk, Anthropic's `message_start` and `message_delta`
     /// (merged), the Responses API's `response.completed`.
     fn note_usage(&mut self, usage: &str) {
-        let Ok(found) = serde_json::from_str::<Map<String, Value>>(usage) else {
-            return;
-        };
-        match &mut self.usage {
-            Some(Value::Object(usage)) => usage.extend(found),
-            _ => self.usage = Some(Value::Object(found)),
-        }
+        self.usage = Some(match self.usage.take() {
+            None => usage.to_owned(),
+            Some(known) => merged_usage(&known, usage),
+        });
+    }
+
+    /// The usage as a JSON tree, or null when the stream reported none.
+    fn usage_value(&self) -> Value {
+        let usage = self.usage.as_deref();
+        usage
+            .and_then(|text| serde_json::from_str(text).ok())
+            .unwrap_or(Value::Null)
     }
 
     /// A text event: its kind, and its shape for the events that follow.
@@ -1766,8 +1776,8 @@ impl Guard {
             json!({"reason": "content_filter"}),
         );
         response.insert("output".into(), json!([]));
-        if let Some(usage) = &self.usage {
-            response.insert("usage".into(), usage.clone());
+        if self.usage.is_some() {
+            response.insert("usage".into(), self.usage_value());
         }
         sse(
             Some("response.incomplete"),
@@ -1780,7 +1790,7 @@ impl Guard {
     fn usage_frame(&self) -> Bytes {
         let mut chunk = self.openai_chunk("", Value::Null);
         chunk["choices"] = json!([]);
-        chunk["usage"] = self.usage.clone().unwrap_or(Value::Null);
+        chunk["usage"] = self.usage_value();
         sse(None, &chunk)
     }
 
@@ -1892,6 +1902,26 @@ fn anthropic_text_frame(text: &str, block: u64) -> Bytes {
     let _ = serde_json::to_writer(&mut frame, text);
     frame.extend_from_slice(b"}}\n\n");
     Bytes::from(frame)
+}
+
+/// The usage objects `known` and `found` (JSON texts, checked) as one:
+/// the members of both, `found`'s where both have one, in the order of
+/// their names. Read as members of raw values, not as trees, unless a
+/// name has escapes.
+fn merged_usage(known: &str, found: &str) -> String {
+    type Members<'a> = std::collections::BTreeMap<&'a str, &'a serde_json::value::RawValue>;
+    if let (Ok(mut members), Ok(later)) = (
+        serde_json::from_str::<Members>(known),
+        serde_json::from_str::<Members>(found),
+    ) {
+        members.extend(later);
+        // Names and raw values always serialize.
+        return serde_json::to_string(&members).unwrap_or_default();
+    }
+    let tree = |text| serde_json::from_str::<Map<String, Value>>(text).unwrap_or_default();
+    let mut members = tree(known);
+    members.extend(tree(found));
+    json_text(&Value::Object(members))
 }
 
 /// `value` as JSON text. Written straight into a buffer: its `Display`
@@ -2697,6 +2727,8 @@ mod tests {
             ),
             ("event:ping\ndata: {}\n\n", Lines::Two(10)),
             ("event:   ping\ndata: {}\n\n", Lines::Two(13)),
+            ("event: \tping\ndata: {}\n\n", Lines::Two(12)),
+            ("event: \u{a0}ping\ndata: {}\n\n", Lines::Two(13)),
             ("event: a\ndata:b\n\n", Lines::Two(8)),
             ("event: \ndata: b\n\n", Lines::Two(7)),
             ("data: a\ndata: b\n\n", Lines::Two(7)),
@@ -2739,6 +2771,29 @@ mod tests {
             let event = parse_event(Bytes::from(input));
             assert!(event.is_none_or(|e| e.raw == input), "{input:?}");
         }
+    }
+
+    /// Anthropic reports usage twice: the reports are merged member by
+    /// member, the later's winning, nested values kept as they came; a
+    /// name with escapes is read as a tree, to the same result.
+    #[test]
+    fn usage_reports_are_merged_member_by_member() {
+        let start = r#"{"input_tokens":20,"cache_creation":{"ephemeral_5m_input_tokens":0},"output_tokens":1}"#;
+        let delta = r#"{"output_tokens": 25, "server_tool_use": {"web_search_requests": 1}}"#;
+        let merged = merged_usage(start, delta);
+        assert_eq!(
+            merged,
+            r#"{"cache_creation":{"ephemeral_5m_input_tokens":0},"input_tokens":20,"output_tokens":25,"server_tool_use":{"web_search_requests": 1}}"#
+        );
+        let escaped = merged_usage(r#"{"in\u0070ut_tokens":20,"output_tokens":1}"#, delta);
+        let expected = json!({"input_tokens": 20, "output_tokens": 25, "server_tool_use": {"web_search_requests": 1}});
+        assert_eq!(serde_json::from_str::<Value>(&escaped).unwrap(), expected);
+        // One report is kept as the upstream wrote it.
+        let mut guard = Guard::new(setup(Endpoint::Messages, StreamMode::Holdback));
+        guard.note_usage(start);
+        assert_eq!(guard.usage.as_deref(), Some(start));
+        guard.note_usage(delta);
+        assert_eq!(guard.usage.as_deref(), Some(merged.as_str()));
     }
 
     /// Anthropic's re-framed text is a `content_block_delta` with its
