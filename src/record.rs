@@ -121,7 +121,7 @@ impl Usage {
         }
     }
 
-    /// From a usage object read from a stream's events.
+    /// From a usage object read as a tree (a record read back).
     pub fn from_value(value: &Value) -> Usage {
         // Written straight into a buffer: `Display` (`to_string`) goes
         // through the formatter, a call per piece. A `Value` always

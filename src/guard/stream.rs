@@ -2766,6 +2766,18 @@ mod tests {
             let slow = read_event(raw, Lines::Other).unwrap();
             assert_eq!((fast.event, fast.data), (slow.event, slow.data));
         }
+        // The APIs' forms are read as slices of the event, not copies.
+        for input in [
+            "data: {\"a\":1}\n\n",
+            "event: ping\ndata: {\"type\": \"ping\"}\n\n",
+            "event:ping\ndata: {}\n\n",
+        ] {
+            let raw = Bytes::from(input);
+            let event = parse_event(raw.clone()).unwrap();
+            let within = |text: &ByteString| raw.as_ptr_range().contains(&text.as_ptr());
+            assert!(event.data.as_ref().is_some_and(within), "{input:?}");
+            assert!(event.event.as_ref().is_none_or(within), "{input:?}");
+        }
         // Nor does a read of a part of an event fail.
         for input in ["", "\n", "data", "data: a\n"] {
             let event = parse_event(Bytes::from(input));
