@@ -188,16 +188,26 @@ where
         let mut first_byte = None;
         let mut client_gone = false;
         let mut guard_time = Duration::ZERO;
+        // The frames of one upstream chunk go out as one body frame: each
+        // frame costs a pass through the channel and hyper's chunked
+        // encoder, more than copying a few events' bytes, and frames that
+        // are ready together change nothing for the client apart.
         let send = async |frames: Vec<Bytes>, first_byte: &mut Option<Duration>| -> bool {
-            for frame in frames {
-                if first_byte.is_none() {
-                    *first_byte = Some(started.elapsed());
+            let frame = match <[Bytes; 1]>::try_from(frames) {
+                Ok([frame]) => frame,
+                Err(frames) if frames.is_empty() => return true,
+                Err(frames) => {
+                    let mut joined = BytesMut::with_capacity(frames.iter().map(Bytes::len).sum());
+                    frames
+                        .iter()
+                        .for_each(|frame| joined.extend_from_slice(frame));
+                    joined.freeze()
                 }
-                if tx.send(frame).await.is_err() {
-                    return false;
-                }
+            };
+            if first_byte.is_none() {
+                *first_byte = Some(started.elapsed());
             }
-            true
+            tx.send(frame).await.is_ok()
         };
         while !guard.finished {
             let frames = match upstream.next().await {
@@ -372,6 +382,28 @@ enum Lines {
     Two(usize),
     /// Any other: read line by line.
     Other,
+}
+
+/// What the events of Anthropic's stream that carry nothing but their
+/// type (and a block's index) mean, known by their bytes as the API writes
+/// them, without a read: `ping`, `content_block_stop` and `message_stop`,
+/// three of the seven events of a message that are not text deltas.
+/// Every other form of them (spaces, other members, a long index) is
+/// read in full.
+fn anthropic_bare_kind(data: &str) -> Option<Kind> {
+    match data {
+        r#"{"type": "ping"}"# | r#"{"type":"ping"}"# => Some(Kind::Other),
+        r#"{"type":"message_stop"}"# => Some(Kind::Done),
+        _ => {
+            let index = data
+                .strip_prefix(r#"{"type":"content_block_stop","index":"#)?
+                .strip_suffix('}')?;
+            // A JSON number, as the read would take it: no leading zero.
+            let number = matches!(index.as_bytes(), [b'0'] | [b'1'..=b'9', ..]);
+            (number && index.len() <= 9 && index.bytes().all(|b| b.is_ascii_digit()))
+                .then_some(Kind::BlockEnd)
+        }
+    }
 }
 
 /// The end (after the blank line) of the first complete event in `buf`,
@@ -555,6 +587,9 @@ enum Kind {
     Malformed,
 }
 
+/// The bytes of answer text a stream guard makes room for at once.
+const ANSWER_ROOM: usize = 1024;
+
 /// The stream guard as a state machine: events in, frames out. No I/O, so
 /// the tests drive it directly.
 pub struct Guard {
@@ -652,7 +687,9 @@ impl Guard {
         Guard {
             setup,
             dialect,
-            acc: String::new(),
+            // Room for a short answer, which grown from empty was moved
+            // six times.
+            acc: String::with_capacity(ANSWER_ROOM),
             released: 0,
             checked: 0,
             hits: Vec::new(),
@@ -971,6 +1008,11 @@ impl Guard {
                 text: EventText::of(text),
                 block: shape.block,
             };
+        }
+        if self.dialect == Dialect::Anthropic
+            && let Some(kind) = anthropic_bare_kind(data)
+        {
+            return kind;
         }
         // Another choice's text chunk, known by that choice's shape (its
         // index is among the fixed bytes), goes to its guard unread here.
@@ -2129,8 +2171,13 @@ mod tests {
     /// What `guard` makes of an event with data `data`.
     fn describe(guard: &mut Guard, data: &str) -> String {
         let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
-        match guard.classify(&event) {
-            Kind::Text { text, block } => format!("text {:?} {block}", text.of_event(&event)),
+        let kind = guard.classify(&event);
+        describe_kind(kind, &event)
+    }
+
+    fn describe_kind(kind: Kind, event: &SseEvent) -> String {
+        match kind {
+            Kind::Text { text, block } => format!("text {:?} {block}", text.of_event(event)),
             Kind::BlockEnd => "block end".into(),
             Kind::Held { text, finished, .. } => format!("held {text:?} {finished}"),
             Kind::BlockStart { block, text } => format!("block start {block} {text:?}"),
@@ -2711,6 +2758,55 @@ mod tests {
     /// `data:` line) are told apart by the search for the event's end and
     /// read without a second search; they read as line by line they would,
     /// and whatever else comes is read line by line.
+    /// Anthropic's bare events, known by their bytes, mean what they mean
+    /// read in full; any other form of them is read in full.
+    #[test]
+    fn anthropic_bare_events_mean_what_their_read_says() {
+        let bare = [
+            r#"{"type": "ping"}"#,
+            r#"{"type":"ping"}"#,
+            r#"{"type":"message_stop"}"#,
+            r#"{"type":"content_block_stop","index":0}"#,
+            r#"{"type":"content_block_stop","index":12}"#,
+            r#"{"type":"content_block_stop","index":123456789}"#,
+        ];
+        let read_in_full = [
+            r#"{"type":"content_block_stop","index":01}"#,
+            r#"{"type":"content_block_stop","index":}"#,
+            r#"{"type":"content_block_stop","index":-1}"#,
+            r#"{"type":"content_block_stop","index":1.5}"#,
+            r#"{"type":"content_block_stop","index":1234567890}"#,
+            r#"{"type":"content_block_stop", "index":0}"#,
+            r#"{"type":"content_block_stop","index":0,"x":1}"#,
+            r#"{"type":"content_block_stop","index":"0"}"#,
+            r#"{"type":"message_stop","x":1}"#,
+            r#"{"type":  "ping"}"#,
+            r#"{"type":"ping"} "#,
+        ];
+        let anthropic = || Guard::new(setup(Endpoint::Messages, StreamMode::Holdback));
+        let read = |data: &str| {
+            let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
+            let kind = match Event::read(data) {
+                Ok(fields) => anthropic().classify_anthropic(&fields, data),
+                Err(_) => Kind::Malformed,
+            };
+            describe_kind(kind, &event)
+        };
+        for data in bare {
+            let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
+            let kind = anthropic_bare_kind(data).unwrap_or_else(|| panic!("{data}"));
+            assert_eq!(describe_kind(kind, &event), read(data), "{data}");
+            assert_eq!(describe(&mut anthropic(), data), read(data), "{data}");
+        }
+        for data in read_in_full {
+            assert!(anthropic_bare_kind(data).is_none(), "{data}");
+            assert_eq!(describe(&mut anthropic(), data), read(data), "{data}");
+        }
+        // An OpenAI stream reads them as any other event.
+        let mut chat = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
+        assert_eq!(describe(&mut chat, r#"{"type":"message_stop"}"#), "other");
+    }
+
     #[test]
     fn events_of_the_apis_forms_read_as_line_by_line() {
         for (input, lines) in [
