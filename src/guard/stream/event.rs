@@ -360,6 +360,13 @@ impl Shape {
             .strip_prefix(self.before.as_str())
             .and_then(|rest| rest.strip_suffix(self.after.as_str()))
         {
+            if plain_token(between) == Some(between.len()) {
+                let text = Text {
+                    value: Cow::Borrowed(&between[1..between.len() - 1]),
+                    token: 0..between.len(),
+                };
+                return Some(placed(text, self.before.len())).filter(|text| !text.value.is_empty());
+            }
             let mut reader = Reader::new(between);
             if let Ok(Some(text)) = reader.string()
                 && reader.jiter.finish().is_ok()
@@ -376,8 +383,13 @@ impl Shape {
             if !rest.starts_with('"') {
                 return None;
             }
-            let mut reader = Reader::new(rest);
-            let string = reader.string().ok()??;
+            let string = match plain_token(rest) {
+                Some(end) => Text {
+                    value: Cow::Borrowed(&rest[1..end - 1]),
+                    token: 0..end,
+                },
+                None => Reader::new(rest).string().ok()??,
+            };
             let at = data.len() - rest.len();
             rest = &rest[string.token.end..];
             if place == self.text {
@@ -391,9 +403,60 @@ impl Shape {
     }
 }
 
+/// The length of the JSON string token at the start of `text` when it
+/// holds no escape, and so is its quotes around its value as it stands
+/// (most text and ids); `None` for any other (escapes, control
+/// characters, no string), which a [`Reader`] reads. As jiter would read
+/// it: a string's characters are any but `"`, `\` and controls.
+fn plain_token(text: &str) -> Option<usize> {
+    let bytes = text.as_bytes();
+    if bytes.first() != Some(&b'"') {
+        return None;
+    }
+    for (at, &byte) in bytes.iter().enumerate().skip(1) {
+        match byte {
+            b'"' => return Some(at + 1),
+            b'\\' | 0..0x20 => return None,
+            _ => {}
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A string token without escapes is read as jiter reads it: the same
+    /// end and value; any other is left to jiter.
+    #[test]
+    fn plain_tokens_read_as_jiter_reads_them() {
+        let plain = [
+            r#""""#,
+            r#""word ""#,
+            "\"café 日本 \u{7f}\"",
+            r#""a"b"#,
+            r#""a", "b""#,
+        ];
+        for token in plain {
+            let end = plain_token(token).unwrap_or_else(|| panic!("{token}"));
+            let read = Reader::new(token).string().unwrap().unwrap();
+            assert_eq!(read.token, 0..end, "{token}");
+            assert_eq!(read.value, &token[1..end - 1], "{token}");
+        }
+        let others = [
+            r#""a\"b""#,
+            r#""a\nb""#,
+            "\"a\tb\"",
+            "\"a\u{1}\"",
+            r#""open"#,
+            "x",
+            "",
+        ];
+        for token in others {
+            assert_eq!(plain_token(token), None, "{token}");
+        }
+    }
 
     #[test]
     fn texts_know_their_tokens() {
