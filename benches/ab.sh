@@ -2,7 +2,8 @@
 # CPU time per request of two fairgate builds in one run: both serve the
 # same fast mock on their embedded defaults (shipped rules, side queue with
 # in-process workers), and 64-connection closed loops of guarded chat
-# completions alternate between them, in the order ABBA so that a drift of
+# completions (KIND=stream: streams; DIALECT=anthropic: the Messages API)
+# alternate between them, in the order ABBA so that a drift of
 # this shared machine falls on both alike. Prints each round's CPU per
 # request (user + system, from /proc) and the new / old ratio, then the
 # median ratio. Instruction counts (benches/instructions.sh) are steadier;
@@ -10,6 +11,7 @@
 #
 #   OLD=/path/to/old/fairgate bash benches/ab.sh         # against this checkout's release build
 #   NEW=/path/to/fairgate OLD=... ROUNDS=14 DURATION=4 bash benches/ab.sh
+#   KIND=stream DIALECT=anthropic OLD=... bash benches/ab.sh   # Messages API streams instead
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,8 +34,8 @@ NEW_PID=$FAIRGATE_PID
 cpu_per_request() {
   local t0 t1 n
   t0=$(awk '{print $14 + $15}' "/proc/$1/stat")
-  n=$(oha_json -z "${DURATION}s" -c 64 -m POST "${OHA_HEADERS[@]}" -D "$WORK/body.json" \
-    "http://127.0.0.1:$2/v1/chat/completions" | field "sum(d['statusCodeDistribution'].values())")
+  n=$(oha_json -z "${DURATION}s" -c 64 -m POST "${OHA_HEADERS[@]}" -D "$WORK/${KIND:-body}.json" \
+    "http://127.0.0.1:$2$API_PATH" | field "sum(d['statusCodeDistribution'].values())")
   t1=$(awk '{print $14 + $15}' "/proc/$1/stat")
   python3 -c "print(round(($t1 - $t0) / $HZ / $n * 1e6, 2))"
 }
