@@ -386,23 +386,37 @@ enum Lines {
 
 /// What the events of Anthropic's stream that carry nothing but their
 /// type (and a block's index) mean, known by their bytes as the API writes
-/// them, without a read: `ping`, `content_block_stop` and `message_stop`,
-/// three of the seven events of a message that are not text deltas.
-/// Every other form of them (spaces, other members, a long index) is
-/// read in full.
+/// them, without a read: `ping`, the start of a text block (empty, as the
+/// API starts every one), `content_block_stop` and `message_stop`, four of
+/// the seven events of a message that are not text deltas. Every other
+/// form of them (spaces, other members, a long index) is read in full.
 fn anthropic_bare_kind(data: &str) -> Option<Kind> {
     match data {
-        r#"{"type": "ping"}"# | r#"{"type":"ping"}"# => Some(Kind::Other),
-        r#"{"type":"message_stop"}"# => Some(Kind::Done),
-        _ => {
-            let index = data
-                .strip_prefix(r#"{"type":"content_block_stop","index":"#)?
-                .strip_suffix('}')?;
-            // A JSON number, as the read would take it: no leading zero.
-            let number = matches!(index.as_bytes(), [b'0'] | [b'1'..=b'9', ..]);
-            (number && index.len() <= 9 && index.bytes().all(|b| b.is_ascii_digit()))
-                .then_some(Kind::BlockEnd)
-        }
+        r#"{"type": "ping"}"# | r#"{"type":"ping"}"# => return Some(Kind::Other),
+        r#"{"type":"message_stop"}"# => return Some(Kind::Done),
+        _ => {}
+    }
+    if let Some(rest) = data.strip_prefix(r#"{"type":"content_block_stop","index":"#) {
+        let (_, rest) = bare_index(rest)?;
+        return (rest == "}").then_some(Kind::BlockEnd);
+    }
+    let rest = data.strip_prefix(r#"{"type":"content_block_start","index":"#)?;
+    let (block, rest) = bare_index(rest)?;
+    (rest == r#","content_block":{"type":"text","text":""}}"#).then_some(Kind::BlockStart {
+        block,
+        text: String::new(),
+    })
+}
+
+/// The block index that `text` starts with, as a read would take it (a
+/// JSON number: no leading zero; at most nine digits), and what follows.
+fn bare_index(text: &str) -> Option<(u64, &str)> {
+    let digits = text.bytes().take_while(u8::is_ascii_digit).count();
+    let (index, rest) = text.split_at(digits);
+    let number = matches!(index.as_bytes(), [b'0'] | [b'1'..=b'9', ..]);
+    match number && digits <= 9 {
+        true => Some((index.parse().ok()?, rest)),
+        false => None,
     }
 }
 
@@ -2769,6 +2783,8 @@ mod tests {
             r#"{"type":"content_block_stop","index":0}"#,
             r#"{"type":"content_block_stop","index":12}"#,
             r#"{"type":"content_block_stop","index":123456789}"#,
+            r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+            r#"{"type":"content_block_start","index":7,"content_block":{"type":"text","text":""}}"#,
         ];
         let read_in_full = [
             r#"{"type":"content_block_stop","index":01}"#,
@@ -2780,6 +2796,11 @@ mod tests {
             r#"{"type":"content_block_stop","index":0,"x":1}"#,
             r#"{"type":"content_block_stop","index":"0"}"#,
             r#"{"type":"message_stop","x":1}"#,
+            r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":"hi"}}"#,
+            r#"{"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":""}}"#,
+            r#"{"type":"content_block_start","index":01,"content_block":{"type":"text","text":""}}"#,
+            r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""} }"#,
+            r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":"","citations":[]}}"#,
             r#"{"type":  "ping"}"#,
             r#"{"type":"ping"} "#,
         ];
