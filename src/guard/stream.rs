@@ -408,6 +408,23 @@ fn anthropic_bare_kind(data: &str) -> Option<Kind> {
     })
 }
 
+/// The usage an Anthropic `message_delta` reports, when the event is as
+/// the API writes it (the stop reason a plain string or `null`, no stop
+/// sequence): known by its bytes but for the usage, which is read (checked
+/// as JSON and taken as its text). The event means [`Kind::Final`]. `None`
+/// for any other form, which is read in full.
+fn anthropic_bare_message_delta(data: &str) -> Option<&str> {
+    let rest = data.strip_prefix(r#"{"type":"message_delta","delta":{"stop_reason":"#)?;
+    let reason = match rest.starts_with("null") {
+        true => 4,
+        false => event::plain_token(rest)?,
+    };
+    let rest = rest[reason..].strip_prefix(r#","stop_sequence":null},"usage":"#)?;
+    let mut reader = crate::json::Reader::new(rest);
+    let usage = reader.object_text().ok()??;
+    (&rest[reader.jiter.current_index()..] == "}").then_some(usage)
+}
+
 /// The block index that `text` starts with, as a read would take it (a
 /// JSON number: no leading zero; at most nine digits), and what follows.
 fn bare_index(text: &str) -> Option<(u64, &str)> {
@@ -1023,10 +1040,14 @@ impl Guard {
                 block: shape.block,
             };
         }
-        if self.dialect == Dialect::Anthropic
-            && let Some(kind) = anthropic_bare_kind(data)
-        {
-            return kind;
+        if self.dialect == Dialect::Anthropic {
+            if let Some(kind) = anthropic_bare_kind(data) {
+                return kind;
+            }
+            if let Some(usage) = anthropic_bare_message_delta(data) {
+                self.note_usage(usage);
+                return Kind::Final;
+            }
         }
         // Another choice's text chunk, known by that choice's shape (its
         // index is among the fixed bytes), goes to its guard unread here.
@@ -2822,6 +2843,61 @@ mod tests {
         for data in read_in_full {
             assert!(anthropic_bare_kind(data).is_none(), "{data}");
             assert_eq!(describe(&mut anthropic(), data), read(data), "{data}");
+        }
+        // A message's delta as the API writes it is known but for its
+        // usage, which is noted as the read notes it; any other form is
+        // read in full.
+        let deltas = [
+            (
+                true,
+                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":25}}"#,
+            ),
+            (
+                true,
+                r#"{"type":"message_delta","delta":{"stop_reason":null,"stop_sequence":null},"usage":{"input_tokens":1,"server_tool_use":{"web_search_requests":0}}}"#,
+            ),
+            (
+                false,
+                r#"{"type":"message_delta","delta":{"stop_reason":"stop_sequence","stop_sequence":"END"},"usage":{"output_tokens":2}}"#,
+            ),
+            (
+                false,
+                r#"{"type":"message_delta","delta":{"stop_reason":"end\u005fturn","stop_sequence":null},"usage":{"output_tokens":2}}"#,
+            ),
+            (
+                false,
+                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":null}"#,
+            ),
+            (
+                false,
+                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":2},"x":1}"#,
+            ),
+            (
+                false,
+                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":}}"#,
+            ),
+            (
+                false,
+                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":2}} "#,
+            ),
+        ];
+        for (bare, data) in deltas {
+            assert_eq!(anthropic_bare_message_delta(data).is_some(), bare, "{data}");
+            let mut known = anthropic();
+            let known_kind = describe(&mut known, data);
+            let mut read_guard = anthropic();
+            let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
+            let read_kind = match Event::read(data) {
+                Ok(fields) => {
+                    if let Some(usage) = fields.usage {
+                        read_guard.note_usage(usage);
+                    }
+                    read_guard.classify_anthropic(&fields, data)
+                }
+                Err(_) => Kind::Malformed,
+            };
+            assert_eq!(known_kind, describe_kind(read_kind, &event), "{data}");
+            assert_eq!(known.usage, read_guard.usage, "{data}");
         }
         // An OpenAI stream reads them as any other event.
         let mut chat = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));

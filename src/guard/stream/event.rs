@@ -408,7 +408,7 @@ impl Shape {
 /// (most text and ids); `None` for any other (escapes, control
 /// characters, no string), which a [`Reader`] reads. As jiter would read
 /// it: a string's characters are any but `"`, `\` and controls.
-fn plain_token(text: &str) -> Option<usize> {
+pub(super) fn plain_token(text: &str) -> Option<usize> {
     let bytes = text.as_bytes();
     if bytes.first() != Some(&b'"') {
         return None;
