@@ -388,7 +388,7 @@ enum Lines {
 /// type (and a block's index) mean, known by their bytes as the API writes
 /// them, without a read: `ping`, the start of a text block (empty, as the
 /// API starts every one), `content_block_stop` and `message_stop`, four of
-/// the seven events of a message that are not text deltas. Every other
+/// the six events of a message that are not text deltas. Every other
 /// form of them (spaces, other members, a long index) is read in full.
 fn anthropic_bare_kind(data: &str) -> Option<Kind> {
     match data {
@@ -2789,10 +2789,6 @@ mod tests {
         }
     }
 
-    /// The forms the APIs send (one `data:` line; an `event:` line and a
-    /// `data:` line) are told apart by the search for the event's end and
-    /// read without a second search; they read as line by line they would,
-    /// and whatever else comes is read line by line.
     /// Anthropic's bare events, known by their bytes, mean what they mean
     /// read in full; any other form of them is read in full.
     #[test]
@@ -2904,6 +2900,10 @@ mod tests {
         assert_eq!(describe(&mut chat, r#"{"type":"message_stop"}"#), "other");
     }
 
+    /// The forms the APIs send (one `data:` line; an `event:` line and a
+    /// `data:` line) are told apart by the search for the event's end and
+    /// read without a second search; they read as line by line they would,
+    /// and whatever else comes is read line by line.
     #[test]
     fn events_of_the_apis_forms_read_as_line_by_line() {
         for (input, lines) in [
