@@ -192,17 +192,11 @@ where
         // frame costs a pass through the channel and hyper's chunked
         // encoder, more than copying a few events' bytes, and frames that
         // are ready together change nothing for the client apart.
-        let send = async |frames: Vec<Bytes>, first_byte: &mut Option<Duration>| -> bool {
-            let frame = match <[Bytes; 1]>::try_from(frames) {
-                Ok([frame]) => frame,
-                Err(frames) if frames.is_empty() => return true,
-                Err(frames) => {
-                    let mut joined = BytesMut::with_capacity(frames.iter().map(Bytes::len).sum());
-                    frames
-                        .iter()
-                        .for_each(|frame| joined.extend_from_slice(frame));
-                    joined.freeze()
-                }
+        let send = async |mut frames: Vec<Bytes>, first_byte: &mut Option<Duration>| -> bool {
+            let frame = match frames.len() {
+                0 => return true,
+                1 => frames.swap_remove(0),
+                _ => Bytes::from(frames.concat()),
             };
             if first_byte.is_none() {
                 *first_byte = Some(started.elapsed());
@@ -2182,9 +2176,14 @@ mod tests {
         }
     }
 
+    /// The event of one `data:` line of `data`.
+    fn data_event(data: &str) -> SseEvent {
+        parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap()
+    }
+
     fn openai_delta(text: &str) -> SseEvent {
         let data = json!({"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]});
-        parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap()
+        data_event(&data.to_string())
     }
 
     fn released_text(frames: &[Bytes]) -> String {
@@ -2205,7 +2204,7 @@ mod tests {
 
     /// What `guard` makes of an event with data `data`.
     fn describe(guard: &mut Guard, data: &str) -> String {
-        let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
+        let event = data_event(data);
         let kind = guard.classify(&event);
         describe_kind(kind, &event)
     }
@@ -2575,8 +2574,7 @@ mod tests {
     /// redacted (a card number cannot be redacted across fragments).
     #[test]
     fn held_events_wait_for_the_scan_of_their_whole_text() {
-        let event =
-            |data: Value| parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
+        let event = |data: Value| data_event(&data.to_string());
         let call = |arguments: &str| {
             event(
                 json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]}, "finish_reason": null}]}),
@@ -2822,23 +2820,37 @@ mod tests {
             r#"{"type":"ping"} "#,
         ];
         let anthropic = || Guard::new(setup(Endpoint::Messages, StreamMode::Holdback));
+        // What the full read makes of `data`, and the usage it notes.
         let read = |data: &str| {
-            let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
+            let mut guard = anthropic();
             let kind = match Event::read(data) {
-                Ok(fields) => anthropic().classify_anthropic(&fields, data),
+                Ok(fields) => {
+                    if let Some(usage) = fields.usage {
+                        guard.note_usage(usage);
+                    }
+                    guard.classify_anthropic(&fields, data)
+                }
                 Err(_) => Kind::Malformed,
             };
-            describe_kind(kind, &event)
+            (describe_kind(kind, &data_event(data)), guard.usage)
+        };
+        // What the guard makes of it, whichever way it takes.
+        let known = |data: &str| {
+            let mut guard = anthropic();
+            (describe(&mut guard, data), guard.usage)
         };
         for data in bare {
-            let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
             let kind = anthropic_bare_kind(data).unwrap_or_else(|| panic!("{data}"));
-            assert_eq!(describe_kind(kind, &event), read(data), "{data}");
-            assert_eq!(describe(&mut anthropic(), data), read(data), "{data}");
+            assert_eq!(
+                (describe_kind(kind, &data_event(data)), None),
+                read(data),
+                "{data}"
+            );
+            assert_eq!(known(data), read(data), "{data}");
         }
         for data in read_in_full {
             assert!(anthropic_bare_kind(data).is_none(), "{data}");
-            assert_eq!(describe(&mut anthropic(), data), read(data), "{data}");
+            assert_eq!(known(data), read(data), "{data}");
         }
         // A message's delta as the API writes it is known but for its
         // usage, which is noted as the read notes it; any other form is
@@ -2879,21 +2891,7 @@ mod tests {
         ];
         for (bare, data) in deltas {
             assert_eq!(anthropic_bare_message_delta(data).is_some(), bare, "{data}");
-            let mut known = anthropic();
-            let known_kind = describe(&mut known, data);
-            let mut read_guard = anthropic();
-            let event = parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap();
-            let read_kind = match Event::read(data) {
-                Ok(fields) => {
-                    if let Some(usage) = fields.usage {
-                        read_guard.note_usage(usage);
-                    }
-                    read_guard.classify_anthropic(&fields, data)
-                }
-                Err(_) => Kind::Malformed,
-            };
-            assert_eq!(known_kind, describe_kind(read_kind, &event), "{data}");
-            assert_eq!(known.usage, read_guard.usage, "{data}");
+            assert_eq!(known(data), read(data), "{data}");
         }
         // An OpenAI stream reads them as any other event.
         let mut chat = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
