@@ -141,6 +141,8 @@ async fn exchanges_become_results_with_metrics_and_no_secrets() {
         row["exchange"]["texts"]["response"][0],
         "You will lose nothing by waiting."
     );
+    // message_start's report merged with message_delta's.
+    assert_eq!(row["exchange"]["usage"]["input_tokens"], 5);
     assert_eq!(row["exchange"]["usage"]["output_tokens"], 7);
 
     // Keys never leave the proxy.

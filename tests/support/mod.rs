@@ -275,34 +275,38 @@ pub fn openai_stream(chunks: &[String], padded: bool) -> String {
     out
 }
 
+/// A Messages API stream of `chunks`, its events written byte for byte as
+/// the API writes them (members in the API's order, no spaces but in
+/// `ping`), so that the guard takes the forms it knows by their bytes.
 pub fn anthropic_stream(chunks: &[String]) -> String {
-    let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
+    let event = |name: &str, data: &str| format!("event: {name}\ndata: {data}\n\n");
     let mut out = event(
         "message_start",
-        json!({"type": "message_start", "message": {"id": "msg_mock", "type": "message", "role": "assistant",
-               "model": "mock-model", "content": [], "stop_reason": null, "stop_sequence": null,
-               "usage": {"input_tokens": 5, "output_tokens": 1}}}),
+        r#"{"type":"message_start","message":{"id":"msg_mock","type":"message","role":"assistant","model":"mock-model","content":[],"stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":5,"output_tokens":1}}}"#,
     );
     out.push_str(&event(
         "content_block_start",
-        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
     ));
-    out.push_str(&event("ping", json!({"type": "ping"})));
+    out.push_str(&event("ping", r#"{"type": "ping"}"#));
     for chunk in chunks {
+        let text = Value::from(chunk.as_str());
         out.push_str(&event(
             "content_block_delta",
-            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": chunk}}),
+            &format!(
+                r#"{{"type":"content_block_delta","index":0,"delta":{{"type":"text_delta","text":{text}}}}}"#
+            ),
         ));
     }
     out.push_str(&event(
         "content_block_stop",
-        json!({"type": "content_block_stop", "index": 0}),
+        r#"{"type":"content_block_stop","index":0}"#,
     ));
     out.push_str(&event(
         "message_delta",
-        json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 7}}),
+        r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":7}}"#,
     ));
-    out.push_str(&event("message_stop", json!({"type": "message_stop"})));
+    out.push_str(&event("message_stop", r#"{"type":"message_stop"}"#));
     out
 }
 
