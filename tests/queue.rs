@@ -7,6 +7,7 @@
 mod support;
 
 use std::path::Path;
+use std::time::Duration;
 
 use fairgate::config::OnFull;
 use fairgate::proxy::State;
@@ -172,6 +173,52 @@ async fn exchanges_become_results_with_metrics_and_no_secrets() {
     assert!(
         stream_record["proxy_ms"].as_f64().unwrap() <= stream_record["total_ms"].as_f64().unwrap()
     );
+    proxy.stop().await;
+}
+
+/// A client that leaves a stream while the upstream has stopped sending
+/// (and holds its connection open) still gets its exchange recorded, at
+/// once, with the text read so far: the record does not wait on an
+/// upstream that may never end.
+#[tokio::test]
+async fn a_stream_the_client_leaves_is_recorded_at_once() {
+    let mock = support::start_mock().await;
+    let proxy = support::start_proxy(support::config(&mock.url(), Path::new("rules"))).await;
+    let sent = "A budget comes first: list what you earn and what you spend each month. ";
+    let sent = sent.repeat(6);
+    let chunks: Vec<String> = sent.split_inclusive(' ').map(str::to_owned).collect();
+    // The stream's events up to the last text delta, without its end.
+    let raw = support::openai_stream(&chunks, false);
+    let raw = &raw[..raw.find(r#""finish_reason":"stop""#).unwrap()];
+    let raw = &raw[..raw.rfind("data: ").unwrap()];
+    let mut response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_sse": raw, "hold_open": true}),
+            &json!({"model": "gpt-4o-mini", "stream": true,
+                    "messages": [{"role": "user", "content": "Where do I start?"}]}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let id = response.headers()["x-fairgate-request-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    // The client reads what is released until nothing more comes (the
+    // guard has read all the upstream sent), then goes away.
+    let mut received = String::new();
+    while let Ok(frame) = tokio::time::timeout(Duration::from_millis(500), response.chunk()).await {
+        let frame = frame.unwrap().expect("the stream goes on");
+        received.push_str(&String::from_utf8_lossy(&frame));
+    }
+    assert!(received.contains("A budget"), "{received}");
+    drop(response);
+
+    let rows = proxy.wait_for_results(1).await;
+    let record = &exchange(&rows, &id)["exchange"];
+    assert_eq!(record["stream"], true);
+    assert_eq!(record["verdict"], "allow");
+    assert_eq!(record["texts"]["response"][0], sent);
     proxy.stop().await;
 }
 

@@ -101,7 +101,6 @@ use futures_util::{Stream, StreamExt};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use serde_json::{Map, Value, json};
-use tokio::sync::mpsc;
 
 use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint};
@@ -169,7 +168,14 @@ pub struct StreamOutcome {
 }
 
 /// Guards `upstream` (the upstream's body) and returns the body for the
-/// client. `done` is called once the stream has ended.
+/// client. `done` is called once the stream has ended, or once the client
+/// has gone away (the body dropped before its end).
+///
+/// The guard runs inside the body's own poll, on the client connection's
+/// task: each poll reads the upstream until it has frames for the client.
+/// A task of its own, with a channel to the body, cost a spawn and a wake
+/// of the connection for each chunk, and read ahead of a client that was
+/// not reading.
 pub fn guard_body<S, E>(
     setup: StreamSetup,
     upstream: S,
@@ -179,93 +185,129 @@ where
     S: Stream<Item = Result<Bytes, E>> + Send + Unpin + 'static,
     E: Display,
 {
-    let (tx, rx) = mpsc::channel::<Bytes>(32);
-    tokio::spawn(async move {
-        let started = setup.started;
-        let mut guard = Guard::new(setup);
-        let mut parser = SseParser::default();
-        let mut upstream = upstream;
-        let mut first_byte = None;
-        let mut client_gone = false;
-        let mut guard_time = Duration::ZERO;
-        // The frames of one upstream chunk go out as one body frame: each
-        // frame costs a pass through the channel and hyper's chunked
-        // encoder, more than copying a few events' bytes, and frames that
-        // are ready together change nothing for the client apart.
-        let send = async |mut frames: Vec<Bytes>, first_byte: &mut Option<Duration>| -> bool {
+    let run = Run {
+        started: setup.started,
+        guard: Guard::new(setup),
+        parser: SseParser::default(),
+        upstream,
+        first_byte: None,
+        guard_time: Duration::ZERO,
+        ended: false,
+        done: Some(done),
+    };
+    let frames = futures_util::stream::unfold(run, |mut run| async move {
+        let frame = run.next_frame().await?;
+        Some((Ok::<_, std::convert::Infallible>(Frame::data(frame)), run))
+    });
+    StreamBody::new(frames)
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+/// One guarded stream, as its body is polled. Dropped, at its end or when
+/// the client goes away, it reports its outcome to `done`.
+struct Run<S, F: FnOnce(StreamOutcome)> {
+    started: Instant,
+    guard: Guard,
+    parser: SseParser,
+    upstream: S,
+    first_byte: Option<Duration>,
+    guard_time: Duration,
+    /// The last frames have been given out.
+    ended: bool,
+    done: Option<F>,
+}
+
+impl<S, E, F> Run<S, F>
+where
+    S: Stream<Item = Result<Bytes, E>> + Unpin,
+    E: Display,
+    F: FnOnce(StreamOutcome),
+{
+    /// The next body frame for the client; `None` at the end. The frames of
+    /// one upstream chunk go out as one body frame: each frame costs a pass
+    /// through hyper's chunked encoder, more than copying a few events'
+    /// bytes, and frames that are ready together change nothing for the
+    /// client apart.
+    async fn next_frame(&mut self) -> Option<Bytes> {
+        while !self.ended {
+            let mut frames = self.next_frames().await;
             let frame = match frames.len() {
-                0 => return true,
+                0 => continue,
                 1 => frames.swap_remove(0),
                 _ => Bytes::from(frames.concat()),
             };
-            if first_byte.is_none() {
-                *first_byte = Some(started.elapsed());
+            if self.first_byte.is_none() {
+                self.first_byte = Some(self.started.elapsed());
             }
-            tx.send(frame).await.is_ok()
-        };
-        while !guard.finished {
-            let frames = match upstream.next().await {
-                Some(Ok(chunk)) => {
-                    let began = Instant::now();
-                    let mut frames = Vec::new();
-                    guard.deferring = true;
-                    for event in parser.push(chunk) {
-                        if !guard.finished {
-                            frames.extend(guard.on_event(event));
-                        } else if guard.awaiting_usage() {
-                            // The rest of the chunk may carry the usage.
-                            guard.drain_event(&event);
-                        }
-                    }
-                    frames.extend(guard.deferred_check());
-                    guard_time += began.elapsed();
-                    frames
-                }
-                Some(Err(error)) => {
-                    tracing::warn!(%error, "upstream stream failed");
-                    guard.upstream_failed = true;
-                    guard.on_end()
-                }
-                None => guard.on_end(),
-            };
-            if !send(frames, &mut first_byte).await {
-                client_gone = true;
-                break;
-            }
+            return Some(frame);
         }
-        if !client_gone && guard.awaiting_usage() {
-            // Blocked, and the client asked for usage: read the upstream on
-            // (sending nothing of it) until it reports usage, ends, or
+        None
+    }
+
+    /// The frames of the upstream's next chunk, or of the stream's end.
+    async fn next_frames(&mut self) -> Vec<Bytes> {
+        let guard = &mut self.guard;
+        if guard.finished {
+            self.ended = true;
+            if !guard.awaiting_usage() {
+                return Vec::new();
+            }
+            // Blocked, and the client asked for usage: read the upstream
+            // on (sending nothing of it) until it reports usage, ends, or
             // USAGE_WAIT passes.
             let wait = tokio::time::sleep(USAGE_WAIT);
             tokio::pin!(wait);
             'drain: loop {
                 let chunk = tokio::select! {
-                    chunk = upstream.next() => chunk,
+                    chunk = self.upstream.next() => chunk,
                     () = &mut wait => break,
                 };
                 let Some(Ok(chunk)) = chunk else { break };
-                for event in parser.push(chunk) {
+                for event in self.parser.push(chunk) {
                     if guard.drain_event(&event) {
                         break 'drain;
                     }
                 }
             }
-            client_gone = !send(guard.usage_ending(), &mut first_byte).await;
+            return guard.usage_ending();
         }
-        if client_gone {
+        match self.upstream.next().await {
+            Some(Ok(chunk)) => {
+                let began = Instant::now();
+                let mut frames = Vec::new();
+                guard.deferring = true;
+                for event in self.parser.push(chunk) {
+                    if !guard.finished {
+                        frames.extend(guard.on_event(event));
+                    } else if guard.awaiting_usage() {
+                        // The rest of the chunk may carry the usage.
+                        guard.drain_event(&event);
+                    }
+                }
+                frames.extend(guard.deferred_check());
+                self.guard_time += began.elapsed();
+                frames
+            }
+            Some(Err(error)) => {
+                tracing::warn!(%error, "upstream stream failed");
+                guard.upstream_failed = true;
+                guard.on_end()
+            }
+            None => guard.on_end(),
+        }
+    }
+}
+
+impl<S, F: FnOnce(StreamOutcome)> Drop for Run<S, F> {
+    fn drop(&mut self) {
+        if !self.ended {
             tracing::debug!("client went away during a stream");
         }
-        done(guard.outcome(first_byte, guard_time));
-    });
-    let frames = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|bytes| (Ok::<_, std::convert::Infallible>(Frame::data(bytes)), rx))
-    });
-    StreamBody::new(frames)
-        .map_err(|never| match never {})
-        .boxed_unsync()
+        if let Some(done) = self.done.take() {
+            done(self.guard.outcome(self.first_byte, self.guard_time));
+        }
+    }
 }
 
 /// One server-sent event. Its name and data are, in the forms the APIs
