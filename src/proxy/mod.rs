@@ -893,7 +893,10 @@ async fn guarded(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     if is_stream || streaming && !is_json(response.headers()) {
-        let out = guarded_stream(
+        // hyper polls the body, where the guard runs, right after it has
+        // put the head in its buffer: head and first frames leave in one
+        // write without a yield first.
+        return guarded_stream(
             state,
             response,
             deadline,
@@ -904,11 +907,6 @@ async fn guarded(
             sent.duration_since(started),
             include_usage,
         );
-        // Let the guard's task take what the upstream has already sent
-        // before the head goes out, so that head and first frames can leave
-        // in one write.
-        tokio::task::yield_now().await;
-        return out;
     }
 
     let (head, body) = response.into_parts();
