@@ -213,7 +213,8 @@ struct Run<S, F: FnOnce(StreamOutcome)> {
     upstream: S,
     first_byte: Option<Duration>,
     guard_time: Duration,
-    /// The last frames have been given out.
+    /// The stream has reached its end: what is left to give out is the
+    /// usage ending of a blocked stream, if any.
     ended: bool,
     done: Option<F>,
 }
