@@ -186,7 +186,6 @@ where
     E: Display,
 {
     let run = Run {
-        started: setup.started,
         guard: Guard::new(setup),
         parser: SseParser::default(),
         upstream,
@@ -207,7 +206,6 @@ where
 /// One guarded stream, as its body is polled. Dropped, at its end or when
 /// the client goes away, it reports its outcome to `done`.
 struct Run<S, F: FnOnce(StreamOutcome)> {
-    started: Instant,
     guard: Guard,
     parser: SseParser,
     upstream: S,
@@ -239,7 +237,7 @@ where
                 _ => Bytes::from(frames.concat()),
             };
             if self.first_byte.is_none() {
-                self.first_byte = Some(self.started.elapsed());
+                self.first_byte = Some(self.guard.setup.started.elapsed());
             }
             return Some(frame);
         }

@@ -360,17 +360,16 @@ impl Shape {
             .strip_prefix(self.before.as_str())
             .and_then(|rest| rest.strip_suffix(self.after.as_str()))
         {
-            if plain_token(between) == Some(between.len()) {
-                let text = Text {
-                    value: Cow::Borrowed(&between[1..between.len() - 1]),
-                    token: 0..between.len(),
-                };
-                return Some(placed(text, self.before.len())).filter(|text| !text.value.is_empty());
-            }
-            let mut reader = Reader::new(between);
-            if let Ok(Some(text)) = reader.string()
-                && reader.jiter.finish().is_ok()
-            {
+            // One string token and nothing else.
+            let whole = match plain_string(between) {
+                Some(text) => Some(text).filter(|text| text.token.end == between.len()),
+                None => {
+                    let mut reader = Reader::new(between);
+                    let text = reader.string().ok().flatten();
+                    text.filter(|_| reader.jiter.finish().is_ok())
+                }
+            };
+            if let Some(text) = whole {
                 return Some(placed(text, self.before.len())).filter(|text| !text.value.is_empty());
             }
         }
@@ -383,11 +382,8 @@ impl Shape {
             if !rest.starts_with('"') {
                 return None;
             }
-            let string = match plain_token(rest) {
-                Some(end) => Text {
-                    value: Cow::Borrowed(&rest[1..end - 1]),
-                    token: 0..end,
-                },
+            let string = match plain_string(rest) {
+                Some(text) => text,
                 None => Reader::new(rest).string().ok()??,
             };
             let at = data.len() - rest.len();
@@ -421,6 +417,16 @@ pub(super) fn plain_token(text: &str) -> Option<usize> {
         }
     }
     None
+}
+
+/// The JSON string token at the start of `text` when it holds no escape,
+/// its value taken as it stands ([`plain_token`]).
+fn plain_string(text: &str) -> Option<Text<'_>> {
+    let end = plain_token(text)?;
+    Some(Text {
+        value: Cow::Borrowed(&text[1..end - 1]),
+        token: 0..end,
+    })
 }
 
 #[cfg(test)]
