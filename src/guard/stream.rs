@@ -4186,4 +4186,29 @@ mod tests {
             );
         }
     }
+
+    /// A panic while the body is polled (here the upstream's; in the guard
+    /// it would unwind the same way) ends the connection's task: tokio
+    /// catches it and drops the body, and the drop still reports what the
+    /// stream had sent, so the exchange is recorded.
+    #[tokio::test]
+    async fn a_stream_whose_poll_panics_still_reports_its_outcome() {
+        let first = openai_delta("Start with a budget, ").raw;
+        let upstream = futures_util::stream::iter([Ok::<_, String>(first)]).chain(
+            futures_util::stream::poll_fn(|_| -> std::task::Poll<Option<Result<Bytes, String>>> {
+                panic!("a fault while the stream is read")
+            }),
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        let body = guard_body(
+            setup(Endpoint::ChatCompletions, StreamMode::Holdback),
+            upstream,
+            move |outcome| tx.send(outcome).unwrap(),
+        );
+        let collected = tokio::spawn(async move { body.collect().await }).await;
+        assert!(collected.unwrap_err().is_panic());
+        let outcome = rx.try_recv().expect("no outcome reported");
+        assert_eq!(outcome.text, "Start with a budget, ");
+        assert_eq!(outcome.verdict.decision, Decision::Allow);
+    }
 }
