@@ -301,7 +301,9 @@ where
 impl<S, F: FnOnce(StreamOutcome)> Drop for Run<S, F> {
     fn drop(&mut self) {
         if !self.ended {
-            tracing::debug!("client went away during a stream");
+            tracing::debug!(
+                "a stream ended before the upstream's end: the client went away, or a fault"
+            );
         }
         if let Some(done) = self.done.take() {
             done(self.guard.outcome(self.first_byte, self.guard_time));
@@ -4195,7 +4197,7 @@ mod tests {
     async fn a_stream_whose_poll_panics_still_reports_its_outcome() {
         let first = openai_delta("Start with a budget, ").raw;
         let upstream = futures_util::stream::iter([Ok::<_, String>(first)]).chain(
-            futures_util::stream::poll_fn(|_| -> std::task::Poll<Option<Result<Bytes, String>>> {
+            futures_util::stream::poll_fn::<Result<Bytes, String>, _>(|_| {
                 panic!("a fault while the stream is read")
             }),
         );
