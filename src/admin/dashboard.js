@@ -167,6 +167,7 @@ function render(summary) {
   const errors = [
     ...pairs(summary.errors.upstream).map(([kind, n]) => ["upstream", kind, n]),
     ...pairs(summary.errors.stream).map(([kind, n]) => ["stream", kind, n]),
+    ...pairs(summary.errors.fault).map(([stage, n]) => ["fairgate", `fault (${stage})`, n]),
     ...(reload.failures ? [["rules", "reload failed", reload.failures]] : []),
   ];
   table("errors", ["where", "kind", "#count"], errors);

@@ -105,6 +105,7 @@ pub fn summary(state: &State) -> Value {
         "errors": {
             "upstream": counts(families.by("fairgate_upstream_errors_total", "kind")),
             "stream": counts(families.by("fairgate_stream_errors_total", "kind")),
+            "fault": counts(families.by("fairgate_faults_total", "stage")),
         },
         "queue": {
             "depth": families.total("fairgate_queue_depth"),

@@ -164,6 +164,8 @@ pub struct StreamOutcome {
     pub guard_time: Duration,
     pub malformed: bool,
     pub upstream_failed: bool,
+    /// The guard failed (a panic): the stream ended with an error event.
+    pub faulted: bool,
     pub first_byte: Option<Duration>,
 }
 
@@ -194,9 +196,27 @@ where
         ended: false,
         done: Some(done),
     };
-    let frames = futures_util::stream::unfold(run, |mut run| async move {
-        let frame = run.next_frame().await?;
-        Some((Ok::<_, std::convert::Infallible>(Frame::data(frame)), run))
+    let frames = futures_util::stream::unfold(Some(run), |run| async move {
+        use futures_util::FutureExt;
+        let mut run = run?;
+        let next = std::panic::AssertUnwindSafe(run.next_frame())
+            .catch_unwind()
+            .await;
+        let frame = match next {
+            Ok(frame) => frame?,
+            Err(_) => {
+                // A fault in the guard: what it held is dropped with it,
+                // and the client gets an error in place of the rest. The
+                // drop reports the outcome, fault noted.
+                let ending = run.guard.fault_ending();
+                drop(run);
+                return Some((Ok(Frame::data(ending)), None));
+            }
+        };
+        Some((
+            Ok::<_, std::convert::Infallible>(Frame::data(frame)),
+            Some(run),
+        ))
     });
     StreamBody::new(frames)
         .map_err(|never| match never {})
@@ -714,6 +734,7 @@ pub struct Guard {
     finished: bool,
     malformed: bool,
     upstream_failed: bool,
+    faulted: bool,
     /// The upstream's usage: the JSON text of its object, as the upstream
     /// wrote it (Anthropic's two reports merged).
     usage: Option<String>,
@@ -782,6 +803,7 @@ impl Guard {
             finished: false,
             malformed: false,
             upstream_failed: false,
+            faulted: false,
             usage: None,
             awaiting_usage: false,
             shape: None,
@@ -1056,8 +1078,47 @@ impl Guard {
             guard_time,
             malformed: self.malformed,
             upstream_failed: self.upstream_failed,
+            faulted: self.faulted,
             first_byte,
         }
+    }
+
+    /// The event that ends a stream whose guard failed, as each API ends a
+    /// stream on a server error (which its SDK raises).
+    fn fault_ending(&mut self) -> Bytes {
+        self.faulted = true;
+        self.finished = true;
+        let message = crate::proxy::respond::FAULT_MESSAGE;
+        let (name, data) = match self.setup.endpoint {
+            Endpoint::ChatCompletions | Endpoint::Completions => (
+                None,
+                json!({"error": {
+                    "message": message,
+                    "type": "server_error",
+                    "param": null,
+                    "code": "internal_error",
+                }}),
+            ),
+            Endpoint::Responses => {
+                let number = self.next_number.unwrap_or(0);
+                self.next_number = Some(number.saturating_add(1));
+                (
+                    Some("error"),
+                    json!({
+                        "type": "error",
+                        "code": "internal_error",
+                        "message": message,
+                        "param": null,
+                        "sequence_number": number,
+                    }),
+                )
+            }
+            Endpoint::Messages => (
+                Some("error"),
+                json!({"type": "error", "error": {"type": "api_error", "message": message}}),
+            ),
+        };
+        sse(name, &data)
     }
 
     fn classify(&mut self, event: &SseEvent) -> Kind {
@@ -4189,14 +4250,15 @@ mod tests {
         }
     }
 
-    /// A panic while the body is polled (here the upstream's; in the guard
-    /// it would unwind the same way) ends the connection's task: tokio
-    /// catches it and drops the body, and the drop still reports what the
-    /// stream had sent, so the exchange is recorded.
+    /// A panic while the body is polled (here the upstream's; the guard's
+    /// own unwinds the same way) ends the stream with the API's error
+    /// event, as the API ends a stream on a server error: what was sent
+    /// stays sent, and the drop of the guard still reports it, fault
+    /// noted, so the exchange is recorded.
     #[tokio::test]
-    async fn a_stream_whose_poll_panics_still_reports_its_outcome() {
+    async fn a_stream_whose_poll_panics_ends_with_an_error_event_and_reports_its_outcome() {
         let first = openai_delta("Start with a budget, ").raw;
-        let upstream = futures_util::stream::iter([Ok::<_, String>(first)]).chain(
+        let upstream = futures_util::stream::iter([Ok::<_, String>(first.clone())]).chain(
             futures_util::stream::poll_fn::<Result<Bytes, String>, _>(|_| {
                 panic!("a fault while the stream is read")
             }),
@@ -4207,10 +4269,82 @@ mod tests {
             upstream,
             move |outcome| tx.send(outcome).unwrap(),
         );
-        let collected = tokio::spawn(async move { body.collect().await }).await;
-        assert!(collected.unwrap_err().is_panic());
+        let sent = served(body).await;
         let outcome = rx.try_recv().expect("no outcome reported");
         assert_eq!(outcome.text, "Start with a budget, ");
         assert_eq!(outcome.verdict.decision, Decision::Allow);
+        assert!(outcome.faulted);
+        let mut events = SseParser::default()
+            .push(sent)
+            .collect::<Vec<_>>()
+            .into_iter();
+        assert_eq!(events.next().unwrap().raw, first);
+        let ending = events.next().expect("no error event");
+        assert!(ending.event.is_none() && events.next().is_none());
+        let error: Value = serde_json::from_str(ending.data.as_deref().unwrap()).unwrap();
+        assert_eq!(error["error"]["type"], "server_error");
+        assert_eq!(error["error"]["code"], "internal_error");
+    }
+
+    /// `body` as a client reads it from a server over a real connection.
+    async fn served(body: ProxyBody) -> Bytes {
+        use hyper_util::rt::{TokioExecutor, TokioIo};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let body = std::sync::Mutex::new(Some(body));
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let service = hyper::service::service_fn(move |_| {
+                let body = body.lock().unwrap().take().expect("one request");
+                let mut response = http::Response::new(body);
+                response.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("text/event-stream"),
+                );
+                async move { Ok::<_, std::convert::Infallible>(response) }
+            });
+            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            let _ = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+        let response = reqwest::get(format!("http://{addr}/")).await.unwrap();
+        assert_eq!(response.status(), 200);
+        response.bytes().await.expect("the stream was cut")
+    }
+
+    /// Each API's own error event ends a stream whose guard failed.
+    #[tokio::test]
+    async fn a_fault_ends_each_apis_stream_with_its_error_event() {
+        for (endpoint, name, kind) in [
+            (Endpoint::Completions, None, "/error/type"),
+            (Endpoint::Responses, Some("error"), "/code"),
+            (Endpoint::Messages, Some("error"), "/error/type"),
+        ] {
+            let upstream = futures_util::stream::poll_fn::<Result<Bytes, String>, _>(|_| {
+                panic!("a fault while the stream is read")
+            });
+            let (tx, rx) = std::sync::mpsc::channel();
+            let body = guard_body(setup(endpoint, StreamMode::Buffer), upstream, move |o| {
+                tx.send(o).unwrap()
+            });
+            let sent = body.collect().await.unwrap().to_bytes();
+            assert!(rx.try_recv().unwrap().faulted);
+            let events: Vec<SseEvent> = SseParser::default().push(sent).collect();
+            let [ending] = &events[..] else {
+                panic!("{endpoint:?}: {events:?}")
+            };
+            assert_eq!(ending.event.as_deref(), name, "{endpoint:?}");
+            let error: Value = serde_json::from_str(ending.data.as_deref().unwrap()).unwrap();
+            let expected = match endpoint {
+                Endpoint::Messages => "api_error",
+                Endpoint::Responses => "internal_error",
+                _ => "server_error",
+            };
+            assert_eq!(error.pointer(kind).unwrap(), expected, "{endpoint:?}");
+            if endpoint == Endpoint::Responses {
+                assert_eq!(error["sequence_number"], 0);
+            }
+        }
     }
 }

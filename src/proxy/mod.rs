@@ -286,7 +286,7 @@ pub async fn run(
                 // after the first can wait for the client's delayed ACK.
                 let _ = stream.set_nodelay(true);
                 let state = state.clone();
-                let service = service_fn(move |req| handle(state.clone(), req));
+                let service = service_fn(move |req| answer(state.clone(), req));
                 let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
                 let connection = graceful.watch(connection);
                 tokio::spawn(async move {
@@ -324,34 +324,63 @@ pub async fn run(
     Ok(())
 }
 
-/// One request on the proxy port.
-async fn handle(
+/// One request on the proxy port, answered even when fairgate fails: if
+/// its handler panics, with a 500 in the caller's dialect (not worth a
+/// retry) rather than a connection cut without an answer, which SDKs
+/// retry. Whatever the handler held is dropped with it: a stream's guard
+/// reports its outcome, and nothing it held back goes out.
+async fn answer(
     state: Arc<State>,
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible> {
+    use futures_util::FutureExt;
     let started = Instant::now();
     let request_id = state.request_id();
+    let dialect = dialect_of_path(req.uri().path());
+    let handled = std::panic::AssertUnwindSafe(handle(&state, req, &request_id, started))
+        .catch_unwind()
+        .await;
+    Ok(handled.unwrap_or_else(|_| fault(&state.metrics, dialect, &request_id)))
+}
+
+/// The answer to a request whose handler panicked.
+fn fault(metrics: &Metrics, dialect: Dialect, request_id: &str) -> Response<ProxyBody> {
+    metrics.faults.with_label_values(&["request"]).inc();
+    tracing::error!(
+        request_id,
+        "a fault while handling the request: answered 500"
+    );
+    respond::failure(dialect, Failure::Fault, request_id)
+}
+
+/// One request on the proxy port.
+async fn handle(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+    started: Instant,
+) -> Response<ProxyBody> {
     if tunnel::is_websocket(req.headers()) {
-        return Ok(tunnel::relay(&state, req, &request_id).await);
+        return tunnel::relay(state, req, request_id).await;
     }
     let endpoint = (req.method() == Method::POST)
         .then(|| Endpoint::from_path(req.uri().path()))
         .flatten();
     if req.method() == Method::POST && req.uri().path().trim_end_matches('/') == "/v1/feedback" {
-        return Ok(feedback(&state, req, &request_id).await);
+        return feedback(state, req, request_id).await;
     }
     if req.method() == Method::GET
         && let Some(stored) = Stored::from_path(req.uri().path())
     {
-        return Ok(stored::fetch(&state, req, stored, &request_id).await);
+        return stored::fetch(state, req, stored, request_id).await;
     }
-    Ok(match endpoint {
-        Some(endpoint) => guarded(&state, req, endpoint, &request_id, started).await,
+    match endpoint {
+        Some(endpoint) => guarded(state, req, endpoint, request_id, started).await,
         None => match Batch::from_request(req.method(), req.uri().path()) {
-            Some(batch) => batch::handle(&state, req, batch, &request_id).await,
-            None => passthrough(&state, req, &request_id).await,
+            Some(batch) => batch::handle(state, req, batch, request_id).await,
+            None => passthrough(state, req, request_id).await,
         },
-    })
+    }
 }
 
 /// Headers that describe one connection, not the message.
@@ -1156,6 +1185,13 @@ fn guarded_stream(
                 .with_label_values(&[route, "upstream"])
                 .inc();
         }
+        if outcome.faulted {
+            metrics.faults.with_label_values(&["stream"]).inc();
+            tracing::error!(
+                request_id = id,
+                "a fault while guarding the stream: ended it with an error event"
+            );
+        }
         let total = draft.started.elapsed();
         draft.finish(
             &metrics_state,
@@ -1176,7 +1212,86 @@ fn guarded_stream(
 
 #[cfg(test)]
 mod tests {
-    use super::push_hex;
+    use super::*;
+    use futures_util::FutureExt;
+
+    /// A fault in a handler is answered, over a real connection, with a
+    /// 500 in the caller's dialect that SDKs do not retry; the connection
+    /// stays open for the client's next request, and the fault is counted.
+    #[tokio::test]
+    async fn a_handler_that_panics_is_answered_500_in_the_callers_dialect() {
+        let metrics = Arc::new(Metrics::new());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let served = metrics.clone();
+        let connections = Arc::new(AtomicU64::new(0));
+        let accepted = connections.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                accepted.fetch_add(1, Ordering::Relaxed);
+                let metrics = served.clone();
+                let service = service_fn(move |req: Request<Incoming>| {
+                    let metrics = metrics.clone();
+                    async move {
+                        let dialect = dialect_of_path(req.uri().path());
+                        let fails = req.uri().query() == Some("fail");
+                        let handled = async move {
+                            assert!(!fails, "a fault in the handler");
+                            respond::text(StatusCode::OK, "fine".to_owned())
+                        };
+                        let handled = std::panic::AssertUnwindSafe(handled).catch_unwind().await;
+                        Ok::<_, Infallible>(
+                            handled.unwrap_or_else(|_| fault(&metrics, dialect, "req-7")),
+                        )
+                    }
+                });
+                let builder = auto::Builder::new(TokioExecutor::new());
+                tokio::spawn(async move {
+                    let _ = builder
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(1)
+            .build()
+            .unwrap();
+        let base = format!("http://{addr}");
+        for (path, kind) in [
+            ("/v1/chat/completions", "/error/type"),
+            ("/v1/messages", "/error/type"),
+        ] {
+            let response = client
+                .post(format!("{base}{path}?fail"))
+                .body("{}")
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 500, "{path}");
+            let headers = response.headers();
+            assert_eq!(headers["x-should-retry"], "false");
+            assert_eq!(headers["x-fairgate-request-id"], "req-7");
+            let body: serde_json::Value = response.json().await.unwrap();
+            let expected = match path {
+                "/v1/messages" => "api_error",
+                _ => "server_error",
+            };
+            assert_eq!(body.pointer(kind).unwrap(), expected, "{body}");
+            assert!(body.to_string().contains("internal fault"), "{body}");
+            if path == "/v1/messages" {
+                assert_eq!(body["type"], "error");
+            } else {
+                assert_eq!(body["error"]["code"], "internal_error");
+            }
+            let next = client.post(format!("{base}{path}")).send().await.unwrap();
+            assert_eq!(next.text().await.unwrap(), "fine");
+        }
+        let faults = metrics.faults.with_label_values(&["request"]).get();
+        assert_eq!(faults, 2);
+        assert_eq!(connections.load(Ordering::Relaxed), 1);
+    }
 
     #[test]
     fn hex_is_written_as_format_writes_it() {

@@ -36,6 +36,8 @@ pub enum Failure {
     /// A WebSocket on a guarded path, or anywhere with `guard.upgrades:
     /// refuse`.
     UpgradeRefused,
+    /// fairgate itself failed (a panic) while handling the request.
+    Fault,
 }
 
 impl Failure {
@@ -58,6 +60,7 @@ impl Failure {
             Failure::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Failure::NoRoute => StatusCode::NOT_FOUND,
             Failure::UpgradeRefused => StatusCode::FORBIDDEN,
+            Failure::Fault => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -73,6 +76,7 @@ impl Failure {
             Failure::UpstreamBroken => "upstream_error",
             Failure::NoRoute => "not_found",
             Failure::UpgradeRefused => "upgrade_refused",
+            Failure::Fault => "internal_error",
         }
     }
 
@@ -96,6 +100,7 @@ impl Failure {
             Failure::UpgradeRefused => {
                 "This gateway does not scan WebSocket sessions, so it refuses them on the paths it guards, and on every path with guard.upgrades: refuse."
             }
+            Failure::Fault => FAULT_MESSAGE,
         }
     }
 
@@ -125,7 +130,12 @@ impl Failure {
     }
 }
 
-/// The response for a failure.
+/// What the client is told of a fault in fairgate, whether it answers the
+/// request or ends a stream.
+pub const FAULT_MESSAGE: &str = "This gateway failed while handling the request (an internal fault, logged under the request's ID); nothing past the fault was relayed.";
+
+/// The response for a failure. A fault is not worth a retry: the same
+/// request meets the same fault.
 pub fn failure(dialect: Dialect, failure: Failure, request_id: &str) -> Response<ProxyBody> {
     let body = match dialect {
         Dialect::OpenAi => json!({"error": {
@@ -139,7 +149,13 @@ pub fn failure(dialect: Dialect, failure: Failure, request_id: &str) -> Response
             "message": failure.message(),
         }}),
     };
-    json_response(failure.status(), &body, request_id, None)
+    let mut response = json_response(failure.status(), &body, request_id, None);
+    if let Failure::Fault = failure {
+        response
+            .headers_mut()
+            .insert("x-should-retry", HeaderValue::from_static("false"));
+    }
+    response
 }
 
 /// A 400 for a malformed fairgate request (such as feedback), in the OpenAI

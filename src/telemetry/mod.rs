@@ -34,6 +34,9 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     /// `fairgate_stream_errors_total{route, kind}`
     pub stream_errors: IntCounterVec,
+    /// `fairgate_faults_total{stage}`: faults (panics) of fairgate's own,
+    /// while answering a request or while guarding a stream.
+    pub faults: IntCounterVec,
     /// `fairgate_tunnels_total{upstream}`: upgraded connections (WebSocket)
     /// relayed unscanned.
     pub tunnels: IntCounterVec,
@@ -199,6 +202,11 @@ impl Metrics {
             "Malformed or broken upstream streams.",
             &["route", "kind"],
         );
+        let faults = counter(
+            "fairgate_faults_total",
+            "Faults (panics) of fairgate's own, answered with an error: while handling a request (request) or guarding a stream (stream).",
+            &["stage"],
+        );
         let tunnels = counter(
             "fairgate_tunnels_total",
             "Upgraded connections (WebSocket) relayed unscanned, by upstream.",
@@ -296,6 +304,7 @@ impl Metrics {
             stream_first_byte,
             upstream_errors,
             stream_errors,
+            faults,
             tunnels,
             tunnels_open,
             rules_info,

@@ -42,7 +42,7 @@ SAFE = "Start with a budget and an emergency fund, then invest regularly."
 
 # Metrics whose series only exist after events this check does not cause: a
 # malformed upstream stream, a WebSocket tunnel.
-MAY_BE_EMPTY = {"fairgate_stream_errors_total", "fairgate_tunnels_total"}
+MAY_BE_EMPTY = {"fairgate_stream_errors_total", "fairgate_tunnels_total", "fairgate_faults_total"}
 
 
 class Upstream(BaseHTTPRequestHandler):
