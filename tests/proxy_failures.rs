@@ -323,6 +323,120 @@ async fn malformed_sse_ends_the_stream_cleanly_and_is_counted() {
     proxy.stop().await;
 }
 
+/// An upstream whose stream breaks off (its connection cut before the
+/// answer's last event): the client gets the text the guard has checked,
+/// then the API's error event, which its SDK raises, rather than a stream
+/// that looks whole; counted as an upstream stream error. Cut after the
+/// answer's final event, the stream ends as it is, nothing added.
+#[tokio::test]
+async fn a_stream_the_upstream_breaks_off_ends_with_an_error_event() {
+    let (_mock, proxy) = start().await;
+    let chunks: Vec<String> = ["Start with ", "a budget, ", "then save "]
+        .map(String::from)
+        .to_vec();
+    let said = chunks.concat();
+    // The events up to the one that holds `last`, whole.
+    let up_to = |raw: &str, last: &str| {
+        let at = raw.find(last).unwrap();
+        raw[..at + raw[at..].find("\n\n").unwrap() + 2].to_owned()
+    };
+    let streams = [
+        (
+            "/v1/chat/completions",
+            support::openai_stream(&chunks, false),
+            r#""finish_reason":"stop""#,
+        ),
+        (
+            "/v1/responses",
+            support::responses_stream(&chunks),
+            "response.completed",
+        ),
+        (
+            "/v1/messages",
+            support::anthropic_stream(&chunks),
+            "message_delta",
+        ),
+    ];
+    for (path, raw, last_event) in &streams {
+        let request = json!({"model": "m", "max_tokens": 64, "stream": true, "input": "hello",
+            "messages": [{"role": "user", "content": "hello"}]});
+        for (cut_after, broken) in [("then save", true), (*last_event, false)] {
+            let script = json!({"raw_sse": up_to(raw, cut_after), "cut": true});
+            let response = proxy.post(path, script, &request).await;
+            assert_eq!(response.status(), 200);
+            let body = tokio::time::timeout(Duration::from_secs(10), response.text())
+                .await
+                .expect("no hang")
+                .expect("a stream ended, not cut");
+            let events = sse_events(&body);
+            let text: String = events
+                .iter()
+                .filter_map(|(_, data)| {
+                    let text = match *path {
+                        "/v1/chat/completions" => data.pointer("/choices/0/delta/content"),
+                        "/v1/responses" => data.get("delta"),
+                        _ => data.pointer("/delta/text"),
+                    };
+                    text?.as_str()
+                })
+                .collect();
+            assert_eq!(text, said, "{path}: {body}");
+            let (name, last) = events.last().unwrap();
+            let error = match *path {
+                "/v1/chat/completions" => last.get("error").map(|error| {
+                    assert_eq!(error["type"], "server_error");
+                    assert_eq!(error["code"], "upstream_error");
+                    &error["message"]
+                }),
+                "/v1/responses" => (name.as_deref() == Some("error")).then(|| {
+                    assert_eq!(last["code"], "upstream_error");
+                    // Numbered on from the events before it.
+                    let before = &events[events.len() - 2].1;
+                    let number = before["sequence_number"].as_u64().unwrap() + 1;
+                    assert_eq!(last["sequence_number"], number);
+                    &last["message"]
+                }),
+                _ => (name.as_deref() == Some("error")).then(|| {
+                    assert_eq!(last["error"]["type"], "api_error");
+                    &last["error"]["message"]
+                }),
+            };
+            match broken {
+                true => assert!(
+                    error.unwrap().as_str().unwrap().contains("broke off"),
+                    "{body}"
+                ),
+                false => assert_eq!(error, None, "{path}: {body}"),
+            }
+            assert!(!body.contains("[DONE]"), "{body}");
+        }
+    }
+    let metrics = proxy.metrics().await;
+    for route in ["chat_completions", "responses", "messages"] {
+        let series = format!(r#"fairgate_stream_errors_total{{kind="upstream",route="{route}"}}"#);
+        assert_eq!(support::metric(&metrics, &series), Some(2.0), "{metrics}");
+    }
+    proxy.stop().await;
+}
+
+/// The events of an SSE body: each one's name, if any, and its JSON data.
+fn sse_events(body: &str) -> Vec<(Option<String>, Value)> {
+    body.split("\n\n")
+        .filter(|event| !event.trim().is_empty())
+        .map(|event| {
+            let name = event.lines().find_map(|l| l.strip_prefix("event: "));
+            let data = event
+                .lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .unwrap();
+            (
+                name.map(str::to_owned),
+                serde_json::from_str(data).expect("JSON data"),
+            )
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn shutdown_lets_a_stream_in_flight_finish() {
     let (_mock, proxy) = start().await;

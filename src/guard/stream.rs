@@ -70,7 +70,12 @@
 //! `redact` hit in it blocks. Other events (roles, usage, pings,
 //! signatures) pass through in order, but behind held events still
 //! unsent. A malformed event ends the stream cleanly after what was
-//! already checked, and is counted.
+//! already checked, and is counted. An upstream that breaks off before
+//! the answer's final event (its connection lost, or its deadline passed)
+//! gets the held text checked as at an end, then the API's error event
+//! (`upstream_error`): the client's SDK raises, rather than take a cut
+//! answer for whole. A fault of the guard's own (a panic) ends the stream
+//! with the same event (`internal_error`), held text dropped.
 //!
 //! The Responses API's events repeat text: a part's `.done` event, the
 //! finished output item and `response.completed` hold it whole. In
@@ -310,8 +315,7 @@ where
             }
             Some(Err(error)) => {
                 tracing::warn!(%error, "upstream stream failed");
-                guard.upstream_failed = true;
-                guard.on_end()
+                guard.broken_ending(&error)
             }
             None => guard.on_end(),
         }
@@ -735,6 +739,10 @@ pub struct Guard {
     malformed: bool,
     upstream_failed: bool,
     faulted: bool,
+    /// The upstream sent the answer's final event (OpenAI's finish, the
+    /// Responses API's `response.completed`, Anthropic's `message_delta`):
+    /// what follows it only closes the stream.
+    final_seen: bool,
     /// The upstream's usage: the JSON text of its object, as the upstream
     /// wrote it (Anthropic's two reports merged).
     usage: Option<String>,
@@ -804,6 +812,7 @@ impl Guard {
             malformed: false,
             upstream_failed: false,
             faulted: false,
+            final_seen: false,
             usage: None,
             awaiting_usage: false,
             shape: None,
@@ -868,6 +877,7 @@ impl Guard {
             return Vec::new();
         }
         let kind = self.classify(&event);
+        self.final_seen |= matches!(kind, Kind::Final);
         let frames = match kind {
             Kind::Choice(index) => self.on_other_choice(index, event),
             Kind::Done if !self.others.is_empty() => {
@@ -1083,12 +1093,32 @@ impl Guard {
         }
     }
 
-    /// The event that ends a stream whose guard failed, as each API ends a
-    /// stream on a server error (which its SDK raises).
+    /// The event that ends a stream whose guard failed.
     fn fault_ending(&mut self) -> Bytes {
         self.faulted = true;
+        self.error_ending("internal_error", crate::proxy::respond::FAULT_MESSAGE)
+    }
+
+    /// The frames that end a stream whose upstream broke off (an error, or
+    /// the deadline) before its last event: the text the guard holds, once
+    /// checked as at an end, then an error event, so that the client's SDK
+    /// raises rather than take the answer for whole. None when the answer's
+    /// final event came (the client has it, or will with the held text),
+    /// or a block ended the stream.
+    fn broken_ending(&mut self, error: &dyn Display) -> Vec<Bytes> {
+        self.upstream_failed = true;
+        let mut frames = self.on_end();
+        if !self.blocked && !self.final_seen {
+            let message = format!("The upstream API's stream broke off before its end: {error}.");
+            frames.push(self.error_ending("upstream_error", &message));
+        }
+        frames
+    }
+
+    /// The event that ends a stream in error, as each API ends a stream on
+    /// a server error (which its SDK raises); `code` as OpenAI's.
+    fn error_ending(&mut self, code: &str, message: &str) -> Bytes {
         self.finished = true;
-        let message = crate::proxy::respond::FAULT_MESSAGE;
         let (name, data) = match self.setup.endpoint {
             Endpoint::ChatCompletions | Endpoint::Completions => (
                 None,
@@ -1096,7 +1126,7 @@ impl Guard {
                     "message": message,
                     "type": "server_error",
                     "param": null,
-                    "code": "internal_error",
+                    "code": code,
                 }}),
             ),
             Endpoint::Responses => {
@@ -1106,7 +1136,7 @@ impl Guard {
                     Some("error"),
                     json!({
                         "type": "error",
-                        "code": "internal_error",
+                        "code": code,
                         "message": message,
                         "param": null,
                         "sequence_number": number,

@@ -162,11 +162,18 @@ class Upstream(BaseHTTPRequestHandler):
                     frames = responses_stream(text)
                 else:
                     frames = openai_stream(text)
-                for frame in frames:
+                # Asked to break off: half the events, then the connection
+                # closes without the body's end.
+                frames = list(frames)
+                cut = "break off" in last_words(body)
+                for frame in frames[:len(frames) // 2] if cut else frames:
                     data = frame.encode()
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                     self.wfile.flush()
                     time.sleep(0.002)
+                if cut:
+                    self.close_connection = True
+                    return
                 self.wfile.write(b"0\r\n\r\n")
             except (BrokenPipeError, ConnectionResetError):
                 # fairgate hangs up on a blocked stream: expected.
@@ -394,6 +401,19 @@ routes:
             assert finish == "content_filter", finish
             assert "savings" not in text, text
 
+        def openai_broken_stream():
+            text = ""
+            try:
+                for chunk in oa.chat.completions.create(model="gpt-4o-mini", stream=True,
+                                                        messages=[{"role": "user", "content": "break off"}]):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        text += chunk.choices[0].delta.content
+            except openai.APIError as e:
+                assert "broke off" in e.message, e.message
+            else:
+                raise AssertionError(f"a stream the upstream broke off read as whole: {text!r}")
+            assert text and SAFE.startswith(text), text
+
         def anthropic_message():
             m = an.messages.create(model="claude-x", max_tokens=50, messages=[{"role": "user", "content": "tips?"}])
             assert m.content[0].text == SAFE, m
@@ -425,6 +445,19 @@ routes:
                 final = stream.get_final_message()
             assert final.stop_reason == "refusal", final.stop_reason
             assert "savings" not in text, text
+
+        def anthropic_broken_stream():
+            text = ""
+            try:
+                with an.messages.stream(model="claude-x", max_tokens=50,
+                                        messages=[{"role": "user", "content": "break off"}]) as stream:
+                    for piece in stream.text_stream:
+                        text += piece
+            except anthropic.APIStatusError as e:
+                assert "broke off" in str(e), str(e)
+            else:
+                raise AssertionError(f"a stream the upstream broke off read as whole: {text!r}")
+            assert text and SAFE.startswith(text), text
 
         def anthropic_thinking_stream():
             with an.messages.stream(model="claude-x", max_tokens=2048,
@@ -579,6 +612,7 @@ routes:
         check("openai chat completion stream", openai_stream_ok)
         check("openai blocked prompt raises BadRequestError without retries", openai_blocked_prompt)
         check("openai blocked stream ends with content_filter", openai_blocked_stream)
+        check("openai stream the upstream breaks off raises APIError", openai_broken_stream)
         check("openai response", openai_response)
         check("openai response stream", openai_response_stream)
         check("openai blocked response stream ends incomplete for content_filter", openai_blocked_response_stream)
@@ -592,6 +626,7 @@ routes:
         check("anthropic message stream", anthropic_stream_ok)
         check("anthropic blocked prompt raises BadRequestError", anthropic_blocked_prompt)
         check("anthropic blocked stream ends with refusal", anthropic_blocked_stream)
+        check("anthropic stream the upstream breaks off raises APIStatusError", anthropic_broken_stream)
         check("anthropic thinking stream arrives signed as sent", anthropic_thinking_stream)
         check("anthropic blocked thinking stream ends with refusal", anthropic_blocked_thinking_stream)
         check("anthropic long thinking streams, then a late block ends it", anthropic_long_thinking_blocked_late)

@@ -8,7 +8,8 @@
 //! body goes out as written, with `content_type` and `content_encoding`
 //! headers when the script gives them; `raw_sse` and `raw_pieces` go out
 //! in pieces of 7 bytes, the latter with its `content_type`, and with
-//! `"hold_open": true` the body then stays open, unended; `"headers":
+//! `"hold_open": true` the body then stays open, unended, with `"cut":
+//! true` the connection is then cut, the body unended; `"headers":
 //! [["name", "value"], ..]` are added to whatever it answers); without it
 //! the mock echoes "Hello from the mock.".
 
@@ -88,7 +89,7 @@ pub async fn start_mock() -> Mock {
     Mock { addr, received }
 }
 
-type MockBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+type MockBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
 
 /// The scripted answer, with the script's `headers` added.
 async fn mock_reply(
@@ -184,21 +185,29 @@ async fn scripted_reply(
         if let Some(encoding) = field("content_encoding") {
             reply = reply.header("content-encoding", encoding);
         }
-        return Ok(reply
-            .body(Full::new(Bytes::from(raw.to_owned())).boxed())
-            .unwrap());
+        return Ok(reply.body(full(raw.to_owned())).unwrap());
     }
     if let Some(raw) = script.get("raw_sse").and_then(Value::as_str) {
-        if script.get("hold_open") == Some(&json!(true)) {
+        let (hold_open, cut) = (script.get("hold_open"), script.get("cut"));
+        if hold_open == Some(&json!(true)) || cut == Some(&json!(true)) {
+            use futures_util::StreamExt;
+            use futures_util::future::Either;
             let pieces = pieces_reply(raw.to_owned(), pause, "text/event-stream");
             let (head, body) = pieces.into_parts();
-            let open =
-                futures_util::stream::pending::<Result<hyper::body::Frame<Bytes>, Infallible>>();
-            let body = futures_util::StreamExt::map(body.into_data_stream(), |d| {
-                d.map(hyper::body::Frame::data)
-            });
-            let body = futures_util::StreamExt::chain(body, open);
-            let body = http_body_util::StreamBody::new(body).boxed();
+            let end = match cut == Some(&json!(true)) {
+                // An error ends hyper's connection without the body's end;
+                // what it has buffered might go with it: the pieces are
+                // given time to leave first.
+                true => Either::Left(futures_util::stream::once(async {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    Err(std::io::Error::other("cut"))
+                })),
+                false => Either::Right(futures_util::stream::pending()),
+            };
+            let body = body
+                .into_data_stream()
+                .map(|d| d.map(hyper::body::Frame::data));
+            let body = BodyExt::boxed(http_body_util::StreamBody::new(body.chain(end)));
             return Ok(Response::from_parts(head, body));
         }
         return Ok(sse_reply(raw.to_owned(), pause));
@@ -404,11 +413,17 @@ pub fn numbered_stream(events: Vec<(&str, Value)>) -> String {
     out
 }
 
+fn full(body: String) -> MockBody {
+    Full::new(Bytes::from(body))
+        .map_err(|never| match never {})
+        .boxed()
+}
+
 fn json_reply(status: u16, body: &Value) -> Response<MockBody> {
     Response::builder()
         .status(status)
         .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())).boxed())
+        .body(full(body.to_string()))
         .unwrap()
 }
 
@@ -430,7 +445,7 @@ fn pieces_reply(body: String, pause_ms: u64, content_type: &str) -> Response<Moc
         if pause_ms > 0 {
             tokio::time::sleep(Duration::from_millis(pause_ms)).await;
         }
-        Some((Ok::<_, Infallible>(hyper::body::Frame::data(piece)), pieces))
+        Some((Ok(hyper::body::Frame::data(piece)), pieces))
     });
     Response::builder()
         .status(200)
