@@ -291,7 +291,7 @@ async fn upstream_errors_pass_through_unchanged() {
 }
 
 #[tokio::test]
-async fn malformed_sse_ends_the_stream_cleanly_and_is_counted() {
+async fn malformed_sse_ends_the_stream_with_an_error_event_and_is_counted() {
     let (_mock, proxy) = start().await;
     let raw = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Fine so far. \"},\"finish_reason\":null}]}\n\ndata: {not json\n\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"never sent\"}}]}\n\n";
     let response = tokio::time::timeout(
@@ -311,6 +311,15 @@ async fn malformed_sse_ends_the_stream_cleanly_and_is_counted() {
         .unwrap();
     let (text, _, _) = support::openai_stream_text(&body);
     assert_eq!(text, "Fine so far. ");
+    // Ended by the API's error event, which the SDK raises.
+    let (_, last) = sse_events(&body).pop().unwrap();
+    assert_eq!(last["error"]["code"], "upstream_error", "{body}");
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not well formed")
+    );
     let metrics = proxy.metrics().await;
     assert_eq!(
         support::metric(

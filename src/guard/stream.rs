@@ -69,12 +69,11 @@
 //! text cannot be redacted piece by piece (nor, signed, at all), so a
 //! `redact` hit in it blocks. Other events (roles, usage, pings,
 //! signatures) pass through in order, but behind held events still
-//! unsent. A malformed event ends the stream cleanly after what was
-//! already checked, and is counted. An upstream that breaks off before
-//! the answer's final event (its connection lost, or its deadline passed)
-//! gets the held text checked as at an end, then the API's error event
-//! (`upstream_error`): the client's SDK raises, rather than take a cut
-//! answer for whole. A fault of the guard's own (a panic) ends the stream
+//! unsent. An upstream that sends a malformed event, or breaks off
+//! before the answer's final event (its connection lost, or its deadline
+//! passed), gets the held text checked as at an end, then the API's error
+//! event (`upstream_error`), and the error is counted: the client's SDK
+//! raises, rather than take a cut answer for whole. A fault of the guard's own (a panic) ends the stream
 //! with the same event (`internal_error`), held text dropped.
 //!
 //! The Responses API's events repeat text: a part's `.done` event, the
@@ -910,7 +909,16 @@ impl Guard {
             }
             kind => self.by_mode(event, kind),
         };
-        self.outgoing(frames)
+        let mut frames = self.outgoing(frames);
+        let monitor = self.setup.mode == StreamMode::Monitor;
+        if self.malformed && self.finished && !self.blocked && !self.final_seen && !monitor {
+            // Ended at a malformed event (monitor mode passes it on, and
+            // ends nothing): the rest of the answer is lost.
+            let message =
+                "The upstream API's stream held an event that is not well formed; it ends there.";
+            frames.push(self.error_ending("upstream_error", message));
+        }
+        frames
     }
 
     /// The check put off while `deferring`, when one is due.
