@@ -910,15 +910,24 @@ impl Guard {
             kind => self.by_mode(event, kind),
         };
         let mut frames = self.outgoing(frames);
-        let monitor = self.setup.mode == StreamMode::Monitor;
-        if self.malformed && self.finished && !self.blocked && !self.final_seen && !monitor {
-            // Ended at a malformed event (monitor mode passes it on, and
-            // ends nothing): the rest of the answer is lost.
-            let message =
-                "The upstream API's stream held an event that is not well formed; it ends there.";
-            frames.push(self.error_ending("upstream_error", message));
+        if self.malformed && self.finished {
+            frames.extend(self.malformed_ending());
         }
         frames
+    }
+
+    /// The error event that ends a stream at a malformed event, unless a
+    /// block ended it or the answer's final event came (monitor mode passes
+    /// the event on, and ends nothing).
+    #[cold]
+    fn malformed_ending(&mut self) -> Option<Bytes> {
+        let monitor = self.setup.mode == StreamMode::Monitor;
+        if self.blocked || self.final_seen || monitor {
+            return None;
+        }
+        let message =
+            "The upstream API's stream held an event that is not well formed; it ends there.";
+        Some(self.error_ending("upstream_error", message))
     }
 
     /// The check put off while `deferring`, when one is due.
@@ -1102,6 +1111,7 @@ impl Guard {
     }
 
     /// The event that ends a stream whose guard failed.
+    #[cold]
     fn fault_ending(&mut self) -> Bytes {
         self.faulted = true;
         self.error_ending("internal_error", crate::proxy::respond::FAULT_MESSAGE)
@@ -1113,6 +1123,7 @@ impl Guard {
     /// raises rather than take the answer for whole. None when the answer's
     /// final event came (the client has it, or will with the held text),
     /// or a block ended the stream.
+    #[cold]
     fn broken_ending(&mut self, error: &dyn Display) -> Vec<Bytes> {
         self.upstream_failed = true;
         let mut frames = self.on_end();
@@ -1125,6 +1136,7 @@ impl Guard {
 
     /// The event that ends a stream in error, as each API ends a stream on
     /// a server error (which its SDK raises); `code` as OpenAI's.
+    #[cold]
     fn error_ending(&mut self, code: &str, message: &str) -> Bytes {
         self.finished = true;
         let (name, data) = match self.setup.endpoint {
