@@ -73,8 +73,9 @@
 //! before the answer's final event (its connection lost, or its deadline
 //! passed), gets the held text checked as at an end, then the API's error
 //! event (`upstream_error`), and the error is counted: the client's SDK
-//! raises, rather than take a cut answer for whole. A fault of the guard's own (a panic) ends the stream
-//! with the same event (`internal_error`), held text dropped.
+//! raises, rather than take a cut answer for whole. A fault of the
+//! guard's own (a panic) ends the stream with the same event
+//! (`internal_error`), the held text dropped.
 //!
 //! The Responses API's events repeat text: a part's `.done` event, the
 //! finished output item and `response.completed` hold it whole. In
