@@ -110,6 +110,7 @@ use serde_json::{Map, Value, json};
 use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint};
 use crate::proxy::ProxyBody;
+use crate::proxy::respond::{self, Failure};
 use crate::record::Usage;
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::normalize::{Normalized, clean_point_at_or_before, clean_point_in};
@@ -917,20 +918,6 @@ impl Guard {
         frames
     }
 
-    /// The error event that ends a stream at a malformed event, unless a
-    /// block ended it or the answer's final event came (monitor mode passes
-    /// the event on, and ends nothing).
-    #[cold]
-    fn malformed_ending(&mut self) -> Option<Bytes> {
-        let monitor = self.setup.mode == StreamMode::Monitor;
-        if self.blocked || self.final_seen || monitor {
-            return None;
-        }
-        let message =
-            "The upstream API's stream held an event that is not well formed; it ends there.";
-        Some(self.error_ending("upstream_error", message))
-    }
-
     /// The check put off while `deferring`, when one is due.
     pub fn deferred_check(&mut self) -> Vec<Bytes> {
         self.deferring = false;
@@ -1115,61 +1102,66 @@ impl Guard {
     #[cold]
     fn fault_ending(&mut self) -> Bytes {
         self.faulted = true;
-        self.error_ending("internal_error", crate::proxy::respond::FAULT_MESSAGE)
+        self.error_ending(Failure::Fault, None)
     }
 
     /// The frames that end a stream whose upstream broke off (an error, or
     /// the deadline) before its last event: the text the guard holds, once
-    /// checked as at an end, then an error event, so that the client's SDK
-    /// raises rather than take the answer for whole. None when the answer's
-    /// final event came (the client has it, or will with the held text),
-    /// or a block ended the stream.
+    /// checked as at an end, then an error event.
     #[cold]
     fn broken_ending(&mut self, error: &dyn Display) -> Vec<Bytes> {
         self.upstream_failed = true;
         let mut frames = self.on_end();
-        if !self.blocked && !self.final_seen {
-            let message = format!("The upstream API's stream broke off before its end: {error}.");
-            frames.push(self.error_ending("upstream_error", &message));
-        }
+        let message = format!("The upstream API's stream broke off before its end: {error}.");
+        frames.extend(self.cut_ending(&message));
         frames
     }
 
-    /// The event that ends a stream in error, as each API ends a stream on
-    /// a server error (which its SDK raises); `code` as OpenAI's.
+    /// The error event that ends a stream at a malformed event (monitor
+    /// mode passes the event on, and ends nothing).
     #[cold]
-    fn error_ending(&mut self, code: &str, message: &str) -> Bytes {
+    fn malformed_ending(&mut self) -> Option<Bytes> {
+        if self.setup.mode == StreamMode::Monitor {
+            return None;
+        }
+        let message =
+            "The upstream API's stream held an event that is not well formed; it ends there.";
+        self.cut_ending(message)
+    }
+
+    /// The error event that ends a stream the upstream cut short, so that
+    /// the client's SDK raises rather than take the answer for whole; none
+    /// when the answer's final event came (the client has it, or will with
+    /// the held text), or a block ended the stream.
+    fn cut_ending(&mut self, message: &str) -> Option<Bytes> {
+        if self.blocked || self.final_seen {
+            return None;
+        }
+        Some(self.error_ending(Failure::UpstreamBroken, Some(message)))
+    }
+
+    /// The event that ends a stream in error, as each API ends a stream on
+    /// a server error (which its SDK raises): the API's error envelope, or
+    /// the Responses API's numbered `error` event.
+    #[cold]
+    fn error_ending(&mut self, failure: Failure, message: Option<&str>) -> Bytes {
         self.finished = true;
-        let (name, data) = match self.setup.endpoint {
-            Endpoint::ChatCompletions | Endpoint::Completions => (
-                None,
-                json!({"error": {
-                    "message": message,
-                    "type": "server_error",
-                    "param": null,
-                    "code": code,
-                }}),
-            ),
-            Endpoint::Responses => {
-                let number = self.next_number.unwrap_or(0);
-                self.next_number = Some(number.saturating_add(1));
-                (
-                    Some("error"),
-                    json!({
-                        "type": "error",
-                        "code": code,
-                        "message": message,
-                        "param": null,
-                        "sequence_number": number,
-                    }),
-                )
-            }
-            Endpoint::Messages => (
-                Some("error"),
-                json!({"type": "error", "error": {"type": "api_error", "message": message}}),
-            ),
-        };
-        sse(name, &data)
+        if self.setup.endpoint != Endpoint::Responses {
+            return sse(
+                (self.dialect == Dialect::Anthropic).then_some("error"),
+                &respond::failure_body(self.dialect, failure, message),
+            );
+        }
+        let number = self.next_number.unwrap_or(0);
+        self.next_number = Some(number.saturating_add(1));
+        let event = json!({
+            "type": "error",
+            "code": failure.code(),
+            "message": message.unwrap_or(failure.message()),
+            "param": null,
+            "sequence_number": number,
+        });
+        sse(Some("error"), &event)
     }
 
     fn classify(&mut self, event: &SseEvent) -> Kind {

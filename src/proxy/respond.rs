@@ -64,7 +64,7 @@ impl Failure {
         }
     }
 
-    fn code(self) -> &'static str {
+    pub fn code(self) -> &'static str {
         match self {
             Failure::TooLarge => "request_too_large",
             Failure::InvalidJson => "invalid_json",
@@ -80,7 +80,7 @@ impl Failure {
         }
     }
 
-    fn message(self) -> &'static str {
+    pub fn message(self) -> &'static str {
         match self {
             Failure::TooLarge => "The request body is larger than this gateway accepts.",
             Failure::InvalidJson => "The request body is not valid JSON.",
@@ -100,7 +100,9 @@ impl Failure {
             Failure::UpgradeRefused => {
                 "This gateway does not scan WebSocket sessions, so it refuses them on the paths it guards, and on every path with guard.upgrades: refuse."
             }
-            Failure::Fault => FAULT_MESSAGE,
+            Failure::Fault => {
+                "This gateway failed while handling the request (an internal fault, logged under the request's ID); nothing past the fault was relayed."
+            }
         }
     }
 
@@ -130,25 +132,10 @@ impl Failure {
     }
 }
 
-/// What the client is told of a fault in fairgate, whether it answers the
-/// request or ends a stream.
-pub const FAULT_MESSAGE: &str = "This gateway failed while handling the request (an internal fault, logged under the request's ID); nothing past the fault was relayed.";
-
 /// The response for a failure. A fault is not worth a retry: the same
 /// request meets the same fault.
 pub fn failure(dialect: Dialect, failure: Failure, request_id: &str) -> Response<ProxyBody> {
-    let body = match dialect {
-        Dialect::OpenAi => json!({"error": {
-            "message": failure.message(),
-            "type": failure.openai_type(),
-            "param": null,
-            "code": failure.code(),
-        }}),
-        Dialect::Anthropic => json!({"type": "error", "error": {
-            "type": failure.anthropic_type(),
-            "message": failure.message(),
-        }}),
-    };
+    let body = failure_body(dialect, failure, None);
     let mut response = json_response(failure.status(), &body, request_id, None);
     if let Failure::Fault = failure {
         response
@@ -156,6 +143,25 @@ pub fn failure(dialect: Dialect, failure: Failure, request_id: &str) -> Response
             .insert("x-should-retry", HeaderValue::from_static("false"));
     }
     response
+}
+
+/// The error envelope of `failure` in `dialect`, as the API writes it in a
+/// response body or in a stream's error event; `message` in place of the
+/// failure's own.
+pub fn failure_body(dialect: Dialect, failure: Failure, message: Option<&str>) -> Value {
+    let message = message.unwrap_or(failure.message());
+    match dialect {
+        Dialect::OpenAi => json!({"error": {
+            "message": message,
+            "type": failure.openai_type(),
+            "param": null,
+            "code": failure.code(),
+        }}),
+        Dialect::Anthropic => json!({"type": "error", "error": {
+            "type": failure.anthropic_type(),
+            "message": message,
+        }}),
+    }
 }
 
 /// A 400 for a malformed fairgate request (such as feedback), in the OpenAI
