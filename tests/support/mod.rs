@@ -188,13 +188,14 @@ async fn scripted_reply(
         return Ok(reply.body(full(raw.to_owned())).unwrap());
     }
     if let Some(raw) = script.get("raw_sse").and_then(Value::as_str) {
-        let (hold_open, cut) = (script.get("hold_open"), script.get("cut"));
-        if hold_open == Some(&json!(true)) || cut == Some(&json!(true)) {
+        let flag = |name: &str| script.get(name) == Some(&json!(true));
+        let cut = flag("cut");
+        if cut || flag("hold_open") {
             use futures_util::StreamExt;
             use futures_util::future::Either;
             let pieces = pieces_reply(raw.to_owned(), pause, "text/event-stream");
             let (head, body) = pieces.into_parts();
-            let end = match cut == Some(&json!(true)) {
+            let end = match cut {
                 // An error ends hyper's connection without the body's end;
                 // what it has buffered might go with it: the pieces are
                 // given time to leave first.
