@@ -232,6 +232,50 @@ async fn a_stream_the_client_leaves_is_recorded_at_once() {
     proxy.stop().await;
 }
 
+/// A client that leaves before its answer has come (its timeout passed,
+/// the user closed the page) still has its exchange recorded, as soon as
+/// it leaves: the prompt and its verdict, no response, status 499 (the
+/// client closed the request), and the time spent waiting on the upstream.
+#[tokio::test]
+async fn an_exchange_the_client_leaves_before_its_answer_is_recorded() {
+    let (mock, proxy) = support::start().await;
+    let left = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header(
+            "x-mock-reply",
+            json!({"text": "A late answer.", "delay_ms": 10_000}).to_string(),
+        )
+        .timeout(Duration::from_millis(500))
+        .json(&chat("Where do I start saving?"))
+        .send()
+        .await;
+    assert!(left.unwrap_err().is_timeout());
+    // The upstream had the request: the record says how long it waited.
+    assert_eq!(mock.requests().len(), 1);
+
+    // Well before the upstream would have answered.
+    let rows = proxy.wait_for_results(1).await;
+    assert_eq!(rows.len(), 1, "{rows:#?}");
+    let record = &rows[0]["exchange"];
+    assert_eq!(record["status"], 499, "{record:#}");
+    assert_eq!(record["verdict"], "allow");
+    assert_eq!(record["texts"]["prompt"][1], "Where do I start saving?");
+    assert_eq!(record["texts"]["response"], json!([]));
+    let upstream = record["upstream_ms"].as_f64().unwrap();
+    assert!((300.0..10_000.0).contains(&upstream), "{record:#}");
+    assert!(record["total_ms"].as_f64().unwrap() >= upstream);
+    let page = proxy.metrics().await;
+    assert_eq!(
+        metric(
+            &page,
+            "fairgate_requests_total{route=\"chat_completions\",upstream=\"openai\",verdict=\"client_closed\"}"
+        ),
+        Some(1.0),
+        "{page}"
+    );
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn feedback_is_queued_and_scored_by_request_id() {
     let (_mock, proxy) = support::start().await;

@@ -41,7 +41,7 @@ async fn serve_reloads_on_sighup_and_stops_on_sigterm() {
     // No file watcher: only the SIGHUP can reload.
     let config_dir = tempfile::tempdir().unwrap();
     let config = config_dir.path().join("fairgate.yaml");
-    std::fs::write(&config, "rules:\n  watch: false\n").unwrap();
+    std::fs::write(&config, "rules:\n  watch: false\nshutdown_grace_ms: 500\n").unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_fairgate"))
         .args([
             "serve",
@@ -105,6 +105,23 @@ async fn serve_reloads_on_sighup_and_stops_on_sigterm() {
         .unwrap();
     assert!(rules["reload"]["reloads"].as_u64().unwrap() >= 1, "{rules}");
 
+    // An exchange whose upstream answers long after the shutdown's grace:
+    // the shutdown cuts it off, and it is recorded all the same.
+    let asked = mock.requests().len();
+    let slow = tokio::spawn(
+        support::client()
+            .post(&url)
+            .header(
+                "x-mock-reply",
+                json!({"text": "Too late.", "delay_ms": 30_000}).to_string(),
+            )
+            .json(&json!({"model": "m", "messages": [{"role": "user", "content": "a slow question"}]}))
+            .send(),
+    );
+    while mock.requests().len() == asked {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
     Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -142,5 +159,14 @@ async fn serve_reloads_on_sighup_and_stops_on_sigterm() {
     assert!(
         blocked_prompt("pineapple") && blocked_prompt("mango"),
         "{rows:#?}"
+    );
+    let cut = rows
+        .iter()
+        .find(|r| r["exchange"]["texts"]["prompt"][0] == "a slow question")
+        .unwrap_or_else(|| panic!("no record of the exchange cut off: {rows:#?}"));
+    assert_eq!(cut["exchange"]["status"], 499, "{cut:#}");
+    assert!(
+        slow.await.unwrap().is_err(),
+        "the cut exchange got no answer"
     );
 }

@@ -644,6 +644,82 @@ impl RecordDraft {
     }
 }
 
+/// A guarded exchange's record from the moment its prompt is scanned,
+/// which reaches the side queue however the exchange ends. The handler
+/// finishes it ([`Pending::take`], then [`RecordDraft::finish`]). If the
+/// handler's future is dropped first, because the client went away before
+/// its answer (hyper drops the future of a connection that closed) or a
+/// fault unwound it, the drop records what is known: the prompt and its
+/// verdict, no response, and the status 499 (the client closed the
+/// request, as nginx logs it) or 500 (what a fault is answered with).
+struct Pending<'a> {
+    state: &'a State,
+    /// The prompt's verdict.
+    verdict: &'a Verdict,
+    /// `Some` until taken; `take` consumes the `Pending`.
+    draft: Option<RecordDraft>,
+    /// When the request went upstream, once it has.
+    sent: Option<Instant>,
+}
+
+impl<'a> Pending<'a> {
+    fn new(state: &'a State, verdict: &'a Verdict, draft: RecordDraft) -> Pending<'a> {
+        Pending {
+            state,
+            verdict,
+            draft: Some(draft),
+            sent: None,
+        }
+    }
+
+    /// The draft, for the handler to finish.
+    fn take(mut self) -> RecordDraft {
+        match self.draft.take() {
+            Some(draft) => draft,
+            None => unreachable!("a pending record's draft is taken once, with the Pending"),
+        }
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        let Some(draft) = self.draft.take() else {
+            return;
+        };
+        let (status, counted) = match std::thread::panicking() {
+            true => (500, "error"),
+            false => (499, "client_closed"),
+        };
+        if status == 499 {
+            tracing::info!(
+                request_id = draft.request_id,
+                "the client closed the request before its answer"
+            );
+        }
+        self.state
+            .metrics
+            .requests
+            .with_label_values(&[draft.endpoint.route(), &draft.upstream, counted])
+            .inc();
+        let upstream = self.sent.map(|sent| sent.elapsed());
+        let proxy = draft
+            .started
+            .elapsed()
+            .saturating_sub(upstream.unwrap_or_default());
+        draft.finish(
+            self.state,
+            Ending {
+                verdict: self.verdict,
+                response: Vec::new(),
+                status,
+                upstream,
+                proxy,
+                usage: None,
+            },
+        );
+    }
+}
+
 /// Forwards a request that is not guarded, bodies streamed both ways.
 async fn passthrough(
     state: &State,
@@ -830,8 +906,10 @@ async fn guarded(
         prompt: texts.prompt,
         context: texts.context,
     };
+    let pending = Pending::new(state, &scan.verdict, draft);
     // The record of an exchange that ends before a response is scanned.
-    let end_early = |draft: RecordDraft, status: StatusCode, upstream: Option<Duration>| {
+    let end_early = |pending: Pending, status: StatusCode, upstream: Option<Duration>| {
+        let draft = pending.take();
         let total = started.elapsed();
         draft.finish(
             state,
@@ -867,7 +945,7 @@ async fn guarded(
             &rule_ids(&scan.verdict.hits),
             request_id,
         );
-        end_early(draft, out.status(), None);
+        end_early(pending, out.status(), None);
         return out;
     }
 
@@ -885,6 +963,8 @@ async fn guarded(
         HeaderValue::from_static("application/json"),
     );
     let sent = Instant::now();
+    let mut pending = pending;
+    pending.sent = Some(sent);
     // Byte for byte what the client sent, unless a redaction rewrote it.
     let body = scan.redacted(&bytes).unwrap_or(bytes);
     let forwarded = forward(
@@ -905,7 +985,7 @@ async fn guarded(
                 .with_label_values(&[route_label, &upstream, "error"])
                 .inc();
             let out = respond::failure(dialect, failure, request_id);
-            end_early(draft, out.status(), None);
+            end_early(pending, out.status(), None);
             return out;
         }
     };
@@ -924,7 +1004,7 @@ async fn guarded(
             .requests
             .with_label_values(&[route_label, &upstream, "upstream_error"])
             .inc();
-        end_early(draft, response.status(), Some(upstream_time));
+        end_early(pending, response.status(), Some(upstream_time));
         return stream_back(response, deadline, request_id, Some(prompt_verdict));
     }
     let is_stream = response
@@ -936,6 +1016,7 @@ async fn guarded(
         // hyper polls the body, where the guard runs, right after it has
         // put the head in its buffer: head and first frames leave in one
         // write without a yield first.
+        let draft = pending.take();
         return guarded_stream(
             state,
             response,
@@ -954,26 +1035,26 @@ async fn guarded(
     let upstream_headers = head.headers;
     // An answer whose body cannot be relayed: counted by `kind`, and a 502
     // in the caller's dialect.
-    let broken = |kind: &str, draft: RecordDraft| {
+    let broken = |kind: &str, pending: Pending| {
         state
             .metrics
             .upstream_errors
             .with_label_values(&[&upstream, kind])
             .inc();
         let out = respond::failure(dialect, Failure::UpstreamBroken, request_id);
-        end_early(draft, out.status(), Some(upstream_time));
+        end_early(pending, out.status(), Some(upstream_time));
         out
     };
     if is_encoded(&upstream_headers) {
         tracing::warn!("upstream answer is compressed although fairgate asked for it uncompressed");
-        return broken("encoded", draft);
+        return broken("encoded", pending);
     }
     let body =
         match upstream::read_body(body, state.config.guard.max_response_bytes, deadline).await {
             Ok(body) => body,
             Err(error) => {
                 tracing::warn!(%error, "upstream body could not be read");
-                return broken("body", draft);
+                return broken("body", pending);
             }
         };
     let (scanned, usage, unreadable) = match ResponseBody::read(endpoint, &body) {
@@ -986,7 +1067,7 @@ async fn guarded(
             // A key twice: the client's parser may read another value
             // than the guard would scan. Not relayed.
             tracing::warn!(%error, "upstream response holds a key twice");
-            return broken("ambiguous", draft);
+            return broken("ambiguous", pending);
         }
         Err(_) => {
             // Not JSON: the whole body is scanned as the answer's text.
@@ -1014,8 +1095,8 @@ async fn guarded(
         .added_latency
         .with_label_values(&[route_label])
         .observe(proxy_time.as_secs_f64());
-    let ending = |draft: RecordDraft, status: StatusCode| {
-        draft.finish(
+    let ending = |pending: Pending, status: StatusCode| {
+        pending.take().finish(
             state,
             Ending {
                 verdict: &verdict,
@@ -1055,7 +1136,7 @@ async fn guarded(
                 &rule_ids(&verdict.hits),
                 request_id,
             );
-            ending(draft, out.status());
+            ending(pending, out.status());
             return out;
         }
         refused = Some(respond::refusal(
@@ -1068,7 +1149,7 @@ async fn guarded(
     let body = respond::full(refused.or(scanned.redacted).unwrap_or(body));
     let verdict_name = Some(verdict.decision.as_str());
     let out = guarded_response(status, upstream_headers, body, request_id, verdict_name);
-    ending(draft, status);
+    ending(pending, status);
     out
 }
 
@@ -1298,6 +1379,72 @@ mod tests {
         let faults = metrics.faults.with_label_values(&["request"]).get();
         assert_eq!(faults, 2);
         assert_eq!(connections.load(Ordering::Relaxed), 1);
+    }
+
+    /// An exchange whose handler ends before it finishes the record is
+    /// still recorded when its future goes: with status 500 when a fault
+    /// unwound it (the 500 the client was answered with), with 499 when it
+    /// was dropped (its client left). The record is held across an await,
+    /// as in the handler, so it is the future's state that the unwinding
+    /// drops.
+    #[tokio::test]
+    async fn an_exchange_a_fault_or_a_leaving_client_ends_is_still_recorded() {
+        let state = State::new(Config::default()).unwrap();
+        let mut records = state.queue.take_receiver().unwrap();
+        let verdict = risk::assess(&state.config.risk, Vec::new(), &[]);
+        let draft = |id: &str| RecordDraft {
+            request_id: id.to_owned(),
+            started: Instant::now(),
+            started_ms: now_ms(),
+            endpoint: Endpoint::Messages,
+            upstream: "anthropic".to_owned(),
+            model: Some("claude-test".to_owned()),
+            stream: false,
+            client: ClientMeta::default(),
+            prompt: vec!["Where do I start?".to_owned()],
+            context: Vec::new(),
+        };
+        let exchange = |id: &'static str, fails: bool| {
+            let (state, verdict) = (&state, &verdict);
+            async move {
+                let mut pending = Pending::new(state, verdict, draft(id));
+                pending.sent = Some(Instant::now());
+                tokio::task::yield_now().await;
+                assert!(!fails, "a fault in the handler");
+                // The upstream's answer never comes.
+                std::future::pending::<()>().await;
+                respond::text(StatusCode::OK, "answered".to_owned())
+            }
+        };
+
+        let faulted = caught(
+            exchange("fg-fault", true),
+            &state.metrics,
+            Dialect::Anthropic,
+            "fg-fault",
+        );
+        assert_eq!(faulted.await.status(), 500);
+        let left = tokio::time::timeout(Duration::from_millis(50), exchange("fg-left", false));
+        assert!(left.await.is_err(), "the client left before the answer");
+
+        for (id, status, counted) in [
+            ("fg-fault", 500, "error"),
+            ("fg-left", 499, "client_closed"),
+        ] {
+            let Ok(QueueItem::Exchange(record)) = records.try_recv() else {
+                panic!("no record of {id}");
+            };
+            assert_eq!(record.request_id, id);
+            assert_eq!(record.status, status, "{id}");
+            assert_eq!(record.route, "messages");
+            assert_eq!(record.texts.prompt, ["Where do I start?"]);
+            assert!(record.texts.response.is_empty());
+            assert!(record.upstream_ms.is_some());
+            let requests = &state.metrics.requests;
+            let count = requests.with_label_values(&["messages", "anthropic", counted]);
+            assert_eq!(count.get(), 1, "{id}");
+        }
+        assert!(records.try_recv().is_err(), "one record each");
     }
 
     #[test]
