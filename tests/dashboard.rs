@@ -51,7 +51,7 @@ async fn admin_get(
     (headers, response.text().await.unwrap())
 }
 
-async fn summary(proxy: &support::Proxy) -> (String, Value) {
+async fn summary_of(proxy: &support::Proxy) -> (String, Value) {
     let (headers, text) = admin_get(proxy, "/admin/summary", "application/json").await;
     assert_eq!(headers["cache-control"], "no-store");
     let value = serde_json::from_str(&text).unwrap();
@@ -73,7 +73,7 @@ async fn the_summary_counts_blocks_and_lists_the_latest_without_texts() {
     let (status, response_id) = send(&proxy, risky, &asked).await;
     assert_eq!(status, 200);
 
-    let (text, summary) = summary(&proxy).await;
+    let (text, summary) = summary_of(&proxy).await;
     let requests = &summary["requests"];
     assert_eq!(requests["total"], 3, "{summary:#}");
     assert_eq!(requests["by_verdict"]["block"], 2);
@@ -143,7 +143,29 @@ async fn the_summary_counts_blocks_and_lists_the_latest_without_texts() {
     for secret in [SECRET_KEY, CARD, "Ignore all previous", "Dogecoin"] {
         assert!(!text.contains(secret), "{secret:?} in the summary");
     }
+
+    // A restart keeps the list: it is read back from the results.
+    let config = proxy.state.config.clone();
     proxy.stop().await;
+    let restarted = support::start_proxy(config).await;
+    let (text, after) = summary_of(&restarted).await;
+    assert_eq!(after["requests"]["total"], 0, "the counters start again");
+    let without_time = |blocks: &Value| -> Vec<Value> {
+        let mut blocks = blocks.as_array().unwrap().clone();
+        for block in &mut blocks {
+            block.as_object_mut().unwrap().remove("finished_ms");
+        }
+        blocks
+    };
+    assert_eq!(
+        without_time(&after["recent_blocks"]),
+        without_time(&summary["recent_blocks"]),
+        "{after:#}"
+    );
+    for secret in [SECRET_KEY, CARD, "Ignore all previous", "Dogecoin"] {
+        assert!(!text.contains(secret), "{secret:?} in the summary");
+    }
+    restarted.stop().await;
 }
 
 #[tokio::test]

@@ -118,6 +118,19 @@ impl State {
             })?),
             None => None,
         };
+        // The dashboard's list of blocks, as the results left it.
+        let blocked = BlockLog::default();
+        if let Some(jsonl) = &config.sinks.jsonl {
+            match blocked.restore(&jsonl.dir) {
+                Ok(0) => {}
+                Ok(blocks) => {
+                    tracing::info!(blocks, "blocked exchanges read back from the results")
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "blocked exchanges could not be read back from the results")
+                }
+            }
+        }
         Ok(State {
             config,
             rules,
@@ -125,7 +138,7 @@ impl State {
             queue,
             keys,
             admin_token,
-            blocked: BlockLog::default(),
+            blocked,
             tunnels: tokio::sync::watch::Sender::new(0),
             uploads: parts::Uploads::default(),
             next_id: AtomicU64::new(0),

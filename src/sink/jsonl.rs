@@ -23,6 +23,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use super::{Processed, Stored};
+use crate::record::ExchangeRecord;
+use crate::risk::Decision;
 
 /// How many of the latest keys are remembered.
 pub const WINDOW: usize = 1 << 16;
@@ -166,15 +168,7 @@ impl JsonlSink {
         std::fs::create_dir_all(&self.dir)?;
         let path = self.dir.join(JsonlSink::file_name(number * MS_PER_DAY));
         let mut recent = Recent::default();
-        if let Ok(mut file) = File::open(&path) {
-            let len = file.metadata()?.len();
-            let from = len.saturating_sub(self.tail_bytes);
-            file.seek(SeekFrom::Start(from))?;
-            let mut lines = BufReader::new(file).lines();
-            if from > 0 {
-                // The first line read is the end of a cut one.
-                lines.next();
-            }
+        if let Some(lines) = tail_lines(&path, self.tail_bytes)? {
             for line in lines {
                 if let Ok(p) = serde_json::from_str::<Key>(&line?) {
                     recent.insert(&p.kind, &p.request_id);
@@ -198,6 +192,87 @@ impl JsonlSink {
 struct Key {
     kind: String,
     request_id: String,
+}
+
+/// The whole lines in the last `bytes` of the file at `path`; `None` when
+/// there is no such file.
+fn tail_lines(
+    path: &Path,
+    bytes: u64,
+) -> std::io::Result<Option<impl Iterator<Item = std::io::Result<String>>>> {
+    let mut file = match File::open(path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(error),
+    };
+    let from = file.metadata()?.len().saturating_sub(bytes);
+    file.seek(SeekFrom::Start(from))?;
+    // From within the file, the first line read is the end of a cut one.
+    Ok(Some(
+        BufReader::new(file).lines().skip(usize::from(from > 0)),
+    ))
+}
+
+/// The records of the newest `max` exchanges that a rule blocked, oldest
+/// first, among the results in `dir`: the last [`TAIL_BYTES`] of each of
+/// the two newest days' files (what the admin dashboard lists, read back
+/// at a start). Other lines are passed over unread but for a search.
+pub fn recent_blocks(dir: &Path, max: usize) -> anyhow::Result<Vec<ExchangeRecord>> {
+    let mut days: Vec<PathBuf> = match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+            .filter(|path| {
+                let name = path.file_name().and_then(|name| name.to_str());
+                name.is_some_and(|name| name.starts_with("results-") && name.ends_with(".jsonl"))
+            })
+            .collect(),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(error) => return Err(error.into()),
+    };
+    // The names sort by day.
+    days.sort_unstable();
+    let mut blocks: VecDeque<ExchangeRecord> = VecDeque::new();
+    for day in days.iter().rev().take(2) {
+        let mut of_day: VecDeque<ExchangeRecord> = VecDeque::new();
+        let Some(lines) = tail_lines(day, TAIL_BYTES)? else {
+            continue;
+        };
+        for line in lines {
+            let line = line?;
+            // Written compact: the key and value appear so, and only so, in
+            // a blocked exchange's line (inside a string, quotes are escaped).
+            if !line.contains(r#""verdict":"block""#) {
+                continue;
+            }
+            let Ok(Row {
+                exchange: Some(record),
+            }) = serde_json::from_str::<Row>(&line)
+            else {
+                continue;
+            };
+            if record.verdict == Decision::Block {
+                if of_day.len() == max {
+                    of_day.pop_front();
+                }
+                of_day.push_back(*record);
+            }
+        }
+        while blocks.len() < max
+            && let Some(record) = of_day.pop_back()
+        {
+            blocks.push_front(record);
+        }
+        if blocks.len() == max {
+            break;
+        }
+    }
+    Ok(blocks.into())
+}
+
+/// A result line, read for its exchange.
+#[derive(serde::Deserialize)]
+struct Row {
+    exchange: Option<Box<ExchangeRecord>>,
 }
 
 #[cfg(test)]
@@ -278,6 +353,76 @@ mod tests {
         result.metrics[2].score = None;
         assert_eq!(read, result);
         assert_eq!(line.lines().count(), 1);
+    }
+
+    /// The result of an exchange `request_id` with `verdict`, processed
+    /// on `day` (days after the first of this test's).
+    fn exchange(request_id: &str, verdict: Decision, day: i64) -> Processed {
+        use crate::record::{ClientMeta, TextMode, Texts};
+        // A prompt that names the key and value the reader searches for.
+        let prompt = r#"the log said "verdict":"block""#.to_owned();
+        let record = ExchangeRecord {
+            schema_version: crate::record::SCHEMA_VERSION,
+            request_id: request_id.into(),
+            started_ms: 0,
+            finished_ms: 1,
+            route: "messages".into(),
+            dialect: "anthropic".into(),
+            upstream: "anthropic".into(),
+            model: None,
+            stream: false,
+            status: 400,
+            texts: Texts::new(TextMode::Full, vec![prompt], Vec::new(), Vec::new()),
+            verdict,
+            risk: crate::risk::Risk::default(),
+            hits: Vec::new(),
+            upstream_ms: None,
+            proxy_ms: 0.0,
+            total_ms: 0.0,
+            usage: None,
+            client: ClientMeta::default(),
+        };
+        Processed {
+            kind: "exchange".into(),
+            request_id: request_id.into(),
+            processed_ms: 1_795_300_000_000 + day * MS_PER_DAY,
+            exchange: Some(Box::new(record)),
+            feedback: None,
+            metrics: Vec::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_newest_blocks_of_the_last_two_days_are_read_back_oldest_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let results = dir.path().join("results");
+        // No results yet: nothing to read back.
+        assert!(recent_blocks(&results, 10).unwrap().is_empty());
+        let sink = JsonlSink::new(&results);
+        let written = [
+            ("b0", Decision::Block, 0),
+            ("b1", Decision::Block, 1),
+            ("b2", Decision::Block, 1),
+            ("a1", Decision::Allow, 1),
+            ("b3", Decision::Block, 1),
+            ("b4", Decision::Block, 2),
+            ("a2", Decision::Allow, 2),
+            ("b5", Decision::Block, 2),
+        ];
+        for (id, verdict, day) in written {
+            sink.write(&exchange(id, verdict, day), None).await.unwrap();
+            sink.flush().unwrap();
+        }
+        sink.write(&processed("feedback-1"), None).await.unwrap();
+        sink.flush().unwrap();
+        let ids = |max: usize| -> Vec<String> {
+            let blocks = recent_blocks(&results, max).unwrap();
+            blocks.into_iter().map(|record| record.request_id).collect()
+        };
+        // The newest, across a day's change; the third day back is not read.
+        assert_eq!(ids(4), ["b2", "b3", "b4", "b5"]);
+        assert_eq!(ids(100), ["b1", "b2", "b3", "b4", "b5"]);
+        assert_eq!(ids(1), ["b5"]);
     }
 
     #[test]

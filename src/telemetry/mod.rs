@@ -9,6 +9,9 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+use crate::record::{ExchangeRecord, RecordHit};
+use crate::rules::{Action, Hit, Scope};
+
 /// Every metric fairgate exports.
 pub struct Metrics {
     registry: Registry,
@@ -442,6 +445,32 @@ impl Blocked {
         }
     }
 
+    /// The entry of a blocked exchange's record (one written before a
+    /// restart, read back): blocked in the response once the upstream was
+    /// called, else where its first blocking rule hit (the prompt when the
+    /// total risk blocked it).
+    pub fn of_record(record: &ExchangeRecord) -> Blocked {
+        let blocking = record.hits.iter().find(|h| h.action == Action::Block);
+        let scope = match (record.upstream_ms, blocking) {
+            (Some(_), _) => Scope::Response,
+            (None, Some(hit)) => hit.scope,
+            (None, None) => Scope::Prompt,
+        };
+        Blocked {
+            request_id: record.request_id.clone(),
+            finished_ms: record.finished_ms,
+            route: record.route.clone(),
+            upstream: record.upstream.clone(),
+            model: None,
+            stream: false,
+            scope: scope.as_str(),
+            status: Some(record.status),
+            risk: record.risk.total,
+            rules: BlockedRule::of_record(&record.hits),
+        }
+        .of_exchange(record.model.as_deref(), record.stream)
+    }
+
     /// The entry of an exchange: the model the client asked for (cut to
     /// [`Blocked::MODEL_CHARS`] characters) and whether it streamed.
     pub fn of_exchange(mut self, model: Option<&str>, stream: bool) -> Blocked {
@@ -461,24 +490,39 @@ pub struct BlockedRule {
 
 impl BlockedRule {
     /// The rules of `hits`, each once a scope, blocking ones first.
-    pub fn of(hits: &[crate::rules::Hit]) -> Vec<BlockedRule> {
+    pub fn of(hits: &[Hit]) -> Vec<BlockedRule> {
+        Self::of_each(
+            hits.iter()
+                .map(|hit| (&*hit.rule, &*hit.category, hit.scope, hit.action)),
+        )
+    }
+
+    /// The same of the hits an exchange record keeps.
+    pub fn of_record(hits: &[RecordHit]) -> Vec<BlockedRule> {
+        Self::of_each(
+            hits.iter()
+                .map(|hit| (&*hit.rule, &*hit.category, hit.scope, hit.action)),
+        )
+    }
+
+    /// Of each hit's rule, category, scope and action.
+    fn of_each<'a>(
+        hits: impl ExactSizeIterator<Item = (&'a str, &'a str, Scope, Action)>,
+    ) -> Vec<BlockedRule> {
         let mut rules: Vec<BlockedRule> = Vec::with_capacity(hits.len());
-        for hit in hits {
-            let scope = hit.scope.as_str();
-            if !rules
-                .iter()
-                .any(|r| *r.rule == *hit.rule && r.scope == scope)
-            {
+        for (rule, category, scope, action) in hits {
+            let scope = scope.as_str();
+            if !rules.iter().any(|r| r.rule == rule && r.scope == scope) {
                 rules.push(BlockedRule {
-                    rule: hit.rule.to_string(),
-                    category: hit.category.to_string(),
+                    rule: rule.to_owned(),
+                    category: category.to_owned(),
                     scope,
-                    action: hit.action.as_str(),
+                    action: action.as_str(),
                 });
             }
         }
         // Stable: the hits' order otherwise.
-        rules.sort_by_key(|rule| rule.action != crate::rules::Action::Block.as_str());
+        rules.sort_by_key(|rule| rule.action != Action::Block.as_str());
         rules
     }
 }
@@ -496,6 +540,19 @@ impl BlockLog {
             entries.pop_back();
         }
         entries.push_front(blocked);
+    }
+
+    /// Fills the log with the blocked exchanges that the JSON-lines
+    /// results in `dir` hold (the newest [`Self::KEPT`] of the last two
+    /// days' files), so that the dashboard's list survives a restart. Blocks
+    /// that have no exchange record (a batch's) are not among them.
+    pub fn restore(&self, dir: &std::path::Path) -> anyhow::Result<usize> {
+        let records = crate::sink::jsonl::recent_blocks(dir, Self::KEPT)?;
+        let restored = records.len();
+        for record in records {
+            self.push(Blocked::of_record(&record));
+        }
+        Ok(restored)
     }
 
     /// The blocked exchanges kept, newest first.
