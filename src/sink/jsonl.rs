@@ -195,7 +195,9 @@ struct Key {
 }
 
 /// The whole lines in the last `bytes` of the file at `path`; `None` when
-/// there is no such file.
+/// there is no such file. A line that is not UTF-8 is passed over: a line
+/// cut short by a crash or a full disk, which the next line written after
+/// it then continued, may end inside a character.
 fn tail_lines(
     path: &Path,
     bytes: u64,
@@ -208,9 +210,10 @@ fn tail_lines(
     let from = file.metadata()?.len().saturating_sub(bytes);
     file.seek(SeekFrom::Start(from))?;
     // From within the file, the first line read is the end of a cut one.
-    Ok(Some(
-        BufReader::new(file).lines().skip(usize::from(from > 0)),
-    ))
+    let lines = BufReader::new(file).lines().skip(usize::from(from > 0));
+    Ok(Some(lines.filter(
+        |line| !matches!(line, Err(error) if error.kind() == std::io::ErrorKind::InvalidData),
+    )))
 }
 
 /// The records of the newest `max` exchanges that a rule blocked, oldest
@@ -423,6 +426,41 @@ mod tests {
         assert_eq!(ids(4), ["b2", "b3", "b4", "b5"]);
         assert_eq!(ids(100), ["b1", "b2", "b3", "b4", "b5"]);
         assert_eq!(ids(1), ["b5"]);
+    }
+
+    /// A line cut inside a character, and continued by the next one
+    /// written (a crash mid-write), neither stops the sink from opening
+    /// its day again nor the blocks from being read back.
+    #[tokio::test]
+    async fn a_line_that_is_not_utf8_is_passed_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let results = dir.path().join("results");
+        let sink = JsonlSink::new(&results);
+        let blocked = exchange("b1", Decision::Block, 0);
+        sink.write(&blocked, None).await.unwrap();
+        sink.flush().unwrap();
+        let name = JsonlSink::file_name(blocked.processed_ms);
+        let mut file = OpenOptions::new()
+            .append(true)
+            .open(results.join(&name))
+            .unwrap();
+        file.write_all(b"{\"kind\":\"exchange\",\"request_id\":\"\xe2\x82")
+            .unwrap();
+        drop(file);
+        sink.write(&exchange("b2", Decision::Block, 0), None)
+            .await
+            .unwrap();
+        sink.flush().unwrap();
+
+        let reopened = JsonlSink::new(&results);
+        assert_eq!(
+            reopened.write(&blocked, None).await.unwrap(),
+            Stored::Duplicate
+        );
+        let blocks = recent_blocks(&results, 10).unwrap();
+        let ids: Vec<&str> = blocks.iter().map(|r| r.request_id.as_str()).collect();
+        // The second line was continued from the cut one: it is lost.
+        assert_eq!(ids, ["b1"]);
     }
 
     #[test]
