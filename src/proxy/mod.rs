@@ -919,7 +919,7 @@ async fn guarded(
         prompt: texts.prompt,
         context: texts.context,
     };
-    let pending = Pending::new(state, &scan.verdict, draft);
+    let mut pending = Pending::new(state, &scan.verdict, draft);
     // The record of an exchange that ends before a response is scanned.
     let end_early = |pending: Pending, status: StatusCode, upstream: Option<Duration>| {
         let draft = pending.take();
@@ -976,7 +976,6 @@ async fn guarded(
         HeaderValue::from_static("application/json"),
     );
     let sent = Instant::now();
-    let mut pending = pending;
     pending.sent = Some(sent);
     // Byte for byte what the client sent, unless a redaction rewrote it.
     let body = scan.redacted(&bytes).unwrap_or(bytes);
