@@ -239,40 +239,62 @@ async fn a_stream_the_client_leaves_is_recorded_at_once() {
 #[tokio::test]
 async fn an_exchange_the_client_leaves_before_its_answer_is_recorded() {
     let (mock, proxy) = support::start().await;
-    let left = client()
-        .post(proxy.url("/v1/chat/completions"))
-        .header(
-            "x-mock-reply",
-            json!({"text": "A late answer.", "delay_ms": 10_000}).to_string(),
-        )
-        .timeout(Duration::from_millis(500))
-        .json(&chat("Where do I start saving?"))
-        .send()
-        .await;
-    assert!(left.unwrap_err().is_timeout());
-    // The upstream had the request: the record says how long it waited.
-    assert_eq!(mock.requests().len(), 1);
+    let streamed = json!({"model": "claude-test", "max_tokens": 100, "stream": true,
+        "messages": [{"role": "user", "content": "Is my pension enough?"}]});
+    let exchanges = [
+        (
+            "/v1/chat/completions",
+            chat("Where do I start saving?"),
+            "chat_completions",
+            "openai",
+        ),
+        ("/v1/messages", streamed, "messages", "anthropic"),
+    ];
+    for (path, body, _, _) in &exchanges {
+        let left = client()
+            .post(proxy.url(path))
+            .header(
+                "x-mock-reply",
+                json!({"text": "A late answer.", "delay_ms": 10_000}).to_string(),
+            )
+            .timeout(Duration::from_millis(500))
+            .json(body)
+            .send()
+            .await;
+        assert!(left.unwrap_err().is_timeout(), "{path}");
+    }
+    // The upstream had the requests: the records say how long they waited.
+    assert_eq!(mock.requests().len(), 2);
 
     // Well before the upstream would have answered.
-    let rows = proxy.wait_for_results(1).await;
-    assert_eq!(rows.len(), 1, "{rows:#?}");
-    let record = &rows[0]["exchange"];
-    assert_eq!(record["status"], 499, "{record:#}");
-    assert_eq!(record["verdict"], "allow");
-    assert_eq!(record["texts"]["prompt"][1], "Where do I start saving?");
-    assert_eq!(record["texts"]["response"], json!([]));
-    let upstream = record["upstream_ms"].as_f64().unwrap();
-    assert!((300.0..10_000.0).contains(&upstream), "{record:#}");
-    assert!(record["total_ms"].as_f64().unwrap() >= upstream);
+    let rows = proxy.wait_for_results(2).await;
+    assert_eq!(rows.len(), 2, "{rows:#?}");
     let page = proxy.metrics().await;
-    assert_eq!(
-        metric(
-            &page,
-            "fairgate_requests_total{route=\"chat_completions\",upstream=\"openai\",verdict=\"client_closed\"}"
-        ),
-        Some(1.0),
-        "{page}"
-    );
+    for (_, body, route, upstream) in exchanges {
+        let question = body["messages"].as_array().unwrap().last().unwrap()["content"].clone();
+        let record = rows
+            .iter()
+            .map(|row| &row["exchange"])
+            .find(|record| {
+                record["texts"]["prompt"]
+                    .as_array()
+                    .unwrap()
+                    .contains(&question)
+            })
+            .unwrap_or_else(|| panic!("no record of {route}: {rows:#?}"));
+        assert_eq!(record["status"], 499, "{record:#}");
+        assert_eq!(record["route"], route);
+        assert_eq!(record["stream"], body["stream"] == true, "{record:#}");
+        assert_eq!(record["verdict"], "allow");
+        assert_eq!(record["texts"]["response"], json!([]));
+        let waited = record["upstream_ms"].as_f64().unwrap();
+        assert!((300.0..10_000.0).contains(&waited), "{record:#}");
+        assert!(record["total_ms"].as_f64().unwrap() >= waited);
+        let counted = format!(
+            "fairgate_requests_total{{route=\"{route}\",upstream=\"{upstream}\",verdict=\"client_closed\"}}"
+        );
+        assert_eq!(metric(&page, &counted), Some(1.0), "{page}");
+    }
     proxy.stop().await;
 }
 
