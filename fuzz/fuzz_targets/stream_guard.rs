@@ -2,8 +2,9 @@
 //! the stream guard of each endpoint and mode with the shipped rules: the
 //! client's body ends and the guard reports the outcome; nothing panics.
 //!
-//! Input: byte 0 picks the endpoint and mode, byte 1 the size of the pieces
-//! (1 to 64 bytes), the rest is the upstream's body.
+//! Input: byte 0 picks the endpoint and mode, whether usage was asked for
+//! and whether the upstream breaks off at the end (bit 6), byte 1 the size
+//! of the pieces (1 to 64 bytes), the rest is the upstream's body.
 
 #![no_main]
 
@@ -63,10 +64,14 @@ fuzz_target!(|data: &[u8]| {
         started: Instant::now(),
         include_usage: pick & 0x80 != 0,
     };
-    let pieces: Vec<Result<Bytes, String>> = body
+    let mut pieces: Vec<Result<Bytes, String>> = body
         .chunks(size)
         .map(|piece| Ok(Bytes::copy_from_slice(piece)))
         .collect();
+    if pick & 0x40 != 0 {
+        // The upstream breaks off after what it sent.
+        pieces.push(Err("connection reset".to_owned()));
+    }
     RUNTIME.block_on(async move {
         let (done, outcome) = tokio::sync::oneshot::channel();
         let client = guard_body(setup, futures_util::stream::iter(pieces), move |outcome| {
