@@ -601,11 +601,9 @@ struct Ending<'a> {
 
 impl RecordDraft {
     /// Completes the record and hands it to the side queue; a blocked
-    /// exchange also goes to the dashboard's log.
+    /// exchange also goes to the dashboard's log, its entry made from the
+    /// record as a restart makes it from the record read back.
     fn finish(self, state: &State, end: Ending) {
-        if end.verdict.decision == Decision::Block {
-            state.blocked.push(self.blocked(&end));
-        }
         let mode = state.config.records.texts;
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         let record = ExchangeRecord {
@@ -633,27 +631,10 @@ impl RecordDraft {
             usage: end.usage,
             client: self.client,
         };
+        if record.verdict == Decision::Block {
+            state.blocked.push(Blocked::of_record(&record));
+        }
         state.queue.push(QueueItem::Exchange(Box::new(record)));
-    }
-
-    /// The dashboard's entry for this exchange, blocked as `end` says:
-    /// before the upstream was called (the prompt or its context), or after.
-    fn blocked(&self, end: &Ending) -> Blocked {
-        let scope = match end.upstream {
-            None => guard::block_scope(&end.verdict.hits, Scope::Prompt),
-            Some(_) => Scope::Response.as_str(),
-        };
-        let route = self.endpoint.route();
-        let status = Some(end.status);
-        Blocked::new(
-            &self.request_id,
-            route,
-            &self.upstream,
-            scope,
-            status,
-            end.verdict,
-        )
-        .of_exchange(self.model.as_deref(), self.stream)
     }
 }
 
@@ -685,6 +666,34 @@ impl<'a> Pending<'a> {
         }
     }
 
+    /// Records the exchange as ended before a response was scanned: no
+    /// response, `status`, and the upstream's share of the time when it was
+    /// called.
+    fn end_early(mut self, status: StatusCode, upstream: Option<Duration>) {
+        self.record_unanswered(status.as_u16(), upstream);
+    }
+
+    fn record_unanswered(&mut self, status: u16, upstream: Option<Duration>) {
+        let Some(draft) = self.draft.take() else {
+            return;
+        };
+        let proxy = draft
+            .started
+            .elapsed()
+            .saturating_sub(upstream.unwrap_or_default());
+        draft.finish(
+            self.state,
+            Ending {
+                verdict: self.verdict,
+                response: Vec::new(),
+                status,
+                upstream,
+                proxy,
+                usage: None,
+            },
+        );
+    }
+
     /// The draft, for the handler to finish.
     fn take(mut self) -> RecordDraft {
         match self.draft.take() {
@@ -696,7 +705,7 @@ impl<'a> Pending<'a> {
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
-        let Some(draft) = self.draft.take() else {
+        let Some(draft) = &self.draft else {
             return;
         };
         let (status, counted) = match std::thread::panicking() {
@@ -714,22 +723,7 @@ impl Drop for Pending<'_> {
             .requests
             .with_label_values(&[draft.endpoint.route(), &draft.upstream, counted])
             .inc();
-        let upstream = self.sent.map(|sent| sent.elapsed());
-        let proxy = draft
-            .started
-            .elapsed()
-            .saturating_sub(upstream.unwrap_or_default());
-        draft.finish(
-            self.state,
-            Ending {
-                verdict: self.verdict,
-                response: Vec::new(),
-                status,
-                upstream,
-                proxy,
-                usage: None,
-            },
-        );
+        self.record_unanswered(status, self.sent.map(|sent| sent.elapsed()));
     }
 }
 
@@ -920,22 +914,6 @@ async fn guarded(
         context: texts.context,
     };
     let mut pending = Pending::new(state, &scan.verdict, draft);
-    // The record of an exchange that ends before a response is scanned.
-    let end_early = |pending: Pending, status: StatusCode, upstream: Option<Duration>| {
-        let draft = pending.take();
-        let total = started.elapsed();
-        draft.finish(
-            state,
-            Ending {
-                verdict: &scan.verdict,
-                response: Vec::new(),
-                status: status.as_u16(),
-                upstream,
-                proxy: total.saturating_sub(upstream.unwrap_or_default()),
-                usage: None,
-            },
-        );
-    };
     if scan.verdict.decision == Decision::Block {
         record_verdict(&state.metrics, &scan.verdict);
         let scope = guard::block_scope(&scan.verdict.hits, Scope::Prompt);
@@ -958,7 +936,7 @@ async fn guarded(
             &rule_ids(&scan.verdict.hits),
             request_id,
         );
-        end_early(pending, out.status(), None);
+        pending.end_early(out.status(), None);
         return out;
     }
 
@@ -997,7 +975,7 @@ async fn guarded(
                 .with_label_values(&[route_label, &upstream, "error"])
                 .inc();
             let out = respond::failure(dialect, failure, request_id);
-            end_early(pending, out.status(), None);
+            pending.end_early(out.status(), None);
             return out;
         }
     };
@@ -1016,7 +994,7 @@ async fn guarded(
             .requests
             .with_label_values(&[route_label, &upstream, "upstream_error"])
             .inc();
-        end_early(pending, response.status(), Some(upstream_time));
+        pending.end_early(response.status(), Some(upstream_time));
         return stream_back(response, deadline, request_id, Some(prompt_verdict));
     }
     let is_stream = response
@@ -1054,7 +1032,7 @@ async fn guarded(
             .with_label_values(&[&upstream, kind])
             .inc();
         let out = respond::failure(dialect, Failure::UpstreamBroken, request_id);
-        end_early(pending, out.status(), Some(upstream_time));
+        pending.end_early(out.status(), Some(upstream_time));
         out
     };
     if is_encoded(&upstream_headers) {

@@ -234,42 +234,47 @@ pub fn recent_blocks(dir: &Path, max: usize) -> anyhow::Result<Vec<ExchangeRecor
     };
     // The names sort by day.
     days.sort_unstable();
-    let mut blocks: VecDeque<ExchangeRecord> = VecDeque::new();
+    let mut blocks = VecDeque::new();
     for day in days.iter().rev().take(2) {
-        let mut of_day: VecDeque<ExchangeRecord> = VecDeque::new();
-        let Some(lines) = tail_lines(day, TAIL_BYTES)? else {
-            continue;
-        };
-        for line in lines {
-            let line = line?;
-            // Written compact: the key and value appear so, and only so, in
-            // a blocked exchange's line (inside a string, quotes are escaped).
-            if !line.contains(r#""verdict":"block""#) {
-                continue;
-            }
-            let Ok(Row {
-                exchange: Some(record),
-            }) = serde_json::from_str::<Row>(&line)
-            else {
-                continue;
-            };
-            if record.verdict == Decision::Block {
-                if of_day.len() == max {
-                    of_day.pop_front();
-                }
-                of_day.push_back(*record);
-            }
-        }
-        while blocks.len() < max
-            && let Some(record) = of_day.pop_back()
-        {
-            blocks.push_front(record);
-        }
-        if blocks.len() == max {
+        let room = max - blocks.len();
+        if room == 0 {
             break;
         }
+        let mut older = blocks_in(day, room)?;
+        older.append(&mut blocks);
+        blocks = older;
     }
     Ok(blocks.into())
+}
+
+/// The records of the newest `max` blocked exchanges in the last
+/// [`TAIL_BYTES`] of the result file `day`, oldest first.
+fn blocks_in(day: &Path, max: usize) -> anyhow::Result<VecDeque<ExchangeRecord>> {
+    let mut blocks = VecDeque::new();
+    let Some(lines) = tail_lines(day, TAIL_BYTES)? else {
+        return Ok(blocks);
+    };
+    for line in lines {
+        let line = line?;
+        // Written compact: the key and value appear so, and only so, in a
+        // blocked exchange's line (inside a string, quotes are escaped).
+        if !line.contains(r#""verdict":"block""#) {
+            continue;
+        }
+        let Ok(Row {
+            exchange: Some(record),
+        }) = serde_json::from_str::<Row>(&line)
+        else {
+            continue;
+        };
+        if record.verdict == Decision::Block {
+            if blocks.len() == max {
+                blocks.pop_front();
+            }
+            blocks.push_back(*record);
+        }
+    }
+    Ok(blocks)
 }
 
 /// A result line, read for its exchange.

@@ -445,10 +445,10 @@ impl Blocked {
         }
     }
 
-    /// The entry of a blocked exchange's record (one written before a
-    /// restart, read back): blocked in the response once the upstream was
-    /// called, else where its first blocking rule hit (the prompt when the
-    /// total risk blocked it).
+    /// The entry of a blocked exchange's record, as it is made or as it is
+    /// read back after a restart: blocked in the response once the upstream
+    /// was called, else where its first blocking rule hit (the prompt when
+    /// the total risk blocked it).
     pub fn of_record(record: &ExchangeRecord) -> Blocked {
         let blocking = record.hits.iter().find(|h| h.action == Action::Block);
         let scope = match (record.upstream_ms, blocking) {
