@@ -108,7 +108,8 @@ fn exchange_record(
 ) -> sonic_rs::Result<()> {
     value(out, open, &record.schema_version)?;
     fields!(out, record;
-        request_id, started_ms, finished_ms, route, dialect, upstream, model, stream, status);
+        request_id, started_ms, finished_ms, route, dialect, upstream, model, stream, status,
+        stream_end);
     out.extend_from_slice(br#","texts":"#);
     object!(out, record.texts; mode, prompt, context, response);
     fields!(out, record; verdict);
@@ -138,7 +139,8 @@ mod tests {
     use super::*;
     use crate::quality::MetricResult;
     use crate::record::{
-        ClientMeta, FeedbackRecord, RecordHit, StakeType, TextMode, Texts, Usage, UserAction,
+        ClientMeta, FeedbackRecord, RecordHit, StakeType, StreamEnd, TextMode, Texts, Usage,
+        UserAction,
     };
     use crate::risk::{Decision, Risk};
     use crate::rules::{Action, Scope};
@@ -171,6 +173,7 @@ mod tests {
             model: Some("gpt-4o-mini".into()),
             stream: true,
             status: 200,
+            stream_end: Some(StreamEnd::ClientClosed),
             texts: Texts::new(
                 TextMode::Full,
                 vec!["line\none \\ \u{1} é €".into(), "two".into()],

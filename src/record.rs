@@ -65,6 +65,11 @@ pub struct ExchangeRecord {
     pub stream: bool,
     /// The HTTP status the client got.
     pub status: u16,
+    /// How a streamed answer ended (`None` for an answer that was not
+    /// streamed): a stream's status is the one its head carried, whatever
+    /// came after it.
+    #[serde(default)]
+    pub stream_end: Option<StreamEnd>,
     pub texts: Texts,
     pub verdict: Decision,
     pub risk: Risk,
@@ -172,6 +177,42 @@ pub struct Texts {
     pub prompt: Vec<String>,
     pub context: Vec<String>,
     pub response: Vec<String>,
+}
+
+/// How a streamed answer ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamEnd {
+    /// The upstream's stream ran to its end, and the client had it all.
+    Complete,
+    /// A rule blocked the answer: the guard ended the stream (OpenAI's
+    /// `content_filter`, Anthropic's `refusal`).
+    Blocked,
+    /// The client went away before the end; the record holds the text
+    /// read until then.
+    ClientClosed,
+    /// The upstream's stream broke off, or ran past its deadline, before
+    /// its end: the client got an error event.
+    UpstreamFailed,
+    /// An event the guard could not read ended the stream (holdback and
+    /// buffer modes; monitor mode passes it on and goes on).
+    Malformed,
+    /// A fault of fairgate's own while guarding: the client got an error
+    /// event.
+    Fault,
+}
+
+impl StreamEnd {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StreamEnd::Complete => "complete",
+            StreamEnd::Blocked => "blocked",
+            StreamEnd::ClientClosed => "client_closed",
+            StreamEnd::UpstreamFailed => "upstream_failed",
+            StreamEnd::Malformed => "malformed",
+            StreamEnd::Fault => "fault",
+        }
+    }
 }
 
 /// Whether records keep texts.

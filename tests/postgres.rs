@@ -200,7 +200,8 @@ async fn migrations_run_once_however_many_workers_start() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(versions, 1);
+    // The tables, then `fairgate_exchanges.stream_end`.
+    assert_eq!(versions, 2);
 }
 
 #[tokio::test]
@@ -254,5 +255,63 @@ async fn a_failed_write_spills_and_is_stored_once_the_database_is_back() {
     stored.sort();
     ids.sort();
     assert_eq!(stored, ids);
+    proxy.stop().await;
+}
+
+/// How a streamed answer ended is a column of its row: `complete` for a
+/// stream that ran to its end, `blocked` for one a rule ended, and NULL
+/// for an answer not streamed.
+#[tokio::test]
+async fn a_streams_end_is_a_column_of_its_row() {
+    let url = support::fresh_database().await;
+    let mock = support::start_mock().await;
+    let mut config = support::config(&mock.url(), Path::new("rules"));
+    config.sinks.postgres = Some(PostgresSinkConfig { url: url.clone() });
+    let proxy = support::start_proxy(config).await;
+    let mut streamed = chat("Where do I start?");
+    streamed["stream"] = json!(true);
+    let exchanges = [
+        (
+            json!({"chunks": ["Save ", "a little."]}),
+            streamed.clone(),
+            Some("complete"),
+        ),
+        (
+            json!({"chunks": ["Sure. ", "Guaranteed returns ", "of 20% a year."]}),
+            streamed,
+            Some("blocked"),
+        ),
+        (json!({}), chat("Say hello"), None),
+    ];
+    let mut ids = Vec::new();
+    for (script, body, _) in &exchanges {
+        let response = proxy
+            .post("/v1/chat/completions", script.clone(), body)
+            .await;
+        assert_eq!(response.status(), 200);
+        ids.push(
+            response.headers()["x-fairgate-request-id"]
+                .to_str()
+                .unwrap()
+                .to_owned(),
+        );
+        response.text().await.unwrap();
+    }
+    let db = support::pg(&url).await;
+    assert_eq!(
+        support::wait_for_count(&db, "SELECT count(*) FROM fairgate_exchanges", 3).await,
+        3
+    );
+    for ((_, _, end), id) in exchanges.iter().zip(&ids) {
+        let row = db
+            .query_one(
+                "SELECT stream_end, record->>'stream_end' FROM fairgate_exchanges WHERE request_id = $1",
+                &[id],
+            )
+            .await
+            .unwrap();
+        assert_eq!(row.get::<_, Option<String>>(0).as_deref(), *end);
+        assert_eq!(row.get::<_, Option<String>>(1).as_deref(), *end);
+    }
     proxy.stop().await;
 }

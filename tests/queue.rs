@@ -97,6 +97,7 @@ async fn exchanges_become_results_with_metrics_and_no_secrets() {
     assert_eq!(record["route"], "chat_completions");
     assert_eq!(record["dialect"], "openai");
     assert_eq!(record["status"], 200);
+    assert_eq!(record["stream_end"], Value::Null);
     assert_eq!(record["verdict"], "redact");
     assert_eq!(record["client"]["user"], "u-42");
     assert_eq!(record["client"]["expected"], "save a little each week");
@@ -137,6 +138,7 @@ async fn exchanges_become_results_with_metrics_and_no_secrets() {
 
     let row = exchange(&rows, &stream_id);
     assert_eq!(row["exchange"]["stream"], true);
+    assert_eq!(row["exchange"]["stream_end"], "complete");
     assert_eq!(row["exchange"]["dialect"], "anthropic");
     assert_eq!(
         row["exchange"]["texts"]["response"][0],
@@ -221,7 +223,19 @@ async fn a_stream_the_client_leaves_is_recorded_at_once() {
     let rows = proxy.wait_for_results(1).await;
     let record = &exchange(&rows, &id)["exchange"];
     assert_eq!(record["stream"], true);
+    // The head went out with 200; the record says the client left.
+    assert_eq!(record["status"], 200);
+    assert_eq!(record["stream_end"], "client_closed");
     assert_eq!(record["verdict"], "allow");
+    let page = proxy.metrics().await;
+    assert_eq!(
+        metric(
+            &page,
+            "fairgate_stream_ends_total{end=\"client_closed\",route=\"chat_completions\"}"
+        ),
+        Some(1.0),
+        "{page}"
+    );
     // All the upstream sent, unless a slow machine paused the guard for
     // half a second: at least what the client got, and no more than sent.
     let text = record["texts"]["response"][0].as_str().unwrap();
@@ -229,6 +243,66 @@ async fn a_stream_the_client_leaves_is_recorded_at_once() {
         text.starts_with(&released) && sent.starts_with(text),
         "{text}"
     );
+    proxy.stop().await;
+}
+
+/// Each way a stream can end is in its record and counted: run to its
+/// end, blocked by a rule, broken off by the upstream, ended by an event
+/// that is not JSON. (The client leaving is the test above.)
+#[tokio::test]
+async fn each_way_a_stream_ends_is_in_its_record() {
+    let (_mock, proxy) = support::start().await;
+    let prefix = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Fine so far. \"},\"finish_reason\":null}]}\n\n";
+    let streams = [
+        (
+            "complete",
+            json!({"chunks": ["Save ", "a little ", "each week."]}),
+        ),
+        (
+            "blocked",
+            json!({"chunks": ["Sure. ", "Guaranteed returns ", "of 20% a year await."]}),
+        ),
+        ("upstream_failed", json!({"raw_sse": prefix, "cut": true})),
+        (
+            "malformed",
+            json!({"raw_sse": format!("{prefix}data: {{not json\n\n")}),
+        ),
+    ];
+    let mut ids = Vec::new();
+    for (end, script) in &streams {
+        let mut body = chat(&format!("A question that ends {end}."));
+        body["stream"] = json!(true);
+        let response = proxy
+            .post("/v1/chat/completions", script.clone(), &body)
+            .await;
+        assert_eq!(response.status(), 200, "{end}");
+        ids.push(
+            response.headers()["x-fairgate-request-id"]
+                .to_str()
+                .unwrap()
+                .to_owned(),
+        );
+        let text = tokio::time::timeout(Duration::from_secs(10), response.text())
+            .await
+            .expect("the stream ends")
+            .unwrap();
+        assert!(text.contains("data: "), "{end}: {text}");
+    }
+    let rows = proxy.wait_for_results(streams.len()).await;
+    let page = proxy.metrics().await;
+    for ((end, _), id) in streams.iter().zip(&ids) {
+        let record = &exchange(&rows, id)["exchange"];
+        assert_eq!(record["stream_end"], *end, "{record:#}");
+        assert_eq!(record["status"], 200);
+        assert_eq!(
+            record["verdict"] == "block",
+            *end == "blocked",
+            "{record:#}"
+        );
+        let counted =
+            format!("fairgate_stream_ends_total{{end=\"{end}\",route=\"chat_completions\"}}");
+        assert_eq!(metric(&page, &counted), Some(1.0), "{page}");
+    }
     proxy.stop().await;
 }
 

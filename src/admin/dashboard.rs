@@ -107,6 +107,7 @@ pub fn summary(state: &State) -> Value {
             "stream": counts(families.by("fairgate_stream_errors_total", "kind")),
             "fault": counts(families.by("fairgate_faults_total", "stage")),
         },
+        "stream_ends": counts(families.by("fairgate_stream_ends_total", "end")),
         "queue": {
             "depth": families.total("fairgate_queue_depth"),
             "records": counts(families.by("fairgate_queue_records_total", "event")),

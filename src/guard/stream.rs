@@ -111,7 +111,7 @@ use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint};
 use crate::proxy::ProxyBody;
 use crate::proxy::respond::{self, Failure};
-use crate::record::Usage;
+use crate::record::{StreamEnd, Usage};
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::normalize::{Normalized, clean_point_at_or_before, clean_point_in};
 use crate::rules::{Action, Hit, RuleSet, Scope};
@@ -173,6 +173,8 @@ pub struct StreamOutcome {
     /// The guard failed (a panic): the stream ended with an error event.
     pub faulted: bool,
     pub first_byte: Option<Duration>,
+    /// How the stream ended, as its record says.
+    pub end: StreamEnd,
 }
 
 /// Guards `upstream` (the upstream's body) and returns the body for the
@@ -1095,6 +1097,28 @@ impl Guard {
             upstream_failed: self.upstream_failed,
             faulted: self.faulted,
             first_byte,
+            end: self.end(),
+        }
+    }
+
+    /// How the stream ended, read when its body is dropped: a guard that
+    /// has not finished (read the upstream's last event or its end, or
+    /// ended the stream itself) was left by its client: hyper drops the
+    /// body of a connection that closed, or that a shutdown's grace cut
+    /// off.
+    fn end(&self) -> StreamEnd {
+        if self.faulted {
+            StreamEnd::Fault
+        } else if !self.finished {
+            StreamEnd::ClientClosed
+        } else if self.upstream_failed {
+            StreamEnd::UpstreamFailed
+        } else if self.blocked {
+            StreamEnd::Blocked
+        } else if self.malformed && self.setup.mode != StreamMode::Monitor {
+            StreamEnd::Malformed
+        } else {
+            StreamEnd::Complete
         }
     }
 
@@ -4317,6 +4341,7 @@ mod tests {
         assert_eq!(outcome.text, "Start with a budget, ");
         assert_eq!(outcome.verdict.decision, Decision::Allow);
         assert!(outcome.faulted);
+        assert_eq!(outcome.end, StreamEnd::Fault);
         let mut events = SseParser::default()
             .push(sent)
             .collect::<Vec<_>>()

@@ -44,8 +44,8 @@ use crate::json::ReadError;
 use crate::queue::Queue;
 use crate::queue::pipeline::Pipeline;
 use crate::record::{
-    ClientMeta, ExchangeRecord, FeedbackRecord, FeedbackRequest, QueueItem, Texts, Usage, now_ms,
-    record_hits,
+    ClientMeta, ExchangeRecord, FeedbackRecord, FeedbackRequest, QueueItem, StreamEnd, Texts,
+    Usage, now_ms, record_hits,
 };
 use crate::risk::{self, Decision, Verdict};
 use crate::rules::store::RuleStore;
@@ -597,6 +597,8 @@ struct Ending<'a> {
     /// fairgate's own share.
     proxy: Duration,
     usage: Option<Usage>,
+    /// How a streamed answer ended; `None` when none was streamed.
+    stream_end: Option<StreamEnd>,
 }
 
 impl RecordDraft {
@@ -621,6 +623,7 @@ impl RecordDraft {
             model: self.model,
             stream: self.stream,
             status: end.status,
+            stream_end: end.stream_end,
             texts: Texts::new(mode, self.prompt, self.context, end.response),
             verdict: end.verdict.decision,
             risk: end.verdict.risk,
@@ -690,6 +693,7 @@ impl<'a> Pending<'a> {
                 upstream,
                 proxy,
                 usage: None,
+                stream_end: None,
             },
         );
     }
@@ -1006,15 +1010,14 @@ async fn guarded(
         // hyper polls the body, where the guard runs, right after it has
         // put the head in its buffer: head and first frames leave in one
         // write without a yield first.
-        let draft = pending.take();
         return guarded_stream(
             state,
             response,
             deadline,
             stream_mode,
             rules,
-            scan,
-            draft,
+            &scan,
+            pending,
             sent.duration_since(started),
             include_usage,
         );
@@ -1095,6 +1098,7 @@ async fn guarded(
                 upstream: Some(upstream_time),
                 proxy: proxy_time,
                 usage,
+                stream_end: None,
             },
         );
     };
@@ -1204,14 +1208,17 @@ fn guarded_stream(
     deadline: tokio::time::Instant,
     mode: StreamMode,
     rules: Arc<RuleSet>,
-    scan: guard::RequestScan,
-    draft: RecordDraft,
+    scan: &guard::RequestScan,
+    pending: Pending,
     before_upstream: Duration,
     include_usage: bool,
 ) -> Response<ProxyBody> {
     let (head, body) = response.into_parts();
     let status = head.status;
     let headers = head.headers;
+    let Some(draft) = &pending.draft else {
+        unreachable!("a pending record's draft is taken once, with the Pending")
+    };
     let endpoint = draft.endpoint;
     let started = draft.started;
     let request_id = draft.request_id.clone();
@@ -1230,6 +1237,9 @@ fn guarded_stream(
     let route = endpoint.route();
     let upstream_name = upstream.clone();
     let id = request_id.clone();
+    // From here the guard's outcome records the exchange, however the
+    // stream ends (its body dropped included).
+    let draft = pending.take();
     let done = move |outcome: StreamOutcome| {
         let metrics = &metrics_state.metrics;
         // fairgate's share: before the upstream call, and the guard's own
@@ -1267,6 +1277,13 @@ fn guarded_stream(
                 .with_label_values(&[route, "upstream"])
                 .inc();
         }
+        metrics
+            .stream_ends
+            .with_label_values(&[route, outcome.end.as_str()])
+            .inc();
+        if outcome.end == StreamEnd::ClientClosed {
+            tracing::info!(request_id = id, "the client left the stream before its end");
+        }
         if outcome.faulted {
             metrics.faults.with_label_values(&["stream"]).inc();
             tracing::error!(
@@ -1284,6 +1301,7 @@ fn guarded_stream(
                 upstream: Some(total.saturating_sub(proxy)),
                 proxy,
                 usage: outcome.usage,
+                stream_end: Some(outcome.end),
             },
         );
     };

@@ -11,9 +11,11 @@ use tokio::sync::Mutex;
 use tokio_postgres::{Client, NoTls};
 
 use super::{Processed, Stored};
+use crate::record::StreamEnd;
 
 /// The migrations, in order; a migration is never edited once released.
-const MIGRATIONS: &[&str] = &[r"
+const MIGRATIONS: &[&str] = &[
+    r"
 CREATE TABLE fairgate_exchanges (
     request_id    text PRIMARY KEY,
     started_at    timestamptz NOT NULL,
@@ -70,7 +72,11 @@ CREATE TABLE fairgate_feedback (
     goal_completed boolean,
     received_at    timestamptz NOT NULL
 );
-"];
+",
+    r"
+ALTER TABLE fairgate_exchanges ADD COLUMN stream_end text;
+",
+];
 
 pub struct PostgresSink {
     url: String,
@@ -158,9 +164,9 @@ async fn write(client: &mut Client, p: &Processed) -> anyhow::Result<Stored> {
                 "INSERT INTO fairgate_exchanges (request_id, started_at, finished_at, processed_at,
                     route, dialect, upstream, model, stream, status, verdict,
                     risk_prompt, risk_response, risk_context, risk_total,
-                    upstream_ms, proxy_ms, total_ms, usage, session_id, user_id, texts, record)
+                    upstream_ms, proxy_ms, total_ms, usage, session_id, user_id, texts, record, stream_end)
                  VALUES ($1, to_timestamp($2::float8 / 1000), to_timestamp($3::float8 / 1000), to_timestamp($4::float8 / 1000),
-                    $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)
+                    $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)
                  ON CONFLICT (request_id) DO NOTHING",
                 &[
                     &r.request_id,
@@ -186,6 +192,7 @@ async fn write(client: &mut Client, p: &Processed) -> anyhow::Result<Stored> {
                     &r.client.user,
                     &texts,
                     &record,
+                    &r.stream_end.map(StreamEnd::as_str),
                 ],
             )
             .await?;

@@ -37,6 +37,10 @@ pub struct Metrics {
     pub upstream_errors: IntCounterVec,
     /// `fairgate_stream_errors_total{route, kind}`
     pub stream_errors: IntCounterVec,
+    /// `fairgate_stream_ends_total{route, end}`: how streamed answers
+    /// ended (complete, blocked, client_closed, upstream_failed,
+    /// malformed, fault), as their records say.
+    pub stream_ends: IntCounterVec,
     /// `fairgate_faults_total{stage}`: faults (panics) of fairgate's own,
     /// while answering a request or while guarding a stream.
     pub faults: IntCounterVec,
@@ -205,6 +209,11 @@ impl Metrics {
             "Malformed or broken upstream streams.",
             &["route", "kind"],
         );
+        let stream_ends = counter(
+            "fairgate_stream_ends_total",
+            "How streamed answers ended: complete, blocked, client_closed (the client left first), upstream_failed, malformed, fault.",
+            &["route", "end"],
+        );
         let faults = counter(
             "fairgate_faults_total",
             "Faults (panics) of fairgate's own, answered with an error: while handling a request (request) or guarding a stream (stream).",
@@ -307,6 +316,7 @@ impl Metrics {
             stream_first_byte,
             upstream_errors,
             stream_errors,
+            stream_ends,
             faults,
             tunnels,
             tunnels_open,

@@ -2,7 +2,7 @@
 
 Starts a mock upstream (chat completions, plain and streamed), the fairgate
 binary in front of it, drives a little traffic (allowed, blocked prompt,
-blocked answer, a stream, an unreachable upstream, a rule reload), then:
+blocked answer, a stream, a blocked stream, an unreachable upstream, a rule reload), then:
 
 * `promtool check config` and `promtool check rules` on `deploy/`;
 * a real Prometheus scraping fairgate's admin listener every second, with
@@ -193,6 +193,9 @@ def main():
             blocked.append(rid)
             status, _, body = post(f"{base}/v1/chat/completions", chat("How do I save?", stream=True))
             assert status == 200 and b"[DONE]" in body, (status, body)
+            # A stream a rule ends: the panel of streams cut short gets a series.
+            status, _, body = post(f"{base}/v1/chat/completions", chat("something risky", stream=True))
+            assert status == 200 and b"content_filter" in body, (status, body)
             status, _, _ = post(f"{base}/v1/messages",
                                 {"model": "claude", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]})
             assert status == 502, status
