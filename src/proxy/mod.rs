@@ -148,12 +148,50 @@ impl State {
     /// Starts consuming the side queue (in-process workers or the NATS
     /// publisher) on a thread of its own; stop it after the proxy stopped
     /// serving so that it flushes what the queue holds.
-    pub fn start_pipeline(&self) -> anyhow::Result<Pipeline> {
+    pub fn start_pipeline(self: &Arc<Self>) -> anyhow::Result<Pipeline> {
+        self.restore_blocks_from_postgres();
         Pipeline::start(
             self.queue.clone(),
             self.config.clone(),
             self.metrics.clone(),
         )
+    }
+
+    /// When the results go to PostgreSQL and not to JSON lines, reads the
+    /// dashboard's list of blocks back from there, on a thread of its own:
+    /// the proxy serves meanwhile, and blocks that come first stay newest.
+    fn restore_blocks_from_postgres(self: &Arc<Self>) {
+        let (None, Some(postgres)) = (&self.config.sinks.jsonl, &self.config.sinks.postgres) else {
+            return;
+        };
+        let url = postgres.url.clone();
+        let state = Arc::downgrade(self);
+        let read = move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            // A database that does not answer is given up on.
+            let read = crate::sink::postgres::recent_blocks(&url, BlockLog::KEPT);
+            let records = runtime
+                .block_on(async { tokio::time::timeout(Duration::from_secs(30), read).await })
+                .map_err(|_| anyhow::anyhow!("no answer in 30 s"))??;
+            Ok::<_, anyhow::Error>(match state.upgrade() {
+                Some(state) => state.blocked.restore_older(&records),
+                None => 0,
+            })
+        };
+        let spawned = std::thread::Builder::new()
+            .name("fairgate-blocks".into())
+            .spawn(move || match read() {
+                Ok(0) => {}
+                Ok(blocks) => tracing::info!(blocks, "blocked exchanges read back from PostgreSQL"),
+                Err(error) => {
+                    tracing::warn!(%error, "blocked exchanges could not be read back from PostgreSQL")
+                }
+            });
+        if let Err(error) = spawned {
+            tracing::warn!(%error, "blocked exchanges could not be read back from PostgreSQL");
+        }
     }
 
     /// `fg-<microseconds, low 48 bits>-<sequence>`, both in hex. Written

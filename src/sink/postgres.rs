@@ -11,7 +11,7 @@ use tokio::sync::Mutex;
 use tokio_postgres::{Client, NoTls};
 
 use super::{Processed, Stored};
-use crate::record::StreamEnd;
+use crate::record::{ExchangeRecord, StreamEnd};
 
 /// The migrations, in order; a migration is never edited once released.
 const MIGRATIONS: &[&str] = &[
@@ -127,6 +127,25 @@ pub async fn migrate(client: &mut Client) -> anyhow::Result<()> {
     }
     tx.commit().await?;
     Ok(())
+}
+
+/// The records of the newest `max` exchanges that a rule blocked in the
+/// last two days, newest first (what the admin dashboard lists, read back
+/// at a start when the results are not kept as JSON lines).
+pub async fn recent_blocks(url: &str, max: usize) -> anyhow::Result<Vec<ExchangeRecord>> {
+    let client = connect(url).await?;
+    let max = i64::try_from(max)?;
+    let rows = client
+        .query(
+            "SELECT record FROM fairgate_exchanges
+             WHERE verdict = 'block' AND finished_at > now() - interval '2 days'
+             ORDER BY finished_at DESC LIMIT $1",
+            &[&max],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| Ok(serde_json::from_value(row.try_get(0)?)?))
+        .collect()
 }
 
 impl PostgresSink {

@@ -565,9 +565,77 @@ impl BlockLog {
         Ok(restored)
     }
 
+    /// Adds blocked exchanges older than those the log holds (`records`
+    /// newest first), as far as there is room, but for those it holds
+    /// already: a read-back that ends after the first live blocks came.
+    pub fn restore_older(&self, records: &[ExchangeRecord]) -> usize {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut restored = 0;
+        for record in records {
+            if entries.len() == Self::KEPT {
+                break;
+            }
+            if entries.iter().all(|b| b.request_id != record.request_id) {
+                entries.push_back(Blocked::of_record(record));
+                restored += 1;
+            }
+        }
+        restored
+    }
+
     /// The blocked exchanges kept, newest first.
     pub fn newest_first(&self) -> Vec<Blocked> {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         entries.iter().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocked_record(request_id: &str) -> ExchangeRecord {
+        serde_json::from_value(serde_json::json!({
+            "schema_version": 1, "request_id": request_id, "started_ms": 0, "finished_ms": 1,
+            "route": "chat_completions", "dialect": "openai", "upstream": "openai", "model": null,
+            "stream": false, "status": 400,
+            "texts": {"mode": "full", "prompt": [], "context": [], "response": []},
+            "verdict": "block", "risk": {"prompt": 1.0, "response": 0.0, "context": 0.0, "total": 1.0},
+            "hits": [], "upstream_ms": null, "proxy_ms": 0.0, "total_ms": 0.0, "usage": null,
+            "client": {"session": null, "user": null, "ground_truth": null, "expected": null}
+        }))
+        .unwrap()
+    }
+
+    /// Blocks read back go behind the live ones, newest first, once each,
+    /// as far as the log has room.
+    #[test]
+    fn older_blocks_go_behind_the_live_ones_once_each() {
+        let log = BlockLog::default();
+        log.push(Blocked::of_record(&blocked_record("live-1")));
+        log.push(Blocked::of_record(&blocked_record("live-2")));
+        let read: Vec<ExchangeRecord> = ["live-1", "old-1", "old-2"]
+            .into_iter()
+            .map(blocked_record)
+            .collect();
+        assert_eq!(log.restore_older(&read), 2);
+        let ids: Vec<String> = log
+            .newest_first()
+            .into_iter()
+            .map(|b| b.request_id)
+            .collect();
+        assert_eq!(ids, ["live-2", "live-1", "old-1", "old-2"]);
+
+        let many: Vec<ExchangeRecord> = (0..2 * BlockLog::KEPT)
+            .map(|i| blocked_record(&format!("older-{i}")))
+            .collect();
+        assert_eq!(log.restore_older(&many), BlockLog::KEPT - 4);
+        let listed = log.newest_first();
+        assert_eq!(listed.len(), BlockLog::KEPT);
+        assert_eq!(listed[4].request_id, "older-0");
+        assert_eq!(
+            listed[BlockLog::KEPT - 1].request_id,
+            format!("older-{}", BlockLog::KEPT - 5)
+        );
     }
 }

@@ -696,9 +696,8 @@ pub async fn start_proxy(config: Config) -> Proxy {
 }
 
 pub async fn start_proxy_state(state: State) -> Proxy {
-    let pipeline = state.start_pipeline().expect("the side queue starts");
     let mut proxy = start_proxy_state_without_pipeline(state).await;
-    proxy.pipeline = Some(pipeline);
+    proxy.start_pipeline();
     proxy
 }
 
