@@ -289,12 +289,7 @@ async fn a_streams_end_is_a_column_of_its_row() {
             .post("/v1/chat/completions", script.clone(), body)
             .await;
         assert_eq!(response.status(), 200);
-        ids.push(
-            response.headers()["x-fairgate-request-id"]
-                .to_str()
-                .unwrap()
-                .to_owned(),
-        );
+        ids.push(support::request_id(&response));
         response.text().await.unwrap();
     }
     let db = support::pg(&url).await;
@@ -345,32 +340,19 @@ async fn the_dashboards_blocks_are_read_back_from_postgres_at_a_restart() {
     let db = support::pg(&url).await;
     let blocked = "SELECT count(*) FROM fairgate_exchanges WHERE verdict = 'block'";
     assert_eq!(support::wait_for_count(&db, blocked, 2).await, 2);
-    let before = recent_blocks(&proxy).await;
-    assert_eq!(before.as_array().unwrap().len(), 2, "{before:#}");
+    let before = proxy.recent_blocks().await;
+    assert_eq!(before.len(), 2, "{before:#?}");
     proxy.stop().await;
 
     let restarted = support::start_proxy(config).await;
-    let mut after = Value::Null;
+    let mut after = Vec::new();
     for _ in 0..100 {
-        after = recent_blocks(&restarted).await;
-        if after.as_array().unwrap().len() == 2 {
+        after = restarted.recent_blocks().await;
+        if after.len() == 2 {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     assert_eq!(after, before);
     restarted.stop().await;
-}
-
-/// The admin summary's list of blocked exchanges.
-async fn recent_blocks(proxy: &support::Proxy) -> Value {
-    let summary: Value = client()
-        .get(proxy.admin_url("/admin/summary"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    summary["recent_blocks"].clone()
 }

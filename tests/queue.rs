@@ -276,12 +276,7 @@ async fn each_way_a_stream_ends_is_in_its_record() {
             .post("/v1/chat/completions", script.clone(), &body)
             .await;
         assert_eq!(response.status(), 200, "{end}");
-        ids.push(
-            response.headers()["x-fairgate-request-id"]
-                .to_str()
-                .unwrap()
-                .to_owned(),
-        );
+        ids.push(support::request_id(&response));
         let text = tokio::time::timeout(Duration::from_secs(10), response.text())
             .await
             .expect("the stream ends")

@@ -557,12 +557,9 @@ impl BlockLog {
     /// days' files), so that the dashboard's list survives a restart. Blocks
     /// that have no exchange record (a batch's) are not among them.
     pub fn restore(&self, dir: &std::path::Path) -> anyhow::Result<usize> {
-        let records = crate::sink::jsonl::recent_blocks(dir, Self::KEPT)?;
-        let restored = records.len();
-        for record in records {
-            self.push(Blocked::of_record(&record));
-        }
-        Ok(restored)
+        let mut records = crate::sink::jsonl::recent_blocks(dir, Self::KEPT)?;
+        records.reverse();
+        Ok(self.restore_older(&records))
     }
 
     /// Adds blocked exchanges older than those the log holds (`records`

@@ -578,12 +578,7 @@ impl Proxy {
             ]});
             let response = self.post("/v1/chat/completions", json!({}), &body).await;
             assert_eq!(response.status(), 200);
-            ids.push(
-                response.headers()["x-fairgate-request-id"]
-                    .to_str()
-                    .unwrap()
-                    .to_owned(),
-            );
+            ids.push(request_id(&response));
         }
         ids
     }
@@ -726,6 +721,14 @@ pub async fn start_proxy_state_without_pipeline(state: State) -> Proxy {
         task: Some(task),
         pipeline: None,
     }
+}
+
+/// The `x-fairgate-request-id` of a response of the proxy.
+pub fn request_id(response: &reqwest::Response) -> String {
+    response.headers()["x-fairgate-request-id"]
+        .to_str()
+        .expect("a request id")
+        .to_owned()
 }
 
 /// Proxy in front of a fresh mock, with the shipped rules.
