@@ -216,7 +216,7 @@ fn tail_lines(
     )))
 }
 
-/// The records of the newest `max` exchanges that a rule blocked, oldest
+/// The records of the newest `max` exchanges that a rule blocked, newest
 /// first, among the results in `dir`: the last [`TAIL_BYTES`] of each of
 /// the two newest days' files (what the admin dashboard lists, read back
 /// at a start). Other lines are passed over unread but for a search.
@@ -234,17 +234,15 @@ pub fn recent_blocks(dir: &Path, max: usize) -> anyhow::Result<Vec<ExchangeRecor
     };
     // The names sort by day.
     days.sort_unstable();
-    let mut blocks = VecDeque::new();
+    let mut blocks = Vec::new();
     for day in days.iter().rev().take(2) {
         let room = max - blocks.len();
         if room == 0 {
             break;
         }
-        let mut older = blocks_in(day, room)?;
-        older.append(&mut blocks);
-        blocks = older;
+        blocks.extend(blocks_in(day, room)?.into_iter().rev());
     }
-    Ok(blocks.into())
+    Ok(blocks)
 }
 
 /// The records of the newest `max` blocked exchanges in the last
@@ -402,7 +400,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_newest_blocks_of_the_last_two_days_are_read_back_oldest_first() {
+    async fn the_newest_blocks_of_the_last_two_days_are_read_back_newest_first() {
         let dir = tempfile::tempdir().unwrap();
         let results = dir.path().join("results");
         // No results yet: nothing to read back.
@@ -429,8 +427,8 @@ mod tests {
             blocks.into_iter().map(|record| record.request_id).collect()
         };
         // The newest, across a day's change; the third day back is not read.
-        assert_eq!(ids(4), ["b2", "b3", "b4", "b5"]);
-        assert_eq!(ids(100), ["b1", "b2", "b3", "b4", "b5"]);
+        assert_eq!(ids(4), ["b5", "b4", "b3", "b2"]);
+        assert_eq!(ids(100), ["b5", "b4", "b3", "b2", "b1"]);
         assert_eq!(ids(1), ["b5"]);
     }
 

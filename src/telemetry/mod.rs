@@ -471,22 +471,14 @@ impl Blocked {
             finished_ms: record.finished_ms,
             route: record.route.clone(),
             upstream: record.upstream.clone(),
-            model: None,
-            stream: false,
+            model: (record.model.as_ref())
+                .map(|model| model.chars().take(Self::MODEL_CHARS).collect()),
+            stream: record.stream,
             scope: scope.as_str(),
             status: Some(record.status),
             risk: record.risk.total,
             rules: BlockedRule::of_record(&record.hits),
         }
-        .of_exchange(record.model.as_deref(), record.stream)
-    }
-
-    /// The entry of an exchange: the model the client asked for (cut to
-    /// [`Blocked::MODEL_CHARS`] characters) and whether it streamed.
-    pub fn of_exchange(mut self, model: Option<&str>, stream: bool) -> Blocked {
-        self.model = model.map(|model| model.chars().take(Self::MODEL_CHARS).collect());
-        self.stream = stream;
-        self
     }
 }
 
@@ -557,8 +549,7 @@ impl BlockLog {
     /// days' files), so that the dashboard's list survives a restart. Blocks
     /// that have no exchange record (a batch's) are not among them.
     pub fn restore(&self, dir: &std::path::Path) -> anyhow::Result<usize> {
-        let mut records = crate::sink::jsonl::recent_blocks(dir, Self::KEPT)?;
-        records.reverse();
+        let records = crate::sink::jsonl::recent_blocks(dir, Self::KEPT)?;
         Ok(self.restore_older(&records))
     }
 
