@@ -23,7 +23,7 @@ use bytes::Bytes;
 use jiter::{Jiter, JiterError, Peek};
 
 /// Why a JSON text cannot be read.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ReadError {
     #[error("not JSON: {0}")]
     Invalid(String),

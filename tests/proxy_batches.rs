@@ -389,6 +389,21 @@ async fn an_openai_batch_input_upload_is_scanned_and_other_uploads_pass() {
         "{message}"
     );
     assert!(mock.requests().is_empty());
+    // A line that is not a request: the error names it and says why.
+    let broken = format!(
+        "{}{{\"custom_id\": \"b\", \"body\": [\n",
+        jsonl(&[input("a", "Hi")])
+    );
+    let response = upload(&proxy, upload_form("batch", &broken)).await;
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_json");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("Line 2 of the batch input could not be read as JSON: "),
+        "{message}"
+    );
+    assert!(mock.requests().is_empty());
 
     // Redacted in place, the rest of the form as it came.
     let file = jsonl(&[input("a", "My card is 4111 1111 1111 1111, safe?")]);
@@ -663,6 +678,11 @@ async fn an_upload_in_parts_refuses_what_it_cannot_read_or_redact() {
     assert_eq!(response.status(), 400);
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "invalid_json");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("Line 2 of the batch input could not be read as JSON: "),
+        "{message}"
+    );
     // A part that did not come through the proxy.
     let clean = jsonl(&[input("a", "Hi")]);
     let named = Some(vec!["part_0".to_owned(), "part_elsewhere".to_owned()]);

@@ -57,13 +57,24 @@ async fn oversized_body_gets_413_in_each_dialect() {
 #[tokio::test]
 async fn invalid_json_is_rejected_not_forwarded() {
     let (mock, proxy) = start().await;
-    let response = proxy
-        .post_text("/v1/chat/completions", "{\"messages\": [")
-        .await;
-    assert_eq!(response.status(), 400);
-    let body: Value = response.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "invalid_json");
-    assert_eq!(body["error"]["type"], "invalid_request_error");
+    // The message says where the JSON breaks off, in either dialect.
+    for path in ["/v1/chat/completions", "/v1/messages"] {
+        let response = proxy.post_text(path, "{\"messages\": [").await;
+        assert_eq!(response.status(), 400);
+        let body: Value = response.json().await.unwrap();
+        if path == "/v1/messages" {
+            assert_eq!(body["type"], "error");
+        } else {
+            assert_eq!(body["error"]["code"], "invalid_json");
+        }
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("The request body could not be read as JSON: ")
+                && message.contains("at index 14"),
+            "{message}"
+        );
+    }
     assert!(mock.requests().is_empty());
     proxy.stop().await;
 }
@@ -88,7 +99,16 @@ async fn a_key_given_twice_is_rejected_not_forwarded() {
         } else {
             assert_eq!(body["error"]["code"], "ambiguous_json");
         }
-        assert!(body.to_string().contains("twice"), "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        let key = if path == "/v1/messages" {
+            "messages"
+        } else {
+            "content"
+        };
+        assert!(
+            message.starts_with(&format!("The request body gives the key \"{key}\" twice")),
+            "{message}"
+        );
     }
     assert!(mock.requests().is_empty());
     // A key the guard does not read may repeat (inside tool schemas, say).
@@ -219,6 +239,11 @@ async fn a_deeply_nested_body_gets_400_and_the_proxy_serves_on() {
     assert_eq!(response.status(), 400);
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "invalid_json");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("The request body could not be read as JSON: "),
+        "{message}"
+    );
     assert!(mock.requests().is_empty());
     let response = proxy
         .post(

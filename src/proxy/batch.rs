@@ -305,9 +305,11 @@ async fn batch_input(
         let request = match exchange::read_batch_input(line) {
             Ok(request) => request,
             Err(error) => {
-                return Err(respond::failure(
+                let what = format!("Line {} of the batch input", index + 1);
+                return Err(respond::unreadable(
                     dialect,
-                    Failure::unreadable(&error),
+                    &error,
+                    Some(&what),
                     request_id,
                 ));
             }
@@ -455,7 +457,7 @@ async fn create(
     };
     let requests = match exchange::read_batch(&bytes) {
         Ok(requests) => requests,
-        Err(error) => return respond::failure(dialect, Failure::unreadable(&error), request_id),
+        Err(error) => return respond::unreadable(dialect, &error, None, request_id),
     };
     let Some(route) = state.config.route(parts.uri.path(), None) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);

@@ -24,6 +24,7 @@ use super::batch::{Refusal, scan_counted};
 use super::respond::{self, Failure};
 use super::{BoxError, ProxyBody, State, upstream};
 use crate::exchange::{self, Dialect};
+use crate::json::ReadError;
 use crate::risk::Decision;
 use crate::rules::RuleSet;
 
@@ -50,7 +51,7 @@ pub(super) struct Part {
 #[derive(Debug, Clone)]
 enum Refused {
     /// It is not a request (not JSON, or a key given twice).
-    Unreadable(Failure),
+    Unreadable(ReadError),
     Rules(Refusal),
 }
 
@@ -300,7 +301,7 @@ fn refusal(
     }
     let request = match exchange::read_batch_input(line) {
         Ok(request) => request,
-        Err(error) => return Some(Refused::Unreadable(Failure::unreadable(&error))),
+        Err(error) => return Some(Refused::Unreadable(error)),
     };
     let scan = scan_counted(state, rules, upstream, &request, request_id);
     let verdict = &scan.verdict;
@@ -328,7 +329,10 @@ pub(super) fn check(
     let dialect = Dialect::OpenAi;
     let limit = state.config.guard.max_body_bytes;
     let refuse = |refused: &Refused, line: usize| match refused {
-        Refused::Unreadable(failure) => respond::failure(dialect, *failure, request_id),
+        Refused::Unreadable(error) => {
+            let what = format!("Line {line} of the batch input");
+            respond::unreadable(dialect, error, Some(&what), request_id)
+        }
         Refused::Rules(refusal) => refusal.respond(dialect, &format!("line {line}"), request_id),
     };
     // The line begun in earlier parts, and the number of lines before it.

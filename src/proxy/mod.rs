@@ -924,7 +924,7 @@ async fn guarded(
     };
     let read = match RequestBody::read(endpoint, &bytes) {
         Ok(read) => read,
-        Err(error) => return respond::failure(dialect, Failure::unreadable(&error), request_id),
+        Err(error) => return respond::unreadable(dialect, &error, None, request_id),
     };
     let model = read.model.as_deref().map(str::to_owned);
     let (streaming, include_usage) = (read.stream, read.include_usage);

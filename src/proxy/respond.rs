@@ -145,6 +145,28 @@ pub fn failure(dialect: Dialect, failure: Failure, request_id: &str) -> Response
     response
 }
 
+/// The 400 for a request body the guard could not read, saying why (where
+/// the JSON breaks off, the key given twice); `what` names what could not
+/// be read ("Line 3 of the batch input"), the request body when `None`.
+/// The reasons name places and keys the guard reads, never the body's text.
+pub fn unreadable(
+    dialect: Dialect,
+    error: &ReadError,
+    what: Option<&str>,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let failure = Failure::unreadable(error);
+    let what = what.unwrap_or("The request body");
+    let message = match error {
+        ReadError::Invalid(reason) => format!("{what} could not be read as JSON: {reason}."),
+        ReadError::Ambiguous(key) => format!(
+            "{what} gives the key {key:?} twice in one object; which value counts is ambiguous."
+        ),
+    };
+    let body = failure_body(dialect, failure, Some(&message));
+    json_response(failure.status(), &body, request_id, None)
+}
+
 /// The error envelope of `failure` in `dialect`, as the API writes it in a
 /// response body or in a stream's error event; `message` in place of the
 /// failure's own.
