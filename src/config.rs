@@ -33,6 +33,14 @@ pub struct Config {
     pub sinks: SinksConfig,
     /// How long in-flight exchanges may take to finish on shutdown.
     pub shutdown_grace_ms: u64,
+    /// How long a client connection may take to send a request's head,
+    /// counted from the connection's start or the end of its last answer
+    /// (so also how long it may sit idle between requests); then it is
+    /// closed. 0: no limit.
+    pub client_header_timeout_ms: u64,
+    /// How long a guarded request's body may stop arriving, between two
+    /// parts of it; then the request is answered 408. 0: no limit.
+    pub client_body_timeout_ms: u64,
     /// Serving threads; 0 means one per processor core.
     pub threads: usize,
 }
@@ -74,6 +82,8 @@ impl Default for Config {
             quality: QualityConfig::default(),
             sinks: SinksConfig::default(),
             shutdown_grace_ms: 30_000,
+            client_header_timeout_ms: 60_000,
+            client_body_timeout_ms: 60_000,
             threads: 0,
         }
     }
@@ -499,6 +509,16 @@ impl Config {
         problems
     }
 
+    /// [`Config::client_header_timeout_ms`], `None` for no limit.
+    pub fn client_header_timeout(&self) -> Option<std::time::Duration> {
+        millis(self.client_header_timeout_ms)
+    }
+
+    /// [`Config::client_body_timeout_ms`], `None` for no limit.
+    pub fn client_body_timeout(&self) -> Option<std::time::Duration> {
+        millis(self.client_body_timeout_ms)
+    }
+
     /// The route for a request path and model.
     pub fn route(&self, path: &str, model: Option<&str>) -> Option<&RouteConfig> {
         self.routes.iter().find(|r| {
@@ -508,6 +528,11 @@ impl Config {
                     .is_none_or(|prefix| model.is_some_and(|m| m.starts_with(prefix)))
         })
     }
+}
+
+/// A limit in milliseconds, where 0 means none.
+fn millis(ms: u64) -> Option<std::time::Duration> {
+    (ms > 0).then(|| std::time::Duration::from_millis(ms))
 }
 
 #[cfg(test)]

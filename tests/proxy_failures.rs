@@ -615,3 +615,140 @@ async fn compressed_request_bodies_are_read_not_forwarded_unread() {
     assert_eq!(mock.requests().len(), 1, "only the allowed body went up");
     proxy.stop().await;
 }
+
+/// Everything a stalled connection gets before the proxy closes it (or
+/// until `limit`, which fails the test: the connection was left open).
+async fn until_closed(stream: &mut tokio::net::TcpStream, limit: Duration) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(limit, stream.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "the proxy left a stalled connection open");
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// One answer with a `content-length`, head and body, read off `stream`.
+async fn read_answer(stream: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut byte = [0u8; 1];
+    while !got.ends_with(b"\r\n\r\n") {
+        stream.read_exact(&mut byte).await.unwrap();
+        got.push(byte[0]);
+    }
+    let head = String::from_utf8(got).unwrap();
+    let length: usize = head
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut body = vec![0u8; length];
+    stream.read_exact(&mut body).await.unwrap();
+    head + std::str::from_utf8(&body).unwrap()
+}
+
+/// A client that stalls is not waited on for ever. A connection that sends
+/// nothing, half a request head or half an HTTP/2 preface, or sits idle
+/// after its answer, is closed after `client_header_timeout_ms`.
+#[tokio::test]
+async fn a_connection_that_stalls_before_its_request_is_closed() {
+    use tokio::io::AsyncWriteExt;
+    let mock = start_mock().await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    config.client_header_timeout_ms = 300;
+    let proxy = start_proxy(config).await;
+    let starts: [&[u8]; 3] = [
+        b"",
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: fairgate\r\ncontent-type: app",
+        b"PRI * HTTP/2.0\r\n\r\nSM\r",
+    ];
+    for start in starts {
+        let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        stream.write_all(start).await.unwrap();
+        let got = until_closed(&mut stream, Duration::from_secs(10)).await;
+        // hyper answers a head begun and not finished with a bare 408.
+        assert!(got.is_empty() || got.starts_with("HTTP/1.1 408"), "{got:?}");
+    }
+    // A kept-alive connection idle after its answer.
+    let body = chat("How do I start a budget?", false).to_string();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: fairgate\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let answer = read_answer(&mut stream).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.ends_with("}"), "{answer}");
+    assert_eq!(until_closed(&mut stream, Duration::from_secs(10)).await, "");
+    assert_eq!(mock.requests().len(), 1);
+    // The limit is per request: one connection serves requests for longer
+    // than it, each sent within it.
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    for _ in 0..4 {
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let answer = read_answer(&mut stream).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(mock.requests().len(), 5);
+    proxy.stop().await;
+}
+
+/// A guarded request whose body stops arriving gets 408 in its dialect
+/// after `client_body_timeout_ms`, and nothing of it goes upstream; one
+/// whose body keeps coming, each part within the limit, is served however
+/// long it takes in all.
+#[tokio::test]
+async fn a_request_body_that_stops_arriving_gets_408() {
+    use tokio::io::AsyncWriteExt;
+    let mock = start_mock().await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    config.client_body_timeout_ms = 500;
+    let proxy = start_proxy(config).await;
+    let openai = chat("How do I start a budget?", false).to_string();
+    let anthropic = json!({"model": "c", "max_tokens": 5, "messages": [{"role": "user", "content": "How do I start a budget?"}]}).to_string();
+    for (path, body) in [
+        ("/v1/chat/completions", &openai),
+        ("/v1/messages", &anthropic),
+    ] {
+        let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: fairgate\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream.write_all(&body.as_bytes()[..10]).await.unwrap();
+        let got = until_closed(&mut stream, Duration::from_secs(10)).await;
+        assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+        let json: Value = serde_json::from_str(got.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+        assert_eq!(json["error"]["type"], "invalid_request_error");
+        if path == "/v1/messages" {
+            assert_eq!(json["type"], "error");
+        } else {
+            assert_eq!(json["error"]["code"], "request_timeout");
+        }
+    }
+    assert!(mock.requests().is_empty());
+    // Eight parts 100 ms apart: 0.8 s in all, more than the limit.
+    let parts: Vec<Result<Vec<u8>, std::io::Error>> = openai
+        .as_bytes()
+        .chunks(openai.len().div_ceil(8))
+        .map(|part| Ok(part.to_vec()))
+        .collect();
+    let trickle = futures_util::StreamExt::then(futures_util::stream::iter(parts), |part| async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        part
+    });
+    let response = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(reqwest::Body::wrap_stream(trickle))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(mock.requests().len(), 1);
+    assert_eq!(mock.requests()[0].body, openai);
+    proxy.stop().await;
+}

@@ -92,8 +92,13 @@ async fn upload(
     let limit = state.config.guard.max_body_bytes;
     let (parts, mut body) = req.into_parts();
     let mut start = BytesMut::new();
+    let idle = state.config.client_body_timeout();
     let whole = loop {
-        match body.frame().await {
+        let frame = match super::next_frame(&mut body, idle).await {
+            Ok(frame) => frame,
+            Err(failure) => return respond::failure(dialect, failure, request_id),
+        };
+        match frame {
             Some(Ok(frame)) => {
                 if let Ok(data) = frame.into_data() {
                     start.extend_from_slice(&data);

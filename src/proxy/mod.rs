@@ -20,10 +20,10 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body::Frame;
@@ -31,7 +31,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Either, Full, Limited, StreamBody};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
@@ -327,7 +327,12 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let graceful = GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    let header_timeout = state.config.client_header_timeout();
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -337,24 +342,28 @@ pub async fn run(
                 // after the first can wait for the client's delayed ACK.
                 let _ = stream.set_nodelay(true);
                 let state = state.clone();
-                let service = service_fn(move |req| answer(state.clone(), req));
+                let asked = Arc::new(AtomicBool::new(false));
+                let first = asked.clone();
+                let service = service_fn(move |req| {
+                    first.store(true, Ordering::Relaxed);
+                    answer(state.clone(), req)
+                });
                 let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
                 let connection = graceful.watch(connection);
-                tokio::spawn(async move {
-                    if let Err(error) = connection.await {
-                        tracing::debug!(%error, "connection ended with an error");
-                    }
-                });
+                tokio::spawn(drive(connection, asked, header_timeout));
             }
             accepted = async { admin.as_ref()?.accept().await.ok() }, if admin.is_some() => {
                 let Some((stream, _)) = accepted else { continue };
                 let state = state.clone();
-                let service = service_fn(move |req| crate::admin::handle(state.clone(), req));
+                let asked = Arc::new(AtomicBool::new(false));
+                let first = asked.clone();
+                let service = service_fn(move |req| {
+                    first.store(true, Ordering::Relaxed);
+                    crate::admin::handle(state.clone(), req)
+                });
                 let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
                 let connection = graceful.watch(connection);
-                tokio::spawn(async move {
-                    let _ = connection.await;
-                });
+                tokio::spawn(drive(connection, asked, header_timeout));
             }
             () = &mut shutdown => break,
         }
@@ -373,6 +382,37 @@ pub async fn run(
         () = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing remaining connections"),
     }
     Ok(())
+}
+
+/// Serves one accepted connection to its end. hyper's header timeout
+/// bounds each HTTP/1 request's head and the idle time before it, but only
+/// once hyper has told HTTP/1 from HTTP/2 by the first bytes: a connection
+/// that has made no request `first_request` after its start (silent, a
+/// partial HTTP/2 preface, an HTTP/2 client that never asks) is closed here.
+async fn drive<E: std::fmt::Display>(
+    connection: impl Future<Output = Result<(), E>>,
+    asked: Arc<AtomicBool>,
+    first_request: Option<Duration>,
+) {
+    let mut connection = std::pin::pin!(connection);
+    if let Some(limit) = first_request {
+        tokio::select! {
+            served = &mut connection => return ended(served),
+            () = tokio::time::sleep(limit) => {
+                if !asked.load(Ordering::Relaxed) {
+                    tracing::debug!("closed a connection that made no request in time");
+                    return;
+                }
+            }
+        }
+    }
+    ended(connection.await);
+}
+
+fn ended<E: std::fmt::Display>(served: Result<(), E>) {
+    if let Err(error) = served {
+        tracing::debug!(%error, "connection ended with an error");
+    }
 }
 
 /// One request on the proxy port, answered even when fairgate fails: if
@@ -1194,22 +1234,54 @@ async fn read_request(
     body: Incoming,
 ) -> Result<(Bytes, bool), Failure> {
     let limit = state.config.guard.max_body_bytes;
-    let bytes = match Limited::new(body, limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(error) => {
-            let too_large = error
-                .downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some();
-            return Err(match too_large {
-                true => Failure::TooLarge,
-                false => Failure::InvalidJson,
-            });
-        }
-    };
+    let bytes = read_whole(state, body, limit).await?;
     let encoding = headers.get(header::CONTENT_ENCODING);
     match encoding.is_some_and(|e| e.as_bytes() != b"identity") {
         true => Ok((decode(encoding, bytes, limit)?, true)),
         false => Ok((bytes, false)),
+    }
+}
+
+/// A client's request body, read whole: [`Failure::TooLarge`] past `limit`
+/// bytes, [`Failure::ClientTimeout`] when no part of it has come for
+/// `client_body_timeout_ms`, [`Failure::InvalidJson`] when the client
+/// breaks it off. A body that came in one frame is not copied.
+async fn read_whole(state: &State, mut body: Incoming, limit: usize) -> Result<Bytes, Failure> {
+    if http_body::Body::size_hint(&body).lower() > limit as u64 {
+        return Err(Failure::TooLarge);
+    }
+    let idle = state.config.client_body_timeout();
+    let (mut first, mut more) = (None::<Bytes>, BytesMut::new());
+    while let Some(frame) = next_frame(&mut body, idle).await? {
+        let Ok(data) = frame.map_err(|_| Failure::InvalidJson)?.into_data() else {
+            continue; // trailers
+        };
+        let read = first.as_ref().map_or(0, Bytes::len) + more.len();
+        if read + data.len() > limit {
+            return Err(Failure::TooLarge);
+        }
+        match first.take() {
+            None if more.is_empty() => first = Some(data),
+            earlier => {
+                more.extend_from_slice(&earlier.unwrap_or_default());
+                more.extend_from_slice(&data);
+            }
+        }
+    }
+    Ok(first.unwrap_or_else(|| more.freeze()))
+}
+
+/// The next frame of a client's body, or [`Failure::ClientTimeout`] when
+/// none has come for `idle`.
+async fn next_frame(
+    body: &mut Incoming,
+    idle: Option<Duration>,
+) -> Result<Option<Result<Frame<Bytes>, hyper::Error>>, Failure> {
+    match idle {
+        Some(idle) => tokio::time::timeout(idle, body.frame())
+            .await
+            .map_err(|_| Failure::ClientTimeout),
+        None => Ok(body.frame().await),
     }
 }
 

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Either, Full, Limited};
+use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::Value;
@@ -266,9 +266,9 @@ async fn complete(
     let dialect = Dialect::OpenAi;
     let limit = state.config.guard.max_body_bytes;
     let (parts, body) = req.into_parts();
-    let body = match Limited::new(body, limit).collect().await {
-        Ok(body) => body.to_bytes(),
-        Err(_) => return respond::failure(dialect, Failure::TooLarge, request_id),
+    let body = match super::read_whole(state, body, limit).await {
+        Ok(body) => body,
+        Err(failure) => return respond::failure(dialect, failure, request_id),
     };
     let mut body = body;
     if let Some(encoding) = parts.headers.get(header::CONTENT_ENCODING)

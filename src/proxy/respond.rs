@@ -25,6 +25,8 @@ pub enum Failure {
     BadEncoding,
     /// The body is compressed in a way the guard cannot read.
     UnsupportedEncoding,
+    /// The body stopped arriving for `client_body_timeout_ms`.
+    ClientTimeout,
     /// No upstream could be reached.
     UpstreamUnreachable,
     /// The upstream did not answer in time.
@@ -56,6 +58,7 @@ impl Failure {
                 StatusCode::BAD_REQUEST
             }
             Failure::UnsupportedEncoding => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Failure::ClientTimeout => StatusCode::REQUEST_TIMEOUT,
             Failure::UpstreamUnreachable | Failure::UpstreamBroken => StatusCode::BAD_GATEWAY,
             Failure::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Failure::NoRoute => StatusCode::NOT_FOUND,
@@ -71,6 +74,7 @@ impl Failure {
             Failure::AmbiguousJson => "ambiguous_json",
             Failure::BadEncoding => "invalid_encoding",
             Failure::UnsupportedEncoding => "unsupported_content_encoding",
+            Failure::ClientTimeout => "request_timeout",
             Failure::UpstreamUnreachable => "upstream_unreachable",
             Failure::UpstreamTimeout => "upstream_timeout",
             Failure::UpstreamBroken => "upstream_error",
@@ -93,6 +97,9 @@ impl Failure {
             Failure::UnsupportedEncoding => {
                 "This gateway reads request bodies uncompressed or in gzip or deflate; send the body in one of those."
             }
+            Failure::ClientTimeout => {
+                "The request body stopped arriving before its end; send it again."
+            }
             Failure::UpstreamUnreachable => "The upstream API could not be reached.",
             Failure::UpstreamTimeout => "The upstream API did not answer in time.",
             Failure::UpstreamBroken => "The upstream API's response could not be read.",
@@ -113,7 +120,8 @@ impl Failure {
             Failure::InvalidJson
             | Failure::AmbiguousJson
             | Failure::BadEncoding
-            | Failure::UnsupportedEncoding => "invalid_request_error",
+            | Failure::UnsupportedEncoding
+            | Failure::ClientTimeout => "invalid_request_error",
             Failure::NoRoute => "not_found_error",
             Failure::UpgradeRefused => "permission_error",
             _ => "api_error",
@@ -125,6 +133,7 @@ impl Failure {
             Failure::TooLarge
             | Failure::InvalidJson
             | Failure::AmbiguousJson
+            | Failure::ClientTimeout
             | Failure::NoRoute
             | Failure::UpgradeRefused => "invalid_request_error",
             _ => "server_error",
