@@ -21,6 +21,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::{Bytes, BytesMut};
@@ -1277,11 +1278,16 @@ async fn next_frame(
     body: &mut Incoming,
     idle: Option<Duration>,
 ) -> Result<Option<Result<Frame<Bytes>, hyper::Error>>, Failure> {
+    let mut frame = body.frame();
+    // A frame already there needs no timer (nor its registration).
+    if let Poll::Ready(frame) = futures_util::poll!(&mut frame) {
+        return Ok(frame);
+    }
     match idle {
-        Some(idle) => tokio::time::timeout(idle, body.frame())
+        Some(idle) => tokio::time::timeout(idle, frame)
             .await
             .map_err(|_| Failure::ClientTimeout),
-        None => Ok(body.frame().await),
+        None => Ok(frame.await),
     }
 }
 
