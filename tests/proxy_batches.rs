@@ -368,6 +368,17 @@ async fn upload(proxy: &support::Proxy, form: String) -> reqwest::Response {
         .unwrap()
 }
 
+/// Asserts that `response` refuses a batch input whose line `line` is not
+/// JSON, naming the line.
+async fn refused_as_unreadable(response: reqwest::Response, line: usize) {
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_json");
+    let message = body["error"]["message"].as_str().unwrap();
+    let expected = format!("Line {line} of the batch input could not be read as JSON: ");
+    assert!(message.starts_with(&expected), "{message}");
+}
+
 #[tokio::test]
 async fn an_openai_batch_input_upload_is_scanned_and_other_uploads_pass() {
     let (mock, proxy) = start().await;
@@ -395,14 +406,7 @@ async fn an_openai_batch_input_upload_is_scanned_and_other_uploads_pass() {
         jsonl(&[input("a", "Hi")])
     );
     let response = upload(&proxy, upload_form("batch", &broken)).await;
-    assert_eq!(response.status(), 400);
-    let body: Value = response.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "invalid_json");
-    let message = body["error"]["message"].as_str().unwrap();
-    assert!(
-        message.starts_with("Line 2 of the batch input could not be read as JSON: "),
-        "{message}"
-    );
+    refused_as_unreadable(response, 2).await;
     assert!(mock.requests().is_empty());
 
     // Redacted in place, the rest of the form as it came.
@@ -675,14 +679,7 @@ async fn an_upload_in_parts_refuses_what_it_cannot_read_or_redact() {
     // A line that is not a request.
     let broken = format!("{}{{not json\n", jsonl(&[input("a", "Hi")]));
     let response = upload_in_parts(&proxy, "batch", &broken, 30, None).await;
-    assert_eq!(response.status(), 400);
-    let body: Value = response.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "invalid_json");
-    let message = body["error"]["message"].as_str().unwrap();
-    assert!(
-        message.starts_with("Line 2 of the batch input could not be read as JSON: "),
-        "{message}"
-    );
+    refused_as_unreadable(response, 2).await;
     // A part that did not come through the proxy.
     let clean = jsonl(&[input("a", "Hi")]);
     let named = Some(vec!["part_0".to_owned(), "part_elsewhere".to_owned()]);
