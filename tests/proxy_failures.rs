@@ -626,6 +626,14 @@ async fn until_closed(stream: &mut tokio::net::TcpStream, limit: Duration) -> St
     String::from_utf8_lossy(&got).into_owned()
 }
 
+/// The head of a JSON `POST` to `path` with a body of `length` bytes, as
+/// a client writes it on the wire.
+fn post_head(path: &str, length: usize) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: fairgate\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n\r\n"
+    )
+}
+
 /// One answer with a `content-length`, head and body, read off `stream`.
 async fn read_answer(stream: &mut tokio::net::TcpStream) -> String {
     use tokio::io::AsyncReadExt;
@@ -671,10 +679,7 @@ async fn a_connection_that_stalls_before_its_request_is_closed() {
     }
     // A kept-alive connection idle after its answer.
     let body = chat("How do I start a budget?", false).to_string();
-    let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: fairgate\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
+    let request = post_head("/v1/chat/completions", body.len()) + &body;
     let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     stream.write_all(request.as_bytes()).await.unwrap();
     let answer = read_answer(&mut stream).await;
@@ -713,10 +718,7 @@ async fn a_request_body_that_stops_arriving_gets_408() {
         ("/v1/messages", &anthropic),
     ] {
         let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nhost: fairgate\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-            body.len()
-        );
+        let head = post_head(path, body.len());
         stream.write_all(head.as_bytes()).await.unwrap();
         stream.write_all(&body.as_bytes()[..10]).await.unwrap();
         let got = until_closed(&mut stream, Duration::from_secs(10)).await;
