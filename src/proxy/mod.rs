@@ -343,26 +343,16 @@ pub async fn run(
                 // after the first can wait for the client's delayed ACK.
                 let _ = stream.set_nodelay(true);
                 let state = state.clone();
-                let asked = Arc::new(AtomicBool::new(false));
-                let first = asked.clone();
-                let service = service_fn(move |req| {
-                    first.store(true, Ordering::Relaxed);
-                    answer(state.clone(), req)
-                });
-                let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
+                let (asked, handle) = noting_requests(move |req| answer(state.clone(), req));
+                let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service_fn(handle)).into_owned();
                 let connection = graceful.watch(connection);
                 tokio::spawn(drive(connection, asked, header_timeout));
             }
             accepted = async { admin.as_ref()?.accept().await.ok() }, if admin.is_some() => {
                 let Some((stream, _)) = accepted else { continue };
                 let state = state.clone();
-                let asked = Arc::new(AtomicBool::new(false));
-                let first = asked.clone();
-                let service = service_fn(move |req| {
-                    first.store(true, Ordering::Relaxed);
-                    crate::admin::handle(state.clone(), req)
-                });
-                let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
+                let (asked, handle) = noting_requests(move |req| crate::admin::handle(state.clone(), req));
+                let connection = builder.serve_connection(TokioIo::new(stream), service_fn(handle)).into_owned();
                 let connection = graceful.watch(connection);
                 tokio::spawn(drive(connection, asked, header_timeout));
             }
@@ -383,6 +373,20 @@ pub async fn run(
         () = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing remaining connections"),
     }
     Ok(())
+}
+
+/// `handle`, and a flag it sets once it has been asked anything (see
+/// [`drive`]).
+fn noting_requests<R>(
+    handle: impl Fn(Request<Incoming>) -> R,
+) -> (Arc<AtomicBool>, impl Fn(Request<Incoming>) -> R) {
+    let asked = Arc::new(AtomicBool::new(false));
+    let noted = asked.clone();
+    let handle = move |req| {
+        noted.store(true, Ordering::Relaxed);
+        handle(req)
+    };
+    (asked, handle)
 }
 
 /// Serves one accepted connection to its end. hyper's header timeout

@@ -266,11 +266,10 @@ async fn complete(
     let dialect = Dialect::OpenAi;
     let limit = state.config.guard.max_body_bytes;
     let (parts, body) = req.into_parts();
-    let body = match super::read_whole(state, body, limit).await {
+    let mut body = match super::read_whole(state, body, limit).await {
         Ok(body) => body,
         Err(failure) => return respond::failure(dialect, failure, request_id),
     };
-    let mut body = body;
     if let Some(encoding) = parts.headers.get(header::CONTENT_ENCODING)
         && encoding.as_bytes() != b"identity"
     {

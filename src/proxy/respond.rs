@@ -43,14 +43,6 @@ pub enum Failure {
 }
 
 impl Failure {
-    /// The failure of a request body the guard could not read.
-    pub fn unreadable(error: &ReadError) -> Failure {
-        match error {
-            ReadError::Ambiguous(_) => Failure::AmbiguousJson,
-            _ => Failure::InvalidJson,
-        }
-    }
-
     fn status(self) -> StatusCode {
         match self {
             Failure::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -164,12 +156,17 @@ pub fn unreadable(
     what: Option<&str>,
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let failure = Failure::unreadable(error);
     let what = what.unwrap_or("The request body");
-    let message = match error {
-        ReadError::Invalid(reason) => format!("{what} could not be read as JSON: {reason}."),
-        ReadError::Ambiguous(key) => format!(
-            "{what} gives the key {key:?} twice in one object; which value counts is ambiguous."
+    let (failure, message) = match error {
+        ReadError::Invalid(reason) => (
+            Failure::InvalidJson,
+            format!("{what} could not be read as JSON: {reason}."),
+        ),
+        ReadError::Ambiguous(key) => (
+            Failure::AmbiguousJson,
+            format!(
+                "{what} gives the key {key:?} twice in one object; which value counts is ambiguous."
+            ),
         ),
     };
     let body = failure_body(dialect, failure, Some(&message));
