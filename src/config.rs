@@ -35,11 +35,13 @@ pub struct Config {
     pub shutdown_grace_ms: u64,
     /// How long a client connection may take to send a request's head,
     /// counted from the connection's start or the end of its last answer
-    /// (so also how long it may sit idle between requests); then it is
-    /// closed. 0: no limit.
+    /// (so also how long it may sit idle between requests; an HTTP/2
+    /// connection with no request open, between one and two times this);
+    /// then it is closed. 0: no limit.
     pub client_header_timeout_ms: u64,
-    /// How long a guarded request's body may stop arriving, between two
-    /// parts of it; then the request is answered 408. 0: no limit.
+    /// How long a request's body may stop arriving, between two parts of
+    /// it; then the request is answered 408 (one going upstream as it
+    /// arrives is given up). 0: no limit.
     pub client_body_timeout_ms: u64,
     /// Serving threads; 0 means one per processor core.
     pub threads: usize,

@@ -523,18 +523,7 @@ async fn upload_in_parts(
     size: usize,
     part_ids: Option<Vec<String>>,
 ) -> reqwest::Response {
-    let upload = json!({"id": "upload_1", "object": "upload", "purpose": purpose,
-        "status": "pending", "bytes": file.len(), "filename": "input.jsonl",
-        "created_at": 1, "expires_at": 4_000_000_000u64});
-    let response = client()
-        .post(proxy.url("/v1/uploads"))
-        .header("x-mock-reply", mock_json(upload.clone()))
-        .json(&json!({"purpose": purpose, "filename": "input.jsonl",
-            "bytes": file.len(), "mime_type": "text/jsonl"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
+    let upload = begin_upload(proxy, purpose, file.len()).await;
     let mut ids = Vec::new();
     for (i, piece) in file.as_bytes().chunks(size).enumerate() {
         let response = send_part(proxy, "upload_1", i, piece).await;
@@ -544,6 +533,24 @@ async fn upload_in_parts(
     let mut completed = upload;
     completed["status"] = json!("completed");
     complete_upload(proxy, "upload_1", completed, part_ids.unwrap_or(ids)).await
+}
+
+/// Creates upload `upload_1` of `bytes` bytes for `purpose`, as the SDKs
+/// do; the upload the API answered.
+async fn begin_upload(proxy: &support::Proxy, purpose: &str, bytes: usize) -> Value {
+    let upload = json!({"id": "upload_1", "object": "upload", "purpose": purpose,
+        "status": "pending", "bytes": bytes, "filename": "input.jsonl",
+        "created_at": 1, "expires_at": 4_000_000_000u64});
+    let response = client()
+        .post(proxy.url("/v1/uploads"))
+        .header("x-mock-reply", mock_json(upload.clone()))
+        .json(&json!({"purpose": purpose, "filename": "input.jsonl",
+            "bytes": bytes, "mime_type": "text/jsonl"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    upload
 }
 
 /// Sends part `part_{index}` of `upload`, holding `piece`, as the SDKs do.
@@ -581,7 +588,6 @@ async fn complete_upload(
         .unwrap()
 }
 
-/// How many completions (`.../complete`) the upstream got.
 /// The body of a 400 `upload_not_read`, the answer to a completion that
 /// would make a batch's input of parts that went up unread.
 async fn refused_as_unread(response: reqwest::Response) -> Value {
@@ -591,6 +597,7 @@ async fn refused_as_unread(response: reqwest::Response) -> Value {
     body
 }
 
+/// How many completions (`.../complete`) the upstream got.
 fn completions(mock: &support::Mock) -> usize {
     let requests = mock.requests();
     requests
@@ -753,5 +760,48 @@ async fn an_upload_this_proxy_did_not_see_begin_is_not_made_into_an_unread_batch
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["file"]["id"], "file-9");
     assert_eq!(mock.requests().len(), before + 1, "nothing deleted");
+    proxy.stop().await;
+}
+
+/// An upload whose body stops arriving gets 408, whether fairgate reads it
+/// whole (a small form), on its way up (a form too large to hold) or as a
+/// part of an upload in parts; none goes up whole.
+#[tokio::test]
+async fn an_upload_whose_body_stops_arriving_gets_408() {
+    let mock = support::start_mock().await;
+    let mut config = support::config(&mock.url(), std::path::Path::new("rules"));
+    config.guard.max_body_bytes = 1024;
+    config.client_body_timeout_ms = 300;
+    let proxy = support::start_proxy(config).await;
+    let small = upload_form("batch", &jsonl(&[input("a", "How do I start a budget?")]));
+    let lines: Vec<Value> = (0..20)
+        .map(|i| input(&format!("safe-{i}"), "How do I start a budget?"))
+        .collect();
+    let large = upload_form("batch", &jsonl(&lines));
+    assert!(
+        large.len() / 2 > 1024,
+        "half of it is more than fairgate holds"
+    );
+    let part = part_form(jsonl(&lines).as_bytes());
+    begin_upload(&proxy, "batch", part.len()).await;
+    let uploads = [
+        ("/v1/files", small.as_bytes()),
+        ("/v1/files", large.as_bytes()),
+        ("/v1/uploads/upload_1/parts", &part[..]),
+    ];
+    for (path, body) in uploads {
+        let form = "multipart/form-data; boundary=XyZ";
+        let got = support::stalled_post(proxy.addr, path, form, body).await;
+        assert!(got.starts_with("HTTP/1.1 408"), "{path}: {got}");
+        let json: Value = serde_json::from_str(got.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+        assert_eq!(json["error"]["code"], "request_timeout", "{path}");
+    }
+    let whole = |body: &str| body == small || body == large || body.as_bytes() == part;
+    assert!(mock.requests().iter().all(|r| !whole(&r.body)));
+    let metrics = proxy.metrics().await;
+    assert!(
+        !metrics.contains("fairgate_upstream_errors_total{"),
+        "{metrics}"
+    );
     proxy.stop().await;
 }

@@ -616,24 +616,6 @@ async fn compressed_request_bodies_are_read_not_forwarded_unread() {
     proxy.stop().await;
 }
 
-/// Everything a stalled connection gets before the proxy closes it (or
-/// until `limit`, which fails the test: the connection was left open).
-async fn until_closed(stream: &mut tokio::net::TcpStream, limit: Duration) -> String {
-    use tokio::io::AsyncReadExt;
-    let mut got = Vec::new();
-    let read = tokio::time::timeout(limit, stream.read_to_end(&mut got)).await;
-    assert!(read.is_ok(), "the proxy left a stalled connection open");
-    String::from_utf8_lossy(&got).into_owned()
-}
-
-/// The head of a JSON `POST` to `path` with a body of `length` bytes, as
-/// a client writes it on the wire.
-fn post_head(path: &str, length: usize) -> String {
-    format!(
-        "POST {path} HTTP/1.1\r\nhost: fairgate\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n\r\n"
-    )
-}
-
 /// One answer with a `content-length`, head and body, read off `stream`.
 async fn read_answer(stream: &mut tokio::net::TcpStream) -> String {
     use tokio::io::AsyncReadExt;
@@ -673,19 +655,23 @@ async fn a_connection_that_stalls_before_its_request_is_closed() {
     for start in starts {
         let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
         stream.write_all(start).await.unwrap();
-        let got = until_closed(&mut stream, Duration::from_secs(10)).await;
+        let got = support::until_closed(&mut stream, Duration::from_secs(10)).await;
         // hyper answers a head begun and not finished with a bare 408.
         assert!(got.is_empty() || got.starts_with("HTTP/1.1 408"), "{got:?}");
     }
     // A kept-alive connection idle after its answer.
     let body = chat("How do I start a budget?", false).to_string();
-    let request = post_head("/v1/chat/completions", body.len()) + &body;
+    let request =
+        support::post_head("/v1/chat/completions", "application/json", body.len()) + &body;
     let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     stream.write_all(request.as_bytes()).await.unwrap();
     let answer = read_answer(&mut stream).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.ends_with("}"), "{answer}");
-    assert_eq!(until_closed(&mut stream, Duration::from_secs(10)).await, "");
+    assert_eq!(
+        support::until_closed(&mut stream, Duration::from_secs(10)).await,
+        ""
+    );
     assert_eq!(mock.requests().len(), 1);
     // The limit is per request: one connection serves requests for longer
     // than it, each sent within it.
@@ -701,12 +687,12 @@ async fn a_connection_that_stalls_before_its_request_is_closed() {
 }
 
 /// A guarded request whose body stops arriving gets 408 in its dialect
-/// after `client_body_timeout_ms`, and nothing of it goes upstream; one
-/// whose body keeps coming, each part within the limit, is served however
-/// long it takes in all.
+/// after `client_body_timeout_ms`, and nothing of it goes upstream; so
+/// does a passed-through one, whose upstream request is given up (not an
+/// upstream's error). One whose body keeps coming, each part within the
+/// limit, is served however long it takes in all.
 #[tokio::test]
 async fn a_request_body_that_stops_arriving_gets_408() {
-    use tokio::io::AsyncWriteExt;
     let mock = start_mock().await;
     let mut config = config(&mock.url(), Path::new("rules"));
     config.client_body_timeout_ms = 500;
@@ -717,11 +703,8 @@ async fn a_request_body_that_stops_arriving_gets_408() {
         ("/v1/chat/completions", &openai),
         ("/v1/messages", &anthropic),
     ] {
-        let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-        let head = post_head(path, body.len());
-        stream.write_all(head.as_bytes()).await.unwrap();
-        stream.write_all(&body.as_bytes()[..10]).await.unwrap();
-        let got = until_closed(&mut stream, Duration::from_secs(10)).await;
+        let got =
+            support::stalled_post(proxy.addr, path, "application/json", body.as_bytes()).await;
         assert!(got.starts_with("HTTP/1.1 408"), "{got}");
         let json: Value = serde_json::from_str(got.split("\r\n\r\n").nth(1).unwrap()).unwrap();
         assert_eq!(json["error"]["type"], "invalid_request_error");
@@ -732,6 +715,29 @@ async fn a_request_body_that_stops_arriving_gets_408() {
         }
     }
     assert!(mock.requests().is_empty());
+    let embeddings = json!({"model": "e", "input": "How do I start a budget?"}).to_string();
+    let got = support::stalled_post(
+        proxy.addr,
+        "/v1/embeddings",
+        "application/json",
+        embeddings.as_bytes(),
+    )
+    .await;
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    let json: Value = serde_json::from_str(got.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    assert_eq!(json["error"]["code"], "request_timeout");
+    assert!(
+        mock.requests()
+            .iter()
+            .all(|r| r.body.len() < embeddings.len())
+    );
+    let metrics = proxy.metrics().await;
+    assert!(
+        !metrics.contains("fairgate_upstream_errors_total{"),
+        "{metrics}"
+    );
+    let series = r#"fairgate_error_answers_total{code="request_timeout"}"#;
+    assert_eq!(support::metric(&metrics, series), Some(3.0), "{metrics}");
     // Eight parts 100 ms apart: 0.8 s in all, more than the limit.
     let parts: Vec<Result<Vec<u8>, std::io::Error>> = openai
         .as_bytes()
@@ -750,7 +756,63 @@ async fn a_request_body_that_stops_arriving_gets_408() {
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    assert_eq!(mock.requests().len(), 1);
-    assert_eq!(mock.requests()[0].body, openai);
+    let served = mock.requests().pop().unwrap();
+    assert_eq!(
+        (served.path.as_str(), served.body),
+        ("/v1/chat/completions", openai)
+    );
+    proxy.stop().await;
+}
+
+/// An HTTP/2 connection, for which hyper has no idle timeout, is closed
+/// (GOAWAY) once it has been idle for about `client_header_timeout_ms`:
+/// not while a stream is being answered, however long that takes, nor
+/// while requests keep coming.
+#[tokio::test]
+async fn an_idle_http2_connection_is_closed() {
+    use http_body_util::{BodyExt, Full};
+    let mock = start_mock().await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    config.client_header_timeout_ms = 300;
+    let proxy = start_proxy(config).await;
+    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let executor = hyper_util::rt::TokioExecutor::new();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(executor, io)
+        .await
+        .unwrap();
+    let ended = tokio::spawn(connection);
+    let post = |script: Value, stream: bool| {
+        hyper::Request::post("http://fairgate/v1/chat/completions")
+            .header("content-type", "application/json")
+            .header("x-mock-reply", script.to_string())
+            .body(Full::new(bytes::Bytes::from(
+                chat("How do I start a budget?", stream).to_string(),
+            )))
+            .unwrap()
+    };
+    // A stream answered over two seconds (in pieces of 7 bytes), more
+    // than six times the limit.
+    let chunks: Vec<String> = (0..3).map(|i| format!("part {i} ")).collect();
+    let script = json!({"chunks": chunks, "piece_delay_ms": 15});
+    let response = sender.send_request(post(script, true)).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8(body.to_vec()).unwrap();
+    let (text, _, done) = support::openai_stream_text(&body);
+    assert_eq!((text.as_str(), done), ("part 0 part 1 part 2 ", true));
+    // Requests 100 ms apart, for twice the limit.
+    for _ in 0..6 {
+        let response = sender.send_request(post(json!({}), false)).await.unwrap();
+        assert_eq!(response.status(), 200);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!ended.is_finished(), "a busy HTTP/2 connection was closed");
+    let closed = tokio::time::timeout(Duration::from_secs(10), ended).await;
+    assert!(
+        closed.is_ok(),
+        "the proxy left an idle HTTP/2 connection open"
+    );
+    assert_eq!(mock.requests().len(), 7);
     proxy.stop().await;
 }

@@ -168,6 +168,7 @@ function render(summary) {
     ...pairs(summary.errors.upstream).map(([kind, n]) => ["upstream", kind, n]),
     ...pairs(summary.errors.stream).map(([kind, n]) => ["stream", kind, n]),
     ...pairs(summary.errors.fault).map(([stage, n]) => ["fairgate", `fault (${stage})`, n]),
+    ...pairs(summary.errors.answered).map(([code, n]) => ["answered", code, n]),
     ...(summary.stream_ends.client_closed
       ? [["client", "left a stream before its end", summary.stream_ends.client_closed]] : []),
     ...(reload.failures ? [["rules", "reload failed", reload.failures]] : []),

@@ -106,6 +106,7 @@ pub fn summary(state: &State) -> Value {
             "upstream": counts(families.by("fairgate_upstream_errors_total", "kind")),
             "stream": counts(families.by("fairgate_stream_errors_total", "kind")),
             "fault": counts(families.by("fairgate_faults_total", "stage")),
+            "answered": counts(families.by("fairgate_error_answers_total", "code")),
         },
         "stream_ends": counts(families.by("fairgate_stream_ends_total", "end")),
         "queue": {

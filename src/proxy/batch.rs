@@ -128,11 +128,12 @@ async fn upload(
         if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
             headers.insert(header::CONTENT_LENGTH, length.clone());
         }
+        let rest = upstream::ClientBody::new(body, idle);
         match purpose(&fields(&start, &boundary).await.0) {
-            Some(purpose) if purpose != b"batch" => upstream::read_on(start, body),
+            Some(purpose) if purpose != b"batch" => upstream::read_on(start, rest),
             // A batch's, or its purpose comes later.
             _ => {
-                let input = (start, body, boundary);
+                let input = (start, rest, boundary);
                 return read_on_the_way(state, parts, input, upstream, headers, request_id).await;
             }
         }
@@ -172,7 +173,7 @@ pub(super) fn form_boundary(headers: &HeaderMap) -> Option<String> {
 async fn read_on_the_way(
     state: &Arc<State>,
     parts: http::request::Parts,
-    input: (Bytes, Incoming, String),
+    input: (Bytes, upstream::ClientBody, String),
     upstream: String,
     headers: HeaderMap,
     request_id: &str,
@@ -194,10 +195,14 @@ async fn read_on_the_way(
         })
     };
     let start = futures_util::stream::iter([Ok(Frame::data(start))]);
-    let rest = http_body_util::BodyStream::new(rest).map(|frame| frame.map_err(BoxError::from));
-    let body = lines::tee(start.chain(rest), copies, Some(allowed));
+    let body = lines::tee(start.chain(rest.into_frames()), copies, Some(allowed));
     let uri = &parts.uri;
     let forwarded = super::forward(state, &upstream, Method::POST, uri, headers, body).await;
+    // A form cut short by its client is not read to its end either: the
+    // timeout is the answer, not the unread form.
+    if let Err(Failure::ClientTimeout) = forwarded {
+        return respond::failure(dialect, Failure::ClientTimeout, request_id);
+    }
     // The body is over (sent, refused, or dropped with the request), so the
     // judgement is made or about to be.
     if let Ok(Some(refused)) = judging.await {

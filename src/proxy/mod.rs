@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -34,7 +34,6 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 
 use crate::config::{Config, OnBlock, StreamMode};
@@ -327,13 +326,13 @@ pub async fn run(
     admin: Option<TcpListener>,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let graceful = GracefulShutdown::new();
+    let (closing, _) = tokio::sync::watch::channel(false);
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    let header_timeout = state.config.client_header_timeout();
+    let idle = state.config.client_header_timeout();
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
+        .header_read_timeout(idle);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -343,18 +342,21 @@ pub async fn run(
                 // after the first can wait for the client's delayed ACK.
                 let _ = stream.set_nodelay(true);
                 let state = state.clone();
-                let (asked, handle) = noting_requests(move |req| answer(state.clone(), req));
+                let (requests, handle) = counting(move |req, open| answer(state.clone(), req, open));
                 let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service_fn(handle)).into_owned();
-                let connection = graceful.watch(connection);
-                tokio::spawn(drive(connection, asked, header_timeout));
+                let closing = closing.subscribe();
+                tokio::spawn(drive(connection, requests, idle, closing, |c| c.graceful_shutdown()));
             }
             accepted = async { admin.as_ref()?.accept().await.ok() }, if admin.is_some() => {
                 let Some((stream, _)) = accepted else { continue };
                 let state = state.clone();
-                let (asked, handle) = noting_requests(move |req| crate::admin::handle(state.clone(), req));
+                let (requests, handle) = counting(move |req, open| {
+                    let answered = crate::admin::handle(state.clone(), req);
+                    async move { answered.await.map(|answer| tracked(answer, open)) }
+                });
                 let connection = builder.serve_connection(TokioIo::new(stream), service_fn(handle)).into_owned();
-                let connection = graceful.watch(connection);
-                tokio::spawn(drive(connection, asked, header_timeout));
+                let closing = closing.subscribe();
+                tokio::spawn(drive(connection, requests, idle, closing, |c| c.graceful_shutdown()));
             }
             () = &mut shutdown => break,
         }
@@ -365,7 +367,9 @@ pub async fn run(
     let grace = Duration::from_millis(state.config.shutdown_grace_ms);
     let mut tunnels = state.tunnels.subscribe();
     let finished = async {
-        graceful.shutdown().await;
+        let _ = closing.send(true);
+        // Each connection holds a receiver until it has ended.
+        closing.closed().await;
         let _ = tunnels.wait_for(|open| *open == 0).await;
     };
     tokio::select! {
@@ -375,43 +379,144 @@ pub async fn run(
     Ok(())
 }
 
-/// `handle`, and a flag it sets once it has been asked anything (see
-/// [`drive`]).
-fn noting_requests<R>(
-    handle: impl Fn(Request<Incoming>) -> R,
-) -> (Arc<AtomicBool>, impl Fn(Request<Incoming>) -> R) {
-    let asked = Arc::new(AtomicBool::new(false));
-    let noted = asked.clone();
-    let handle = move |req| {
-        noted.store(true, Ordering::Relaxed);
-        handle(req)
-    };
-    (asked, handle)
+/// What [`drive`] knows of the requests made on one connection.
+#[derive(Default)]
+struct Requests {
+    /// How many have begun.
+    begun: AtomicU64,
+    /// HTTP/2 requests whose answer has not ended. HTTP/1 requests are not
+    /// counted: hyper's header timeout bounds the idle time between them.
+    open: AtomicUsize,
+    http2: AtomicBool,
 }
 
-/// Serves one accepted connection to its end. hyper's header timeout
-/// bounds each HTTP/1 request's head and the idle time before it, but only
-/// once hyper has told HTTP/1 from HTTP/2 by the first bytes: a connection
-/// that has made no request `first_request` after its start (silent, a
-/// partial HTTP/2 preface, an HTTP/2 client that never asks) is closed here.
-async fn drive<E: std::fmt::Display>(
-    connection: impl Future<Output = Result<(), E>>,
-    asked: Arc<AtomicBool>,
-    first_request: Option<Duration>,
-) {
+/// An HTTP/2 request in [`Requests::open`] until dropped with its answer.
+struct Open(Arc<Requests>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// `handle`, given each request and, for an HTTP/2 one, an [`Open`] to
+/// drop with its answer ([`tracked`]); the connection's [`Requests`].
+fn counting<R>(
+    handle: impl Fn(Request<Incoming>, Option<Open>) -> R,
+) -> (Arc<Requests>, impl Fn(Request<Incoming>) -> R) {
+    let requests = Arc::new(Requests::default());
+    let counted = requests.clone();
+    let handle = move |req: Request<Incoming>| {
+        counted.begun.fetch_add(1, Ordering::Relaxed);
+        let open = (req.version() == http::Version::HTTP_2).then(|| {
+            counted.http2.store(true, Ordering::Relaxed);
+            counted.open.fetch_add(1, Ordering::Relaxed);
+            Open(counted.clone())
+        });
+        handle(req, open)
+    };
+    (requests, handle)
+}
+
+/// `answer` holding `open` until its body has been sent or dropped.
+fn tracked(answer: Response<ProxyBody>, open: Option<Open>) -> Response<ProxyBody> {
+    let Some(open) = open else {
+        return answer;
+    };
+    struct Tracked {
+        body: ProxyBody,
+        _open: Open,
+    }
+    impl http_body::Body for Tracked {
+        type Data = Bytes;
+        type Error = BoxError;
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            std::pin::Pin::new(&mut self.body).poll_frame(cx)
+        }
+        fn is_end_stream(&self) -> bool {
+            self.body.is_end_stream()
+        }
+        fn size_hint(&self) -> http_body::SizeHint {
+            self.body.size_hint()
+        }
+    }
+    answer.map(|body| Tracked { body, _open: open }.boxed_unsync())
+}
+
+/// Serves one accepted connection to its end, closing it (`close`: a
+/// graceful shutdown, HTTP/2's GOAWAY) when the server shuts down
+/// (`closing`), or when it has been idle for `idle`.
+///
+/// hyper's header timeout bounds each HTTP/1 request's head and the idle
+/// time before it, but only once hyper has told HTTP/1 from HTTP/2 by the
+/// first bytes, and hyper has no idle timeout for HTTP/2. So a connection
+/// is also checked here every `idle`: one that has made no request by the
+/// first check (silent, a partial HTTP/2 preface, an HTTP/2 client that
+/// never asks), or an HTTP/2 one that began none since the last check and
+/// has none open, is closed, and dropped if it has not ended by the next
+/// check: an idle HTTP/2 connection lasts one to two `idle` after its
+/// last answer.
+async fn drive<C, E>(
+    connection: C,
+    requests: Arc<Requests>,
+    idle: Option<Duration>,
+    mut closing: tokio::sync::watch::Receiver<bool>,
+    close: impl Fn(std::pin::Pin<&mut C>),
+) where
+    C: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
     let mut connection = std::pin::pin!(connection);
-    if let Some(limit) = first_request {
+    let mut checked = 0;
+    let (mut shut, mut closed_idle) = (false, false);
+    loop {
+        let check = async {
+            match idle {
+                Some(idle) if !shut => tokio::time::sleep(idle).await,
+                _ => std::future::pending().await,
+            }
+        };
         tokio::select! {
             served = &mut connection => return ended(served),
-            () = tokio::time::sleep(limit) => {
-                if !asked.load(Ordering::Relaxed) {
-                    tracing::debug!("closed a connection that made no request in time");
+            () = shutting(&mut closing), if !shut => {
+                close(connection.as_mut());
+                shut = true;
+            }
+            () = check => {
+                if closed_idle {
+                    tracing::debug!("dropped an idle connection that did not close");
                     return;
                 }
+                let begun = requests.begun.load(Ordering::Relaxed);
+                let http2 = requests.http2.load(Ordering::Relaxed);
+                let quiet = begun == checked && requests.open.load(Ordering::Relaxed) == 0;
+                if quiet && (begun == 0 || http2) {
+                    tracing::debug!(begun, "closing an idle connection");
+                    close(connection.as_mut());
+                    closed_idle = true;
+                } else if !http2 {
+                    // HTTP/1: hyper's header timeout takes over.
+                    break;
+                }
+                checked = begun;
             }
         }
     }
-    ended(connection.await);
+    tokio::select! {
+        served = &mut connection => ended(served),
+        () = shutting(&mut closing), if !shut => {
+            close(connection.as_mut());
+            ended(connection.await);
+        }
+    }
+}
+
+/// Completes once the server is shutting down.
+async fn shutting(closing: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = closing.wait_for(|stop| *stop).await;
 }
 
 fn ended<E: std::fmt::Display>(served: Result<(), E>) {
@@ -428,12 +533,18 @@ fn ended<E: std::fmt::Display>(served: Result<(), E>) {
 async fn answer(
     state: Arc<State>,
     req: Request<Incoming>,
+    open: Option<Open>,
 ) -> Result<Response<ProxyBody>, Infallible> {
     let started = Instant::now();
     let request_id = state.request_id();
     let dialect = dialect_of_path(req.uri().path());
     let handled = handle(&state, req, &request_id, started);
-    Ok(caught(handled, &state.metrics, dialect, &request_id).await)
+    let answer = caught(handled, &state.metrics, dialect, &request_id).await;
+    if let Some(respond::ErrorAnswer(code)) = answer.extensions().get() {
+        let answers = &state.metrics.error_answers;
+        answers.with_label_values(&[code]).inc();
+    }
+    Ok(tracked(answer, open))
 }
 
 /// `handled`'s response, or the 500 of a fault if it panics. A combinator,
@@ -585,6 +696,11 @@ async fn forward_on(
     let deadline = tokio::time::Instant::now() + Duration::from_millis(config.timeout_ms);
     match upstream::send(&client, method, path, headers, body, deadline, upgrade).await {
         Ok(response) => Ok((response, deadline)),
+        // The client's fault, not the upstream's.
+        Err((Failure::ClientTimeout, ..)) => {
+            tracing::debug!(upstream, "a request body stopped arriving on its way up");
+            Err(Failure::ClientTimeout)
+        }
         Err((failure, kind, error)) => {
             state
                 .metrics
@@ -859,7 +975,8 @@ async fn relay(
             HeaderValue::from_static("identity"),
         );
     }
-    let body = Either::Right(Either::Left(body));
+    let idle = state.config.client_body_timeout();
+    let body = Either::Right(Either::Left(upstream::ClientBody::new(body, idle)));
     match forward(state, &upstream, parts.method, &parts.uri, headers, body).await {
         Ok((response, deadline)) => Ok(Relayed {
             upstream,

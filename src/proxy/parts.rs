@@ -29,7 +29,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use futures_util::StreamExt;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
@@ -39,7 +38,7 @@ use serde_json::Value;
 use super::batch::form_boundary;
 use super::lines::{self, Part};
 use super::respond::{self, Failure};
-use super::{BoxError, ProxyBody, State, upstream};
+use super::{ProxyBody, State, upstream};
 use crate::exchange::{Dialect, PartsStep};
 
 /// Uploads of batch inputs in progress, by upload id.
@@ -226,7 +225,8 @@ async fn part(
         headers.insert(header::CONTENT_LENGTH, length);
     }
     let (copies, reading) = lines::read(state, &upstream, boundary, "data", request_id);
-    let frames = http_body_util::BodyStream::new(body).map(|frame| frame.map_err(BoxError::from));
+    let idle = state.config.client_body_timeout();
+    let frames = upstream::ClientBody::new(body, idle).into_frames();
     let body = lines::tee(frames, copies, None);
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
     let (response, deadline) = match forwarded.await {

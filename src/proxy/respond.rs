@@ -133,11 +133,28 @@ impl Failure {
     }
 }
 
+/// The code of an error fairgate answered itself, kept in the response's
+/// extensions for `fairgate_error_answers_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorAnswer(pub &'static str);
+
+/// A response of fairgate's own error `code`.
+fn error_answer(
+    status: StatusCode,
+    body: &Value,
+    code: &'static str,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let mut response = json_response(status, body, request_id, None);
+    response.extensions_mut().insert(ErrorAnswer(code));
+    response
+}
+
 /// The response for a failure. A fault is not worth a retry: the same
 /// request meets the same fault.
 pub fn failure(dialect: Dialect, failure: Failure, request_id: &str) -> Response<ProxyBody> {
     let body = failure_body(dialect, failure, None);
-    let mut response = json_response(failure.status(), &body, request_id, None);
+    let mut response = error_answer(failure.status(), &body, failure.code(), request_id);
     if let Failure::Fault = failure {
         response
             .headers_mut()
@@ -170,7 +187,7 @@ pub fn unreadable(
         ),
     };
     let body = failure_body(dialect, failure, Some(&message));
-    json_response(failure.status(), &body, request_id, None)
+    error_answer(failure.status(), &body, failure.code(), request_id)
 }
 
 /// The error envelope of `failure` in `dialect`, as the API writes it in a
@@ -194,14 +211,14 @@ pub fn failure_body(dialect: Dialect, failure: Failure, message: Option<&str>) -
 
 /// A 400 for a malformed fairgate request (such as feedback), in the OpenAI
 /// error shape.
-pub fn invalid_request(message: &str, code: &str, request_id: &str) -> Response<ProxyBody> {
+pub fn invalid_request(message: &str, code: &'static str, request_id: &str) -> Response<ProxyBody> {
     let body = json!({"error": {
         "message": message,
         "type": "invalid_request_error",
         "param": null,
         "code": code,
     }});
-    json_response(StatusCode::BAD_REQUEST, &body, request_id, None)
+    error_answer(StatusCode::BAD_REQUEST, &body, code, request_id)
 }
 
 /// 202: feedback about `about` was queued.

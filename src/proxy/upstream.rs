@@ -53,18 +53,89 @@ use crate::config::UpstreamConfig;
 /// A request body sent upstream: a guarded request's (read and scanned) or
 /// a passed-through request's, streamed as it arrives (its start, when the
 /// proxy has read that, sent first: [`ReadOn`]).
-pub type UpstreamBody = Either<Full<Bytes>, Either<Incoming, ReadOn>>;
+pub type UpstreamBody = Either<Full<Bytes>, Either<ClientBody, ReadOn>>;
 
 /// A client's body of which the proxy read the start (a file upload too
 /// large to read whole): that start, then the rest as it arrives.
 pub type ReadOn = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 
 /// The body of [`ReadOn`]: `start`, then `rest`.
-pub fn read_on(start: Bytes, rest: Incoming) -> UpstreamBody {
+pub fn read_on(start: Bytes, rest: ClientBody) -> UpstreamBody {
     let start = futures_util::stream::iter([Ok(Frame::data(start))]);
-    let rest = http_body_util::BodyStream::new(rest).map(|frame| frame.map_err(BoxError::from));
-    let body = http_body_util::StreamBody::new(start.chain(rest));
+    let body = http_body_util::StreamBody::new(start.chain(rest.into_frames()));
     Either::Right(Either::Right(BodyExt::boxed(body)))
+}
+
+/// A client's body going upstream as it arrives. It fails with [`Stalled`]
+/// when no part of it has come for `idle` (`client_body_timeout_ms`), so
+/// that a client that stops sending holds neither its request nor an
+/// upstream connection for as long as the upstream's own timeout. The timer
+/// is armed only when the client's next frame is not already there.
+pub struct ClientBody {
+    body: Incoming,
+    idle: Option<Duration>,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    waiting: bool,
+}
+
+/// The error of a [`ClientBody`] whose client stopped sending it.
+#[derive(Debug, thiserror::Error)]
+#[error("the client's request body stopped arriving")]
+pub struct Stalled;
+
+impl ClientBody {
+    pub fn new(body: Incoming, idle: Option<Duration>) -> ClientBody {
+        ClientBody {
+            body,
+            idle,
+            timer: None,
+            waiting: false,
+        }
+    }
+
+    /// The body's frames as a stream.
+    pub fn into_frames(self) -> http_body_util::BodyStream<ClientBody> {
+        http_body_util::BodyStream::new(self)
+    }
+}
+
+impl Body for ClientBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
+            this.waiting = false;
+            return Poll::Ready(frame.map(|frame| frame.map_err(BoxError::from)));
+        }
+        let Some(idle) = this.idle else {
+            return Poll::Pending;
+        };
+        if !this.waiting {
+            this.waiting = true;
+            let at = tokio::time::Instant::now() + idle;
+            match &mut this.timer {
+                Some(timer) => timer.as_mut().reset(at),
+                None => this.timer = Some(Box::pin(tokio::time::sleep_until(at))),
+            }
+        }
+        match this.timer.as_mut().map(|timer| timer.as_mut().poll(cx)) {
+            Some(Poll::Ready(())) => Poll::Ready(Some(Err(Box::new(Stalled)))),
+            _ => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// An upstream's answer body. On a pooled HTTP/1 connection, the
@@ -452,10 +523,29 @@ fn drive(connection: impl Future<Output = hyper::Result<()>> + Send + 'static) {
 
 /// Why an upstream exchange failed, with the label it is counted under.
 pub fn classify(error: &SendError) -> (Failure, &'static str) {
+    if stalled(error) {
+        return (Failure::ClientTimeout, "client");
+    }
     match error {
         SendError::Connect(_) => (Failure::UpstreamUnreachable, "connect"),
         SendError::Request(_) => (Failure::UpstreamBroken, "other"),
     }
+}
+
+/// Whether `error` is that of a client's body that stopped arriving
+/// ([`Stalled`]), which fails the request the body was going up with.
+fn stalled(error: &SendError) -> bool {
+    let SendError::Request(error) = error else {
+        return false;
+    };
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&**error);
+    while let Some(error) = source {
+        if error.is::<Stalled>() {
+            return true;
+        }
+        source = error.source();
+    }
+    false
 }
 
 /// The failure of an exchange that ran past its deadline.

@@ -44,6 +44,9 @@ pub struct Metrics {
     /// `fairgate_faults_total{stage}`: faults (panics) of fairgate's own,
     /// while answering a request or while guarding a stream.
     pub faults: IntCounterVec,
+    /// `fairgate_error_answers_total{code}`: requests fairgate answered
+    /// with an error of its own (not a block, not the upstream's answer).
+    pub error_answers: IntCounterVec,
     /// `fairgate_tunnels_total{upstream}`: upgraded connections (WebSocket)
     /// relayed unscanned.
     pub tunnels: IntCounterVec,
@@ -219,6 +222,11 @@ impl Metrics {
             "Faults (panics) of fairgate's own, answered with an error: while handling a request (request) or guarding a stream (stream).",
             &["stage"],
         );
+        let error_answers = counter(
+            "fairgate_error_answers_total",
+            "Requests fairgate answered with an error of its own, not a block nor the upstream's answer, by code (request_too_large, invalid_json, ambiguous_json, request_timeout, upstream_unreachable, upstream_timeout, ...).",
+            &["code"],
+        );
         let tunnels = counter(
             "fairgate_tunnels_total",
             "Upgraded connections (WebSocket) relayed unscanned, by upstream.",
@@ -318,6 +326,7 @@ impl Metrics {
             stream_errors,
             stream_ends,
             faults,
+            error_answers,
             tunnels,
             tunnels_open,
             rules_info,

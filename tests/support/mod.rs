@@ -749,6 +749,35 @@ pub async fn start_with_admin_token(token: &str) -> (Mock, Proxy) {
     (mock, proxy)
 }
 
+/// Everything a stalled connection gets before the proxy closes it (or
+/// until `limit`, which fails the test: the connection was left open).
+pub async fn until_closed(stream: &mut tokio::net::TcpStream, limit: Duration) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(limit, stream.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "the proxy left a stalled connection open");
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// The head of a `POST` to `path` with a body of `content_type` and
+/// `length` bytes, as a client writes it on the wire.
+pub fn post_head(path: &str, content_type: &str, length: usize) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: fairgate\r\ncontent-type: {content_type}\r\ncontent-length: {length}\r\n\r\n"
+    )
+}
+
+/// Posts `body` to the proxy at `addr` as a client that stops sending
+/// after half of it: what the proxy sends before it closes the connection.
+pub async fn stalled_post(addr: SocketAddr, path: &str, content_type: &str, body: &[u8]) -> String {
+    use tokio::io::AsyncWriteExt;
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = post_head(path, content_type, body.len());
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(&body[..body.len() / 2]).await.unwrap();
+    until_closed(&mut stream, Duration::from_secs(10)).await
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(30))
