@@ -1,5 +1,8 @@
 //! fairgate's configuration file: raw serde structs with defaults for every
 //! setting, then a validation step that reports every problem at once.
+//!
+//! Any setting can also come from an environment variable (see
+//! [`ENV_PREFIX`]), which wins over the file.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -405,6 +408,30 @@ impl RulesConfig {
     }
 }
 
+/// Sets the setting that the variable `name` (see [`ENV_PREFIX`]) names in
+/// `tree`, a whole configuration as YAML, to `value` read as YAML.
+fn set(tree: &mut serde_yaml_ng::Value, name: &str, value: &str) -> Result<(), String> {
+    use serde_yaml_ng::{Mapping, Value};
+    let path = name[ENV_PREFIX.len()..].to_lowercase();
+    let keys: Vec<&str> = path.split("__").collect();
+    if keys.iter().any(|key| key.is_empty()) {
+        return Err("names no setting (keys are joined by two underscores)".into());
+    }
+    let mut at = tree;
+    for (depth, key) in keys.iter().enumerate() {
+        if at.is_null() {
+            *at = Value::Mapping(Mapping::new());
+        }
+        let Value::Mapping(section) = at else {
+            return Err(format!("{} is not a section", keys[..depth].join(".")));
+        };
+        at = section.entry(Value::from(*key)).or_insert(Value::Null);
+    }
+    // A value that is not YAML (`a: b: c`) is the text it is.
+    *at = serde_yaml_ng::from_str(value).unwrap_or_else(|_| Value::from(value));
+    Ok(())
+}
+
 /// A configuration file that could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -422,7 +449,85 @@ pub enum ConfigError {
     },
 }
 
+/// The prefix of the environment variables that set any setting: the
+/// setting's path follows, its keys joined by `__`, in either case
+/// (`FAIRGATE__GUARD__MAX_BODY_BYTES=1048576`,
+/// `FAIRGATE__UPSTREAMS__OPENAI__TIMEOUT_MS=120000`). The value is read as
+/// YAML: `true`, `0.5`, `[a, b]` and `{url: ...}` are what they say in the
+/// file. Two underscores after `FAIRGATE` keep these apart from the
+/// variables of the `serve` flags (`FAIRGATE_LISTEN`) and from any other
+/// variable of the deployment's (such as an API key's).
+pub const ENV_PREFIX: &str = "FAIRGATE__";
+
 impl Config {
+    /// The configuration of the file at `path` (the defaults without one),
+    /// with the settings of the [`ENV_PREFIX`] variables among `env` over
+    /// it, validated. A variable that names no setting, or whose value does
+    /// not fit it, is named in the error.
+    pub fn from_sources(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let mut settings: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(name, _)| name.starts_with(ENV_PREFIX))
+            .collect();
+        if settings.is_empty() {
+            return match path {
+                Some(path) => Config::load(path),
+                None => Ok(Config::default()),
+            };
+        }
+        settings.sort();
+        let source = path.map_or_else(|| PathBuf::from("environment"), Path::to_owned);
+        let parse_error = |message: String| ConfigError::Parse {
+            path: source.clone(),
+            message,
+        };
+        // The file's own mistakes come with their lines.
+        let file = match path {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+                    path: path.to_owned(),
+                    source: e,
+                })?;
+                Config::parse_only(path, &text)?
+            }
+            None => Config::default(),
+        };
+        // Every setting, so that a variable changes only the one it names.
+        let file = serde_yaml_ng::to_value(&file).map_err(|e| parse_error(e.to_string()))?;
+        let with = |chosen: &[(String, String)]| -> Result<Config, String> {
+            let mut tree = file.clone();
+            for (name, value) in chosen {
+                set(&mut tree, name, value)?;
+            }
+            serde_yaml_ng::from_value(tree).map_err(|e| e.to_string())
+        };
+        let config = with(&settings).map_err(|combined| {
+            // Which variables are wrong, each on its own.
+            let wrong: Vec<String> = settings
+                .iter()
+                .filter_map(|setting| {
+                    let error = with(std::slice::from_ref(setting)).err()?;
+                    Some(format!("{}: {error}", setting.0))
+                })
+                .collect();
+            match wrong.is_empty() {
+                true => parse_error(combined),
+                false => parse_error(wrong.join("; ")),
+            }
+        })?;
+        let problems = config.problems();
+        match problems.is_empty() {
+            true => Ok(config),
+            false => Err(ConfigError::Invalid {
+                path: source,
+                problems,
+            }),
+        }
+    }
+
     /// Reads and validates a configuration file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -435,14 +540,7 @@ impl Config {
     /// Parses and validates the text of a configuration file; `path` is only
     /// used in messages.
     pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
-        let config: Config = if text.trim().is_empty() {
-            Config::default()
-        } else {
-            serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Parse {
-                path: path.to_owned(),
-                message: e.to_string(),
-            })?
-        };
+        let config = Config::parse_only(path, text)?;
         let problems = config.problems();
         if problems.is_empty() {
             Ok(config)
@@ -452,6 +550,17 @@ impl Config {
                 problems,
             })
         }
+    }
+
+    /// The text of a configuration file parsed, not validated.
+    fn parse_only(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        if text.trim().is_empty() {
+            return Ok(Config::default());
+        }
+        serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })
     }
 
     /// Every problem with the values.

@@ -343,10 +343,7 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<bool> {
-    let config = match &cli.config {
-        Some(path) => Config::load(path)?,
-        None => Config::default(),
-    };
+    let config = Config::from_sources(cli.config.as_deref(), std::env::vars())?;
     // The proxy logs to stdout from many threads: it must not run while this
     // thread holds the lock, so it is started before the lock is taken.
     if let Command::Worker { metrics_listen } = &cli.command {

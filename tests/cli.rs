@@ -9,8 +9,14 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 fn fairgate(args: &[&str], stdin: &[u8]) -> Output {
+    fairgate_with(args, &[], stdin)
+}
+
+/// [`fairgate`] with the environment variables `env` set.
+fn fairgate_with(args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_fairgate"))
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -297,4 +303,90 @@ fn config_check_prints_the_effective_configuration_or_every_problem() {
     ] {
         assert!(err.contains(problem), "{problem} missing from:\n{err}");
     }
+}
+
+/// Any setting can come from a `FAIRGATE__` variable, over the file's and
+/// under the flags; a variable that names no setting, or whose value does
+/// not fit it, is named in the error.
+#[test]
+fn any_setting_can_come_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fairgate.yaml");
+    let file = "listen: 127.0.0.1:7000\nguard:\n  max_body_bytes: 1000\n  stream_mode: buffer\n";
+    std::fs::write(&config, file).unwrap();
+    let check = |env: &[(&str, &str)], flags: &[&str]| {
+        let mut args = vec!["--config", config.to_str().unwrap(), "config", "check"];
+        args.extend(flags);
+        fairgate_with(&args, env, b"")
+    };
+    let env = [
+        ("FAIRGATE__GUARD__MAX_BODY_BYTES", "2048"),
+        ("FAIRGATE__client_body_timeout_ms", "1500"),
+        ("FAIRGATE__UPSTREAMS__OPENAI__TIMEOUT_MS", "120000"),
+        ("FAIRGATE__RISK__BLOCK_THRESHOLD", "0.9"),
+        ("FAIRGATE__LISTEN", "127.0.0.1:7001"),
+        // Not settings: the variable of a flag, and any other.
+        ("FAIRGATE_OPENAI_KEY", "sk-not-a-setting"),
+    ];
+    let out = check(&env, &["--admin-listen", "127.0.0.1:9999"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed: serde_json::Value = serde_yaml_ng::from_str(&stdout(&out)).unwrap();
+    assert_eq!(printed["guard"]["max_body_bytes"], 2048);
+    assert_eq!(
+        printed["guard"]["stream_mode"], "buffer",
+        "the file's, kept"
+    );
+    assert_eq!(printed["client_body_timeout_ms"], 1500);
+    assert_eq!(printed["risk"]["block_threshold"], 0.9);
+    assert_eq!(printed["listen"], "127.0.0.1:7001");
+    assert_eq!(printed["admin"]["listen"], "127.0.0.1:9999");
+    // One setting of an upstream changes; the rest of it, and the other
+    // upstream, stay as they were.
+    assert_eq!(printed["upstreams"]["openai"]["timeout_ms"], 120000);
+    assert_eq!(
+        printed["upstreams"]["openai"]["url"],
+        "https://api.openai.com"
+    );
+    assert_eq!(
+        printed["upstreams"]["anthropic"]["url"],
+        "https://api.anthropic.com"
+    );
+    assert!(!stdout(&out).contains("sk-not-a-setting"));
+
+    // The flag's own variable wins over the setting's.
+    let out = check(
+        &[
+            ("FAIRGATE__LISTEN", "127.0.0.1:7001"),
+            ("FAIRGATE_LISTEN", "127.0.0.1:7002"),
+        ],
+        &[],
+    );
+    let printed: serde_json::Value = serde_yaml_ng::from_str(&stdout(&out)).unwrap();
+    assert_eq!(printed["listen"], "127.0.0.1:7002");
+
+    let wrong = [
+        ("FAIRGATE__GUARD__MAX_BODY", "1", "unknown field `max_body`"),
+        ("FAIRGATE__GUARD__MAX_BODY_BYTES", "lots", "invalid type"),
+        ("FAIRGATE__LISTEN__PORT", "1", "listen is not a section"),
+        ("FAIRGATE__GUARD____X", "1", "names no setting"),
+    ];
+    for (name, value, why) in wrong {
+        let out = check(&[(name, value), ("FAIRGATE__THREADS", "2")], &[]);
+        assert_eq!(out.status.code(), Some(2), "{name}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(name) && err.contains(why), "{name}: {err}");
+        assert!(!err.contains("FAIRGATE__THREADS"), "{err}");
+    }
+    // A value that fits but is not valid: the same problems as the file's.
+    let out = check(&[("FAIRGATE__GUARD__MAX_BODY_BYTES", "0")], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("guard.max_body_bytes: must be at least 1"),
+        "{err}"
+    );
 }
