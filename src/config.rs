@@ -34,6 +34,7 @@ pub struct Config {
     pub queue: QueueConfig,
     pub quality: QualityConfig,
     pub sinks: SinksConfig,
+    pub metrics: MetricsConfig,
     /// How long in-flight exchanges may take to finish on shutdown.
     pub shutdown_grace_ms: u64,
     /// How long a client connection may take to send a request's head,
@@ -86,11 +87,64 @@ impl Default for Config {
             queue: QueueConfig::default(),
             quality: QualityConfig::default(),
             sinks: SinksConfig::default(),
+            metrics: MetricsConfig::default(),
             shutdown_grace_ms: 30_000,
             client_header_timeout_ms: 60_000,
             client_body_timeout_ms: 60_000,
             threads: 0,
         }
+    }
+}
+
+/// What the Prometheus metrics tell apart.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// The models that requests and blocks are counted by: a request's
+    /// model is labelled with the longest of these its name starts with
+    /// (`gpt-4o` counts `gpt-4o-2024-08-06`), any other as `other`. Model
+    /// names come from clients, so only these reach the labels.
+    pub models: Vec<String>,
+}
+
+/// The `model` label of a model the configuration does not list.
+pub const OTHER_MODEL: &str = "other";
+
+/// How many models [`MetricsConfig::models`] may list: each multiplies
+/// the series of the request and block counters.
+pub const MAX_MODEL_LABELS: usize = 50;
+
+impl MetricsConfig {
+    /// The `model` label of a request for `model`.
+    pub fn model_label(&self, model: Option<&str>) -> &str {
+        let Some(model) = model else {
+            return OTHER_MODEL;
+        };
+        self.models
+            .iter()
+            .filter(|listed| model.starts_with(listed.as_str()))
+            .max_by_key(|listed| listed.len())
+            .map_or(OTHER_MODEL, String::as_str)
+    }
+
+    fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.models.len() > MAX_MODEL_LABELS {
+            problems.push(format!(
+                "metrics.models: {} models, more than {MAX_MODEL_LABELS}",
+                self.models.len()
+            ));
+        }
+        for (i, model) in self.models.iter().enumerate() {
+            if model.is_empty() || model == OTHER_MODEL {
+                problems.push(format!(
+                    "metrics.models[{i}]: {model:?} cannot be a model's label"
+                ));
+            } else if self.models[..i].contains(model) {
+                problems.push(format!("metrics.models[{i}]: {model:?} is listed twice"));
+            }
+        }
+        problems
     }
 }
 
@@ -617,6 +671,7 @@ impl Config {
         if self.guard.max_body_bytes == 0 {
             problems.push("guard.max_body_bytes: must be at least 1".into());
         }
+        problems.extend(self.metrics.problems());
         problems
     }
 

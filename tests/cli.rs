@@ -287,8 +287,8 @@ fn config_check_prints_the_effective_configuration_or_every_problem() {
         "http://127.0.0.1:9"
     );
 
-    let broken =
-        "admin:\n  listen: 0.0.0.0:9090\nroutes:\n  - {path_prefix: v1, upstream: nowhere}\n";
+    let broken = "admin:\n  listen: 0.0.0.0:9090\nroutes:\n  - {path_prefix: v1, upstream: nowhere}\n\
+                  metrics:\n  models: [other, gpt-4o, gpt-4o]\n";
     std::fs::write(&config, broken).unwrap();
     let out = fairgate(
         &["--config", config.to_str().unwrap(), "config", "check"],
@@ -300,6 +300,8 @@ fn config_check_prints_the_effective_configuration_or_every_problem() {
         "routes[0].upstream: no upstream named \"nowhere\"",
         "routes[0].path_prefix: \"v1\" must start with /",
         "admin.token_env: the admin listener 0.0.0.0:9090 is not on loopback",
+        "metrics.models[0]: \"other\" cannot be a model's label",
+        "metrics.models[2]: \"gpt-4o\" is listed twice",
     ] {
         assert!(err.contains(problem), "{problem} missing from:\n{err}");
     }

@@ -110,6 +110,12 @@ async fn the_summary_counts_blocks_and_lists_the_latest_without_texts() {
         requests["by_route"]["chat_completions"]["block"], 2,
         "{summary:#}"
     );
+    // No model listed in the configuration: all are `other`.
+    assert_eq!(
+        requests["by_model"],
+        json!({"other": {"allow": 1, "block": 2}}),
+        "{summary:#}"
+    );
     assert_eq!(
         summary["blocks"]["by_scope"],
         json!({"prompt": 1, "response": 1})

@@ -88,10 +88,11 @@ async fn a_batch_with_a_blocked_request_never_reaches_the_upstream() {
     assert!(mock.requests().is_empty(), "{:?}", mock.requests());
     let metrics = proxy.metrics().await;
     let series = |s: &str| support::metric(&metrics, s);
-    let blocks = series(r#"fairgate_blocks_total{route="batches",scope="prompt"}"#);
+    let blocks = series(r#"fairgate_blocks_total{model="other",route="batches",scope="prompt"}"#);
     assert_eq!(blocks, Some(1.0), "{metrics}");
-    let allowed =
-        series(r#"fairgate_requests_total{route="batches",upstream="anthropic",verdict="allow"}"#);
+    let allowed = series(
+        r#"fairgate_requests_total{model="other",route="batches",upstream="anthropic",verdict="allow"}"#,
+    );
     assert_eq!(allowed, Some(1.0), "{metrics}");
     // Listed on the dashboard under the request that sent the batch.
     let recent = proxy.recent_blocks().await;
@@ -224,7 +225,7 @@ async fn results_are_relayed_line_by_line_as_the_rules_allow() {
     let metrics = proxy.metrics().await;
     let blocks = support::metric(
         &metrics,
-        r#"fairgate_blocks_total{route="batch_results",scope="response"}"#,
+        r#"fairgate_blocks_total{model="other",route="batch_results",scope="response"}"#,
     );
     assert_eq!(blocks, Some(1.0), "{metrics}");
     let recent = proxy.recent_blocks().await;

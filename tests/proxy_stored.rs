@@ -70,7 +70,7 @@ async fn a_stored_answer_comes_back_as_its_refusal() {
     let metrics = proxy.metrics().await;
     let blocks = support::metric(
         &metrics,
-        r#"fairgate_blocks_total{route="stored",scope="response"}"#,
+        r#"fairgate_blocks_total{model="other",route="stored",scope="response"}"#,
     );
     assert_eq!(blocks, Some(2.0), "{metrics}");
     let recent = proxy.recent_blocks().await;

@@ -360,7 +360,7 @@ async fn an_exchange_the_client_leaves_before_its_answer_is_recorded() {
         assert!((300.0..10_000.0).contains(&waited), "{record:#}");
         assert!(record["total_ms"].as_f64().unwrap() >= waited);
         let counted = format!(
-            "fairgate_requests_total{{route=\"{route}\",upstream=\"{upstream}\",verdict=\"client_closed\"}}"
+            "fairgate_requests_total{{model=\"other\",route=\"{route}\",upstream=\"{upstream}\",verdict=\"client_closed\"}}"
         );
         assert_eq!(metric(&page, &counted), Some(1.0), "{page}");
     }

@@ -152,6 +152,12 @@ function render(summary) {
       Object.values(verdicts).reduce((a, b) => a + b, 0),
       verdicts.block || 0,
     ]));
+  table("models", ["model", "#requests", "#blocked"],
+    Object.entries(requests.by_model).map(([model, verdicts]) => [
+      model,
+      Object.values(verdicts).reduce((a, b) => a + b, 0),
+      verdicts.block || 0,
+    ]));
   table("top-rules", ["rule", "category", "scope", "action", "#hits"],
     summary.top_rules.map((r) => [r.rule, r.category, r.scope, r.action, r.hits]));
   table("recent", ["time", "request id", "route", "model", "blocked", "rules", "#risk"],

@@ -90,6 +90,7 @@ pub fn summary(state: &State) -> Value {
             "total": count(total),
             "by_verdict": counts(requests),
             "by_route": families.by_two("fairgate_requests_total", "route", "verdict"),
+            "by_model": families.by_two("fairgate_requests_total", "model", "verdict"),
         },
         "blocks": {
             "by_scope": counts(families.by("fairgate_blocks_total", "scope")),
@@ -312,15 +313,15 @@ mod tests {
         let metrics = crate::telemetry::Metrics::new();
         metrics
             .requests
-            .with_label_values(&["chat", "openai", "allow"])
+            .with_label_values(&["chat", "openai", "gpt-4o", "allow"])
             .inc_by(3);
         metrics
             .requests
-            .with_label_values(&["messages", "anthropic", "block"])
+            .with_label_values(&["messages", "anthropic", "other", "block"])
             .inc_by(2);
         metrics
             .requests
-            .with_label_values(&["chat", "openai", "block"])
+            .with_label_values(&["chat", "openai", "other", "block"])
             .inc();
         let families = Families(metrics.gather());
         let by_verdict = families.by("fairgate_requests_total", "verdict");
@@ -329,6 +330,9 @@ mod tests {
         let by_route = families.by_two("fairgate_requests_total", "route", "verdict");
         assert_eq!(by_route["chat"], json!({"allow": 3, "block": 1}));
         assert_eq!(by_route["messages"], json!({"block": 2}));
+        let by_model = families.by_two("fairgate_requests_total", "model", "verdict");
+        assert_eq!(by_model["gpt-4o"], json!({"allow": 3}));
+        assert_eq!(by_model["other"], json!({"block": 3}));
         assert_eq!(families.total("fairgate_requests_total"), 6.0);
         assert!(families.series("fairgate_no_such_metric").is_empty());
     }

@@ -390,6 +390,7 @@ pub(super) fn scan_counted(
     let scanned_in = ScannedIn {
         route: REQUESTS,
         upstream,
+        model: request.params.model.as_deref(),
         request_id,
         scope: Scope::Prompt,
         // The batch's 400 may come with a later request (an upload's
@@ -773,6 +774,7 @@ impl Lines {
         let scanned_in = ScannedIn {
             route: RESULTS,
             upstream: &self.upstream,
+            model: None,
             request_id: &self.request_id,
             scope: Scope::Response,
             status: None,

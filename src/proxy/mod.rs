@@ -924,7 +924,15 @@ impl Drop for Pending<'_> {
         self.state
             .metrics
             .requests
-            .with_label_values(&[draft.endpoint.route(), &draft.upstream, counted])
+            .with_label_values(&[
+                draft.endpoint.route(),
+                &draft.upstream,
+                self.state
+                    .config
+                    .metrics
+                    .model_label(draft.model.as_deref()),
+                counted,
+            ])
             .inc();
         self.record_unanswered(status, self.sent.map(|sent| sent.elapsed()));
     }
@@ -1089,6 +1097,7 @@ async fn guarded(
         Err(error) => return respond::unreadable(dialect, &error, None, request_id),
     };
     let model = read.model.as_deref().map(str::to_owned);
+    let model_label = state.config.metrics.model_label(model.as_deref());
     let (streaming, include_usage) = (read.stream, read.include_usage);
     let Some(route) = state.config.route(parts.uri.path(), model.as_deref()) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
@@ -1124,12 +1133,12 @@ async fn guarded(
         state
             .metrics
             .blocks
-            .with_label_values(&[route_label, scope])
+            .with_label_values(&[route_label, model_label, scope])
             .inc();
         state
             .metrics
             .requests
-            .with_label_values(&[route_label, &upstream, "block"])
+            .with_label_values(&[route_label, &upstream, model_label, "block"])
             .inc();
         let message = block_message(&scan.verdict.hits);
         tracing::info!(request_id, scope, rules = ?rule_ids(&scan.verdict.hits), "request blocked");
@@ -1176,7 +1185,7 @@ async fn guarded(
             state
                 .metrics
                 .requests
-                .with_label_values(&[route_label, &upstream, "error"])
+                .with_label_values(&[route_label, &upstream, model_label, "error"])
                 .inc();
             let out = respond::failure(dialect, failure, request_id);
             pending.end_early(out.status(), None);
@@ -1196,7 +1205,7 @@ async fn guarded(
         state
             .metrics
             .requests
-            .with_label_values(&[route_label, &upstream, "upstream_error"])
+            .with_label_values(&[route_label, &upstream, model_label, "upstream_error"])
             .inc();
         pending.end_early(response.status(), Some(upstream_time));
         return stream_back(response, deadline, request_id, Some(prompt_verdict));
@@ -1280,7 +1289,12 @@ async fn guarded(
     state
         .metrics
         .requests
-        .with_label_values(&[route_label, &upstream, verdict.decision.as_str()])
+        .with_label_values(&[
+            route_label,
+            &upstream,
+            model_label,
+            verdict.decision.as_str(),
+        ])
         .inc();
     let proxy_time = started.elapsed().saturating_sub(upstream_time);
     state
@@ -1307,7 +1321,7 @@ async fn guarded(
         state
             .metrics
             .blocks
-            .with_label_values(&[route_label, "response"])
+            .with_label_values(&[route_label, model_label, "response"])
             .inc();
         let response_hits: Vec<Hit> = verdict
             .hits
@@ -1488,12 +1502,19 @@ fn guarded_stream(
             .observe(proxy.as_secs_f64());
         record_verdict(metrics, &outcome.verdict);
         let decision = outcome.verdict.decision;
+        let model = metrics_state
+            .config
+            .metrics
+            .model_label(draft.model.as_deref());
         metrics
             .requests
-            .with_label_values(&[route, &upstream_name, decision.as_str()])
+            .with_label_values(&[route, &upstream_name, model, decision.as_str()])
             .inc();
         if decision == Decision::Block {
-            metrics.blocks.with_label_values(&[route, "response"]).inc();
+            metrics
+                .blocks
+                .with_label_values(&[route, model, "response"])
+                .inc();
             tracing::info!(request_id = id, rules = ?rule_ids(&outcome.verdict.hits), "stream blocked");
         }
         if let Some(first) = outcome.first_byte {
@@ -1686,7 +1707,7 @@ mod tests {
             assert!(record.texts.response.is_empty());
             assert!(record.upstream_ms.is_some());
             let requests = &state.metrics.requests;
-            let count = requests.with_label_values(&["messages", "anthropic", counted]);
+            let count = requests.with_label_values(&["messages", "anthropic", "other", counted]);
             assert_eq!(count.get(), 1, "{id}");
         }
         assert!(records.try_recv().is_err(), "one record each");

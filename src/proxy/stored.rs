@@ -75,6 +75,7 @@ pub(super) async fn fetch(
             let scanned_in = ScannedIn {
                 route: ROUTE,
                 upstream: &upstream,
+                model: None,
                 request_id: &request_id_kept,
                 scope: Scope::Response,
                 status: None,
@@ -114,6 +115,7 @@ pub(super) async fn fetch(
     let scanned_in = ScannedIn {
         route: ROUTE,
         upstream: &upstream,
+        model: None,
         request_id,
         scope: Scope::Response,
         status: Some(if refused_as.is_some() { 200 } else { 400 }),
@@ -142,6 +144,9 @@ pub(super) async fn fetch(
 pub(super) struct ScannedIn<'a> {
     pub route: &'static str,
     pub upstream: &'a str,
+    /// The model asked for, when known (an answer fetched later is
+    /// counted as the `other` model).
+    pub model: Option<&'a str>,
     /// The request whose body or answer held it.
     pub request_id: &'a str,
     pub scope: Scope,
@@ -156,13 +161,17 @@ pub(super) fn count(state: &State, scanned: ScannedIn, verdict: &Verdict) {
     super::record_verdict(metrics, verdict);
     let decision = verdict.decision;
     let route = scanned.route;
+    let model = state.config.metrics.model_label(scanned.model);
     metrics
         .requests
-        .with_label_values(&[route, scanned.upstream, decision.as_str()])
+        .with_label_values(&[route, scanned.upstream, model, decision.as_str()])
         .inc();
     if decision == Decision::Block {
         let scope = guard::block_scope(&verdict.hits, scanned.scope);
-        metrics.blocks.with_label_values(&[route, scope]).inc();
+        metrics
+            .blocks
+            .with_label_values(&[route, model, scope])
+            .inc();
         let (id, upstream, status) = (scanned.request_id, scanned.upstream, scanned.status);
         let blocked = Blocked::new(id, route, upstream, scope, status, verdict);
         state.blocked.push(blocked);

@@ -15,9 +15,9 @@ use crate::rules::{Action, Hit, Scope};
 /// Every metric fairgate exports.
 pub struct Metrics {
     registry: Registry,
-    /// `fairgate_requests_total{route, upstream, verdict}`
+    /// `fairgate_requests_total{route, upstream, model, verdict}`
     pub requests: IntCounterVec,
-    /// `fairgate_blocks_total{route, scope}`: exchanges blocked, by the scope
+    /// `fairgate_blocks_total{route, model, scope}`: exchanges blocked, by the scope
     /// that decided.
     pub blocks: IntCounterVec,
     /// `fairgate_rule_hits_total{rule, category, scope, action}`
@@ -189,13 +189,13 @@ impl Metrics {
         };
         let requests = counter(
             "fairgate_requests_total",
-            "Guarded requests by route, upstream and verdict.",
-            &["route", "upstream", "verdict"],
+            "Guarded requests by route, upstream, model (as metrics.models lists them, else other) and verdict.",
+            &["route", "upstream", "model", "verdict"],
         );
         let blocks = counter(
             "fairgate_blocks_total",
-            "Blocked exchanges by route and deciding scope.",
-            &["route", "scope"],
+            "Blocked exchanges by route, model (as metrics.models lists them, else other) and deciding scope.",
+            &["route", "model", "scope"],
         );
         let rule_hits = counter(
             "fairgate_rule_hits_total",
