@@ -170,3 +170,93 @@ async fn serve_reloads_on_sighup_and_stops_on_sigterm() {
         "the cut exchange got no answer"
     );
 }
+
+/// The CPU time `pid` has used, in clock ticks (user and system).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The fields after the command's name, which is in parentheses.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+/// Sets the soft limit of `pid`'s open files.
+fn limit_files(pid: u32, soft: usize) {
+    let set = Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), &format!("--nofile={soft}:")])
+        .status()
+        .unwrap();
+    assert!(set.success());
+}
+
+/// A proxy out of file descriptors does not spin on the connections it
+/// cannot accept: it pauses, and accepts them once descriptors are free.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn serve_out_of_file_descriptors_waits_instead_of_spinning() {
+    let mock = support::start_mock().await;
+    let (port, admin) = (free_port(), free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fairgate"))
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+        .args(["--upstream-openai", &mock.url(), "--threads", "1"])
+        .args(["--rules", &format!("{}/rules", env!("CARGO_MANIFEST_DIR"))])
+        .current_dir(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+    let mut up = false;
+    for _ in 0..300 {
+        if status(&url, "hello").await == Some(200) {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(up, "fairgate serve did not come up");
+
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    limit_files(pid, open + 2);
+    // More connections than it can take: the rest wait in the backlog.
+    let mut held = Vec::new();
+    for _ in 0..20 {
+        held.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap(),
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = cpu_ticks(pid);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let spent = cpu_ticks(pid) - before;
+    // Spinning on accept takes a whole core: some 100 ticks a second.
+    assert!(
+        spent < 30,
+        "{spent} ticks of CPU in a second while out of descriptors"
+    );
+
+    limit_files(pid, open + 1000);
+    drop(held);
+    let mut served = None;
+    for _ in 0..50 {
+        served = status(&url, "hello").await;
+        if served == Some(200) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(served, Some(200), "accepting did not resume");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

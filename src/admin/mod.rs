@@ -29,12 +29,19 @@ pub async fn serve_worker_metrics(
 ) {
     let builder =
         hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    let mut warned = None;
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             _ = stop.wait_for(|s| *s) => return,
         };
-        let Ok((stream, _)) = accepted else { continue };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                crate::proxy::accept_failed(error, &mut warned).await;
+                continue;
+            }
+        };
         let (metrics, token) = (metrics.clone(), token.clone());
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let (metrics, token) = (metrics.clone(), token.clone());

@@ -334,10 +334,17 @@ pub async fn run(
         .timer(TokioTimer::new())
         .header_read_timeout(idle);
     tokio::pin!(shutdown);
+    let mut warned = None;
     loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(error) => {
+                        accept_failed(error, &mut warned).await;
+                        continue;
+                    }
+                };
                 // Stream events are small writes: without this, each one
                 // after the first can wait for the client's delayed ACK.
                 let _ = stream.set_nodelay(true);
@@ -347,8 +354,15 @@ pub async fn run(
                 let closing = closing.subscribe();
                 tokio::spawn(drive(connection, requests, idle, closing, |c| c.graceful_shutdown()));
             }
-            accepted = async { admin.as_ref()?.accept().await.ok() }, if admin.is_some() => {
-                let Some((stream, _)) = accepted else { continue };
+            accepted = async { Some(admin.as_ref()?.accept().await) }, if admin.is_some() => {
+                let stream = match accepted {
+                    Some(Ok((stream, _))) => stream,
+                    Some(Err(error)) => {
+                        accept_failed(error, &mut warned).await;
+                        continue;
+                    }
+                    None => continue,
+                };
                 let state = state.clone();
                 let (requests, handle) = counting(move |req, open| {
                     let answered = crate::admin::handle(state.clone(), req);
@@ -377,6 +391,34 @@ pub async fn run(
         () = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing remaining connections"),
     }
     Ok(())
+}
+
+/// How long accepting pauses after an error that would come again at once.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
+/// What the accept loop does when `accept` failed. A connection reset
+/// before it was taken is passed over at once. Any other error (out of file
+/// descriptors or memory) would come again at once while the connection
+/// waits in the backlog, so a loop that retried at once would spin a core
+/// and starve the exchanges in flight: accepting pauses for
+/// [`ACCEPT_PAUSE`]. The error is logged at most every ten seconds
+/// (`warned`: when it last was).
+pub(crate) async fn accept_failed(error: std::io::Error, warned: &mut Option<Instant>) {
+    use std::io::ErrorKind;
+    let passing = [
+        ErrorKind::ConnectionAborted,
+        ErrorKind::ConnectionReset,
+        ErrorKind::Interrupted,
+        ErrorKind::WouldBlock,
+    ];
+    if passing.contains(&error.kind()) {
+        return;
+    }
+    if warned.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
+        tracing::warn!(%error, "cannot accept connections: pausing accepts");
+        *warned = Some(Instant::now());
+    }
+    tokio::time::sleep(ACCEPT_PAUSE).await;
 }
 
 /// What [`drive`] knows of the requests made on one connection.
