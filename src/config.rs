@@ -47,6 +47,9 @@ pub struct Config {
     /// it; then the request is answered 408 (one going upstream as it
     /// arrives is given up). 0: no limit.
     pub client_body_timeout_ms: u64,
+    /// How many client connections the proxy port holds at once; more
+    /// wait in the listen backlog until one closes. 0: no limit.
+    pub max_connections: usize,
     /// Serving threads; 0 means one per processor core.
     pub threads: usize,
 }
@@ -91,6 +94,7 @@ impl Default for Config {
             shutdown_grace_ms: 30_000,
             client_header_timeout_ms: 60_000,
             client_body_timeout_ms: 60_000,
+            max_connections: 10_000,
             threads: 0,
         }
     }

@@ -816,3 +816,41 @@ async fn an_idle_http2_connection_is_closed() {
     assert_eq!(mock.requests().len(), 7);
     proxy.stop().await;
 }
+
+/// The proxy port holds at most `max_connections` connections: one more
+/// waits, unanswered, until one of them closes, while the admin port
+/// still answers; `fairgate_connections_open` counts them.
+#[tokio::test]
+async fn connections_past_max_connections_wait_for_a_slot() {
+    use tokio::io::AsyncWriteExt;
+    let mock = start_mock().await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    config.max_connections = 2;
+    let proxy = start_proxy(config).await;
+    let body = chat("How do I start a budget?", false).to_string();
+    let request =
+        support::post_head("/v1/chat/completions", "application/json", body.len()) + &body;
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let answer = read_answer(&mut stream).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        held.push(stream);
+    }
+    let open = support::metric(&proxy.metrics().await, "fairgate_connections_open");
+    assert_eq!(open, Some(2.0));
+    // The third is connected by the kernel, but not taken.
+    let mut third = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    third.write_all(request.as_bytes()).await.unwrap();
+    let waited = tokio::time::timeout(Duration::from_millis(500), read_answer(&mut third)).await;
+    assert!(waited.is_err(), "a third connection was served");
+    assert_eq!(mock.requests().len(), 2);
+    drop(held.pop());
+    let answer = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut third))
+        .await
+        .expect("served once a slot was free");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(mock.requests().len(), 3);
+    proxy.stop().await;
+}

@@ -74,6 +74,9 @@ pub struct State {
     pub blocked: BlockLog,
     /// Upgraded connections open now, which a shutdown waits for too.
     tunnels: tokio::sync::watch::Sender<usize>,
+    /// The connections the proxy port may still take
+    /// (`max_connections`), shared by the serving threads.
+    connections: Option<Arc<tokio::sync::Semaphore>>,
     /// Batch inputs being uploaded in parts.
     uploads: parts::Uploads,
     next_id: AtomicU64,
@@ -131,6 +134,8 @@ impl State {
                 }
             }
         }
+        let limit = config.max_connections;
+        let connections = (limit > 0).then(|| Arc::new(tokio::sync::Semaphore::new(limit)));
         Ok(State {
             config,
             rules,
@@ -140,6 +145,7 @@ impl State {
             admin_token,
             blocked,
             tunnels: tokio::sync::watch::Sender::new(0),
+            connections,
             uploads: parts::Uploads::default(),
             next_id: AtomicU64::new(0),
         })
@@ -337,7 +343,7 @@ pub async fn run(
     let mut warned = None;
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
+            (accepted, slot) = accept_within(&listener, state.connections.as_ref()) => {
                 let stream = match accepted {
                     Ok((stream, _)) => stream,
                     Err(error) => {
@@ -345,6 +351,7 @@ pub async fn run(
                         continue;
                     }
                 };
+                let open = Connection::open(slot, &state.metrics);
                 // Stream events are small writes: without this, each one
                 // after the first can wait for the client's delayed ACK.
                 let _ = stream.set_nodelay(true);
@@ -352,7 +359,10 @@ pub async fn run(
                 let (requests, handle) = counting(move |req, open| answer(state.clone(), req, open));
                 let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service_fn(handle)).into_owned();
                 let closing = closing.subscribe();
-                tokio::spawn(drive(connection, requests, idle, closing, |c| c.graceful_shutdown()));
+                tokio::spawn(async move {
+                    drive(connection, requests, idle, closing, |c| c.graceful_shutdown()).await;
+                    drop(open);
+                });
             }
             accepted = async { Some(admin.as_ref()?.accept().await) }, if admin.is_some() => {
                 let stream = match accepted {
@@ -391,6 +401,48 @@ pub async fn run(
         () = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing remaining connections"),
     }
     Ok(())
+}
+
+/// The next connection of `listener`, once `slots` (when limited) has room
+/// for it, with its slot: while the proxy holds `max_connections`, new
+/// ones wait in the listen backlog.
+async fn accept_within(
+    listener: &TcpListener,
+    slots: Option<&Arc<tokio::sync::Semaphore>>,
+) -> (
+    std::io::Result<(tokio::net::TcpStream, std::net::SocketAddr)>,
+    Option<tokio::sync::OwnedSemaphorePermit>,
+) {
+    let slot = match slots {
+        // The semaphore is never closed.
+        Some(slots) => slots.clone().acquire_owned().await.ok(),
+        None => None,
+    };
+    (listener.accept().await, slot)
+}
+
+/// An open client connection of the proxy port: its slot of
+/// `max_connections` and its count in `fairgate_connections_open`, both
+/// given back when it is dropped.
+struct Connection {
+    _slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    open: prometheus::IntGauge,
+}
+
+impl Connection {
+    fn open(slot: Option<tokio::sync::OwnedSemaphorePermit>, metrics: &Metrics) -> Connection {
+        metrics.connections_open.inc();
+        Connection {
+            _slot: slot,
+            open: metrics.connections_open.clone(),
+        }
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
 }
 
 /// How long accepting pauses after an error that would come again at once.

@@ -52,6 +52,9 @@ pub struct Metrics {
     pub tunnels: IntCounterVec,
     /// `fairgate_tunnels_open`: upgraded connections open now.
     pub tunnels_open: IntGauge,
+    /// `fairgate_connections_open`: client connections to the proxy port
+    /// open now.
+    pub connections_open: IntGauge,
     /// `fairgate_rules_info{version}`: 1 for the version serving.
     pub rules_info: IntGaugeVec,
     /// `fairgate_rules_loaded`: the number of rules serving.
@@ -301,6 +304,10 @@ impl Metrics {
             "fairgate_tunnels_open",
             "Upgraded connections (WebSocket) open now.",
         );
+        let connections_open = gauge(
+            "fairgate_connections_open",
+            "Client connections to the proxy port open now (at most max_connections).",
+        );
         let reload_failing = gauge(
             "fairgate_rules_reload_failing",
             "1 while the last rule reload failed.",
@@ -329,6 +336,7 @@ impl Metrics {
             error_answers,
             tunnels,
             tunnels_open,
+            connections_open,
             rules_info,
             rules_loaded,
             reloads,
