@@ -47,6 +47,10 @@ pub struct Config {
     /// it; then the request is answered 408 (one going upstream as it
     /// arrives is given up). 0: no limit.
     pub client_body_timeout_ms: u64,
+    /// How long a write to a client may wait for the client to read
+    /// (its socket's buffers full); then the connection is closed. 0: no
+    /// limit.
+    pub client_send_timeout_ms: u64,
     /// How many client connections the proxy port holds at once; more
     /// wait in the listen backlog until one closes. 0: no limit.
     pub max_connections: usize,
@@ -94,6 +98,7 @@ impl Default for Config {
             shutdown_grace_ms: 30_000,
             client_header_timeout_ms: 60_000,
             client_body_timeout_ms: 60_000,
+            client_send_timeout_ms: 60_000,
             max_connections: 10_000,
             threads: 0,
         }
@@ -687,6 +692,11 @@ impl Config {
     /// [`Config::client_body_timeout_ms`], `None` for no limit.
     pub fn client_body_timeout(&self) -> Option<std::time::Duration> {
         millis(self.client_body_timeout_ms)
+    }
+
+    /// [`Config::client_send_timeout_ms`], `None` for no limit.
+    pub fn client_send_timeout(&self) -> Option<std::time::Duration> {
+        millis(self.client_send_timeout_ms)
     }
 
     /// The route for a request path and model.

@@ -854,3 +854,40 @@ async fn connections_past_max_connections_wait_for_a_slot() {
     assert_eq!(mock.requests().len(), 3);
     proxy.stop().await;
 }
+
+/// A client that stops reading its answer is not written to for ever:
+/// after `client_send_timeout_ms` with no write taken, its connection is
+/// closed (and the upstream's answer given up), however much was left.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mock = start_mock().await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    config.client_send_timeout_ms = 300;
+    let proxy = start_proxy(config).await;
+    // Far more than the sockets' buffers hold.
+    let script = json!({"bulk_mib": 256}).to_string();
+    let head =
+        format!("GET /v1/models HTTP/1.1\r\nhost: fairgate\r\nx-mock-reply: {script}\r\n\r\n");
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    stream.write_all(head.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 1 << 20];
+    let read_all = async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got += n,
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), read_all)
+        .await
+        .expect("the connection ended");
+    assert!(
+        got < 128 << 20,
+        "read {got} bytes: the proxy waited for the reader"
+    );
+    proxy.stop().await;
+}

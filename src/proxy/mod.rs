@@ -12,6 +12,7 @@ mod batch;
 mod lines;
 mod parts;
 pub mod respond;
+mod stall;
 mod stored;
 mod tunnel;
 pub mod upstream;
@@ -335,6 +336,7 @@ pub async fn run(
     let (closing, _) = tokio::sync::watch::channel(false);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     let idle = state.config.client_header_timeout();
+    let sending = state.config.client_send_timeout();
     builder
         .http1()
         .timer(TokioTimer::new())
@@ -357,7 +359,8 @@ pub async fn run(
                 let _ = stream.set_nodelay(true);
                 let state = state.clone();
                 let (requests, handle) = counting(move |req, open| answer(state.clone(), req, open));
-                let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service_fn(handle)).into_owned();
+                let stream = TokioIo::new(stall::SendTimeout::new(stream, sending));
+                let connection = builder.serve_connection_with_upgrades(stream, service_fn(handle)).into_owned();
                 let closing = closing.subscribe();
                 tokio::spawn(async move {
                     drive(connection, requests, idle, closing, |c| c.graceful_shutdown()).await;
@@ -378,7 +381,8 @@ pub async fn run(
                     let answered = crate::admin::handle(state.clone(), req);
                     async move { answered.await.map(|answer| tracked(answer, open)) }
                 });
-                let connection = builder.serve_connection(TokioIo::new(stream), service_fn(handle)).into_owned();
+                let stream = TokioIo::new(stall::SendTimeout::new(stream, sending));
+                let connection = builder.serve_connection(stream, service_fn(handle)).into_owned();
                 let closing = closing.subscribe();
                 tokio::spawn(drive(connection, requests, idle, closing, |c| c.graceful_shutdown()));
             }

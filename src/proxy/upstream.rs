@@ -73,9 +73,7 @@ pub fn read_on(start: Bytes, rest: ClientBody) -> UpstreamBody {
 /// is armed only when the client's next frame is not already there.
 pub struct ClientBody {
     body: Incoming,
-    idle: Option<Duration>,
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    waiting: bool,
+    stall: super::stall::Stall,
 }
 
 /// The error of a [`ClientBody`] whose client stopped sending it.
@@ -87,9 +85,7 @@ impl ClientBody {
     pub fn new(body: Incoming, idle: Option<Duration>) -> ClientBody {
         ClientBody {
             body,
-            idle,
-            timer: None,
-            waiting: false,
+            stall: super::stall::Stall::new(idle),
         }
     }
 
@@ -108,25 +104,11 @@ impl Body for ClientBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
-        if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
-            this.waiting = false;
-            return Poll::Ready(frame.map(|frame| frame.map_err(BoxError::from)));
-        }
-        let Some(idle) = this.idle else {
-            return Poll::Pending;
-        };
-        if !this.waiting {
-            this.waiting = true;
-            let at = tokio::time::Instant::now() + idle;
-            match &mut this.timer {
-                Some(timer) => timer.as_mut().reset(at),
-                None => this.timer = Some(Box::pin(tokio::time::sleep_until(at))),
-            }
-        }
-        match this.timer.as_mut().map(|timer| timer.as_mut().poll(cx)) {
-            Some(Poll::Ready(())) => Poll::Ready(Some(Err(Box::new(Stalled)))),
-            _ => Poll::Pending,
-        }
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        this.stall.watch(polled, cx).map(|frame| match frame {
+            Some(frame) => frame.map(|frame| frame.map_err(BoxError::from)),
+            None => Some(Err(Box::new(Stalled) as BoxError)),
+        })
     }
 
     fn is_end_stream(&self) -> bool {

@@ -149,6 +149,15 @@ async fn scripted_reply(
             &json!({"error": {"message": "mock failure", "type": "server_error"}}),
         ));
     }
+    if let Some(size) = script.get("bulk_mib").and_then(Value::as_u64) {
+        // A large body, as fast as the connection takes it.
+        let mib = Bytes::from(vec![b'a'; 1 << 20]);
+        let pieces =
+            std::iter::repeat_n(mib, size as usize).map(|mib| Ok(hyper::body::Frame::data(mib)));
+        let body = http_body_util::StreamBody::new(futures_util::stream::iter(pieces));
+        let reply = Response::builder().header("content-type", "application/octet-stream");
+        return Ok(reply.body(body.boxed()).unwrap());
+    }
     let raw = ["raw_json", "raw_sse", "raw_pieces"]
         .iter()
         .any(|key| script.get(key).is_some());
