@@ -27,6 +27,17 @@ async fn status(url: &str, content: &str) -> Option<u16> {
         .map(|r| r.status().as_u16())
 }
 
+/// Waits until `fairgate serve` answers a chat completion at `url`.
+async fn wait_until_serving(url: &str) {
+    for _ in 0..300 {
+        if status(url, "hello").await == Some(200) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("fairgate serve did not come up");
+}
+
 #[cfg(unix)]
 #[tokio::test]
 async fn serve_reloads_on_sighup_and_stops_on_sigterm() {
@@ -66,15 +77,7 @@ async fn serve_reloads_on_sighup_and_stops_on_sigterm() {
         .spawn()
         .unwrap();
     let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
-    let mut up = false;
-    for _ in 0..300 {
-        if status(&url, "hello").await == Some(200) {
-            up = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(up, "fairgate serve did not come up");
+    wait_until_serving(&url).await;
     assert_eq!(status(&url, "I like pineapple").await, Some(400));
 
     std::fs::write(
@@ -213,15 +216,7 @@ async fn serve_out_of_file_descriptors_waits_instead_of_spinning() {
         .unwrap();
     let pid = child.id();
     let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
-    let mut up = false;
-    for _ in 0..300 {
-        if status(&url, "hello").await == Some(200) {
-            up = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(up, "fairgate serve did not come up");
+    wait_until_serving(&url).await;
 
     let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .unwrap()
