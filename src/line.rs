@@ -108,8 +108,8 @@ fn exchange_record(
 ) -> sonic_rs::Result<()> {
     value(out, open, &record.schema_version)?;
     fields!(out, record;
-        request_id, started_ms, finished_ms, route, dialect, upstream, model, stream, status,
-        stream_end);
+        request_id, started_ms, finished_ms, route, dialect, upstream, upstream_request_id, model,
+        stream, status, stream_end);
     out.extend_from_slice(br#","texts":"#);
     object!(out, record.texts; mode, prompt, context, response);
     fields!(out, record; verdict);
@@ -170,6 +170,7 @@ mod tests {
             route: "chat_completions".into(),
             dialect: "openai".into(),
             upstream: "openai".into(),
+            upstream_request_id: Some("req_7\u{e9}".into()),
             model: Some("gpt-4o-mini".into()),
             stream: true,
             status: 200,

@@ -61,6 +61,11 @@ pub struct ExchangeRecord {
     /// `openai` or `anthropic`.
     pub dialect: String,
     pub upstream: String,
+    /// The upstream's own id of the request, from its answer's
+    /// `x-request-id` (OpenAI) or `request-id` (Anthropic) header: what
+    /// the vendor's logs and support know the exchange by.
+    #[serde(default)]
+    pub upstream_request_id: Option<String>,
     pub model: Option<String>,
     pub stream: bool,
     /// The HTTP status the client got.

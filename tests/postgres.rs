@@ -200,8 +200,9 @@ async fn migrations_run_once_however_many_workers_start() {
         .await
         .unwrap()
         .get(0);
-    // The tables, then `fairgate_exchanges.stream_end`.
-    assert_eq!(versions, 2);
+    // The tables, then `fairgate_exchanges.stream_end` and
+    // `.upstream_request_id`.
+    assert_eq!(versions, 3);
 }
 
 #[tokio::test]
@@ -260,7 +261,8 @@ async fn a_failed_write_spills_and_is_stored_once_the_database_is_back() {
 
 /// How a streamed answer ended is a column of its row: `complete` for a
 /// stream that ran to its end, `blocked` for one a rule ended, and NULL
-/// for an answer not streamed.
+/// for an answer not streamed. So is the upstream's id of the request,
+/// when it sent one.
 #[tokio::test]
 async fn a_streams_end_is_a_column_of_its_row() {
     let url = support::fresh_database().await;
@@ -272,7 +274,7 @@ async fn a_streams_end_is_a_column_of_its_row() {
     streamed["stream"] = json!(true);
     let exchanges = [
         (
-            json!({"chunks": ["Save ", "a little."]}),
+            json!({"chunks": ["Save ", "a little."], "headers": [["x-request-id", "req_pg_1"]]}),
             streamed.clone(),
             Some("complete"),
         ),
@@ -300,13 +302,15 @@ async fn a_streams_end_is_a_column_of_its_row() {
     for ((_, _, end), id) in exchanges.iter().zip(&ids) {
         let row = db
             .query_one(
-                "SELECT stream_end, record->>'stream_end' FROM fairgate_exchanges WHERE request_id = $1",
+                "SELECT stream_end, record->>'stream_end', upstream_request_id FROM fairgate_exchanges WHERE request_id = $1",
                 &[id],
             )
             .await
             .unwrap();
         assert_eq!(row.get::<_, Option<String>>(0).as_deref(), *end);
         assert_eq!(row.get::<_, Option<String>>(1).as_deref(), *end);
+        let upstream_id = (id == &ids[0]).then_some("req_pg_1");
+        assert_eq!(row.get::<_, Option<String>>(2).as_deref(), upstream_id);
     }
     proxy.stop().await;
 }

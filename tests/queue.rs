@@ -48,7 +48,10 @@ async fn exchanges_become_results_with_metrics_and_no_secrets() {
         .header("x-fairgate-expected", "save%20a%20little%20each%20week")
         .header("x-fairgate-ground-truth", "Be glad: plan and save.")
         .header("x-fairgate-user", "u-42")
-        .header("x-mock-reply", json!({"text": reply}).to_string())
+        .header(
+            "x-mock-reply",
+            json!({"text": reply, "headers": [["x-request-id", "req_openai_1"]]}).to_string(),
+        )
         .json(&chat(
             "How do I start saving? My card is 4111 1111 1111 1111.",
         ))
@@ -77,7 +80,8 @@ async fn exchanges_become_results_with_metrics_and_no_secrets() {
     let streamed = proxy
         .post(
             "/v1/messages",
-            json!({"chunks": ["You will ", "lose ", "nothing by waiting."]}),
+            json!({"chunks": ["You will ", "lose ", "nothing by waiting."],
+                   "headers": [["request-id", "req_anthropic_2"]]}),
             &json!({"model": "claude-x", "max_tokens": 50, "stream": true,
                     "messages": [{"role": "user", "content": "Should I buy now?"}]}),
         )
@@ -98,6 +102,8 @@ async fn exchanges_become_results_with_metrics_and_no_secrets() {
     assert_eq!(record["dialect"], "openai");
     assert_eq!(record["status"], 200);
     assert_eq!(record["stream_end"], Value::Null);
+    // The vendor's own id of the request, for its logs and support.
+    assert_eq!(record["upstream_request_id"], "req_openai_1");
     assert_eq!(record["verdict"], "redact");
     assert_eq!(record["client"]["user"], "u-42");
     assert_eq!(record["client"]["expected"], "save a little each week");
@@ -128,6 +134,7 @@ async fn exchanges_become_results_with_metrics_and_no_secrets() {
     assert_eq!(row["exchange"]["verdict"], "block");
     assert_eq!(row["exchange"]["status"], 400);
     assert_eq!(row["exchange"]["upstream_ms"], Value::Null);
+    assert_eq!(row["exchange"]["upstream_request_id"], Value::Null);
     assert!(
         row["exchange"]["hits"]
             .as_array()
@@ -140,6 +147,7 @@ async fn exchanges_become_results_with_metrics_and_no_secrets() {
     assert_eq!(row["exchange"]["stream"], true);
     assert_eq!(row["exchange"]["stream_end"], "complete");
     assert_eq!(row["exchange"]["dialect"], "anthropic");
+    assert_eq!(row["exchange"]["upstream_request_id"], "req_anthropic_2");
     assert_eq!(
         row["exchange"]["texts"]["response"][0],
         "You will lose nothing by waiting."

@@ -877,6 +877,8 @@ struct RecordDraft {
     started_ms: i64,
     endpoint: Endpoint,
     upstream: String,
+    /// The upstream's id of the request, once it has answered.
+    upstream_request_id: Option<String>,
     model: Option<String>,
     stream: bool,
     client: ClientMeta,
@@ -917,6 +919,7 @@ impl RecordDraft {
             }
             .to_owned(),
             upstream: self.upstream,
+            upstream_request_id: self.upstream_request_id,
             model: self.model,
             stream: self.stream,
             status: end.status,
@@ -1047,6 +1050,17 @@ async fn passthrough(
         Ok(relayed) => stream_back(relayed.response, relayed.deadline, request_id, None),
         Err(out) => out,
     }
+}
+
+/// The upstream's own id of a request, from its answer's head: OpenAI's
+/// `x-request-id`, Anthropic's `request-id`.
+fn upstream_request_id(headers: &HeaderMap) -> Option<String> {
+    const OPENAI: HeaderName = HeaderName::from_static("x-request-id");
+    const ANTHROPIC: HeaderName = HeaderName::from_static("request-id");
+    let id = headers.get(OPENAI).or_else(|| headers.get(ANTHROPIC))?;
+    // Kept as a label of the record, not a text: a short id, as sent.
+    let id = id.to_str().ok().filter(|id| id.len() <= 200)?;
+    Some(id.to_owned())
 }
 
 /// A request sent upstream as the client wrote it: its route's upstream and
@@ -1218,6 +1232,7 @@ async fn guarded(
         started_ms: now_ms() - started.elapsed().as_millis() as i64,
         endpoint,
         upstream: upstream.clone(),
+        upstream_request_id: None,
         client: ClientMeta::read(&parts.headers, read.metadata),
         model,
         stream: streaming,
@@ -1290,6 +1305,9 @@ async fn guarded(
             return out;
         }
     };
+    if let Some(draft) = pending.draft.as_mut() {
+        draft.upstream_request_id = upstream_request_id(response.headers());
+    }
     let upstream_time = sent.elapsed();
     state
         .metrics
@@ -1762,6 +1780,7 @@ mod tests {
             started_ms: now_ms(),
             endpoint: Endpoint::Messages,
             upstream: "anthropic".to_owned(),
+            upstream_request_id: None,
             model: Some("claude-test".to_owned()),
             stream: false,
             client: ClientMeta::default(),

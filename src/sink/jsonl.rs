@@ -375,6 +375,7 @@ mod tests {
             route: "messages".into(),
             dialect: "anthropic".into(),
             upstream: "anthropic".into(),
+            upstream_request_id: None,
             model: None,
             stream: false,
             status: 400,

@@ -76,6 +76,9 @@ CREATE TABLE fairgate_feedback (
     r"
 ALTER TABLE fairgate_exchanges ADD COLUMN stream_end text;
 ",
+    r"
+ALTER TABLE fairgate_exchanges ADD COLUMN upstream_request_id text;
+",
 ];
 
 pub struct PostgresSink {
@@ -183,9 +186,9 @@ async fn write(client: &mut Client, p: &Processed) -> anyhow::Result<Stored> {
                 "INSERT INTO fairgate_exchanges (request_id, started_at, finished_at, processed_at,
                     route, dialect, upstream, model, stream, status, verdict,
                     risk_prompt, risk_response, risk_context, risk_total,
-                    upstream_ms, proxy_ms, total_ms, usage, session_id, user_id, texts, record, stream_end)
+                    upstream_ms, proxy_ms, total_ms, usage, session_id, user_id, texts, record, stream_end, upstream_request_id)
                  VALUES ($1, to_timestamp($2::float8 / 1000), to_timestamp($3::float8 / 1000), to_timestamp($4::float8 / 1000),
-                    $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)
+                    $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)
                  ON CONFLICT (request_id) DO NOTHING",
                 &[
                     &r.request_id,
@@ -212,6 +215,7 @@ async fn write(client: &mut Client, p: &Processed) -> anyhow::Result<Stored> {
                     &texts,
                     &record,
                     &r.stream_end.map(StreamEnd::as_str),
+                    &r.upstream_request_id,
                 ],
             )
             .await?;
