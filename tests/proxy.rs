@@ -60,7 +60,8 @@ async fn allowed_chat_completion_is_relayed_with_verdict_header() {
     proxy.stop().await;
 }
 
-/// Every header but those of one connection passes both ways, a repeated
+/// Every header but those of one connection (the standard ones and those
+/// `Connection` names) passes both ways, a repeated
 /// one with its values in order, on a guarded route (an answer and a
 /// stream) as on one passed through.
 #[tokio::test]
@@ -69,6 +70,7 @@ async fn headers_pass_both_ways_less_hop_by_hop_ones() {
     let script = json!({"headers": [
         ["x-ratelimit-remaining-requests", "9"], ["set-cookie", "a=1"], ["set-cookie", "b=2"],
         ["keep-alive", "timeout=5"], ["proxy-authenticate", "Basic"],
+        ["connection", "X-Hop-Answer"], ["x-hop-answer", "1"],
     ]})
     .to_string();
     let requests = [
@@ -86,6 +88,8 @@ async fn headers_pass_both_ways_less_hop_by_hop_ones() {
             .header("keep-alive", "timeout=5")
             .header("proxy-authorization", "Basic c2VjcmV0")
             .header("te", "trailers")
+            .header("connection", "keep-alive, X-Hop-Ask")
+            .header("x-hop-ask", "1")
             .header("x-fairgate-user", "u1");
         if let Some(body) = body {
             request = request.json(&body);
@@ -97,6 +101,8 @@ async fn headers_pass_both_ways_less_hop_by_hop_ones() {
         let cookies: Vec<_> = headers.get_all("set-cookie").iter().collect();
         assert_eq!(cookies, ["a=1", "b=2"], "{method} {path}");
         assert!(!headers.contains_key("keep-alive"), "{method} {path}");
+        // Named by the upstream's `Connection`: its connection's only.
+        assert!(!headers.contains_key("x-hop-answer"), "{method} {path}");
         assert!(
             !headers.contains_key("proxy-authenticate"),
             "{method} {path}"
@@ -112,7 +118,14 @@ async fn headers_pass_both_ways_less_hop_by_hop_ones() {
             .collect();
         assert_eq!(multi.len(), 2, "{method} {path}");
         assert_eq!((&*multi[0].1, &*multi[1].1), ("first", "second"));
-        for gone in ["keep-alive", "proxy-authorization", "te", "x-fairgate-user"] {
+        let gone = [
+            "keep-alive",
+            "proxy-authorization",
+            "te",
+            "x-hop-ask",
+            "x-fairgate-user",
+        ];
+        for gone in gone {
             assert_eq!(
                 seen.header(gone),
                 None,

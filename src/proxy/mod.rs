@@ -699,10 +699,11 @@ async fn handle(
     }
 }
 
-/// Headers that describe one connection, not the message.
-fn is_hop_by_hop(name: &HeaderName) -> bool {
+/// Headers that describe one connection, not the message (`name` in
+/// lower case, as a header name is).
+fn is_hop_by_hop(name: &str) -> bool {
     matches!(
-        name.as_str(),
+        name,
         "connection"
             | "keep-alive"
             | "proxy-authenticate"
@@ -721,8 +722,20 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 /// copying the rest into a new map would hash each of them again, and an
 /// SDK's request and an API's answer carry some 40 between them.
 fn strip_hop_by_hop(headers: &mut HeaderMap, ours: bool) {
+    // The headers that `Connection` names are the connection's too (RFC
+    // 9110, 7.6.1), as in `Connection: close, X-Trace-Hop`.
+    let named: Vec<HeaderName> = (headers.get_all(header::CONNECTION).iter())
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(str::trim)
+        // `keep-alive`, `close`: no header to take out, or one anyway.
+        .filter(|name| !name.eq_ignore_ascii_case("close") && !is_hop_by_hop(name))
+        .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
+        .collect();
     let strip = |name: &HeaderName| {
-        is_hop_by_hop(name) || (ours && name.as_str().starts_with("x-fairgate-"))
+        is_hop_by_hop(name.as_str())
+            || named.contains(name)
+            || (ours && name.as_str().starts_with("x-fairgate-"))
     };
     let found: Vec<HeaderName> = headers.keys().filter(|name| strip(name)).cloned().collect();
     for name in found {
