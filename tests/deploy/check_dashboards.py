@@ -277,9 +277,13 @@ def main():
             assert "</table>" in dom, done.stderr[-2000:]
             for rid in blocked:
                 assert rid in dom, f"request id {rid} not on the page"
-            for shown in ("pi.ignore_instructions", "fin.invest_everything", "loaded"):
+            # The errors table lists the Anthropic requests answered 502:
+            # their upstream is unreachable.
+            for shown in ("pi.ignore_instructions", "fin.invest_everything", "loaded",
+                          "upstream_unreachable"):
                 assert shown in dom, f"{shown} not on the page"
-            assert "unreachable" not in dom and "HTTP " not in dom, dom[:2000]
+            # The page's own failures to read the summary.
+            assert "fairgate is unreachable" not in dom and "summary: HTTP " not in dom, dom[:2000]
 
         check("the built-in dashboard page shows the blocked exchanges", page)
     finally:
