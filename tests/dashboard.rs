@@ -64,13 +64,7 @@ async fn summary_of(proxy: &support::Proxy) -> (String, Value) {
 async fn the_summary_counts_the_errors_fairgate_answered() {
     let (_mock, proxy) = start().await;
     for body in ["{\"model\": ", "{\"model\": 1}}"] {
-        let response = client()
-            .post(proxy.url("/v1/chat/completions"))
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .unwrap();
+        let response = proxy.post_text("/v1/chat/completions", body).await;
         assert_eq!(response.status(), 400);
     }
     let (status, _) = send(&proxy, json!({"status": 500}), &chat("Hello")).await;

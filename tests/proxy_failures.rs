@@ -229,13 +229,7 @@ async fn a_deeply_nested_body_gets_400_and_the_proxy_serves_on() {
         "[".repeat(depth),
         "]".repeat(depth)
     );
-    let response = client()
-        .post(proxy.url("/v1/completions"))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
+    let response = proxy.post_text("/v1/completions", body).await;
     assert_eq!(response.status(), 400);
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "invalid_json");

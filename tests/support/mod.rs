@@ -567,7 +567,7 @@ impl Proxy {
 
     /// POSTs `body` as written (key order, spacing and all) as JSON to
     /// `path`; the mock answers its default.
-    pub async fn post_text(&self, path: &str, body: &'static str) -> reqwest::Response {
+    pub async fn post_text(&self, path: &str, body: impl Into<reqwest::Body>) -> reqwest::Response {
         client()
             .post(self.url(path))
             .header("content-type", "application/json")
