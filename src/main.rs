@@ -343,7 +343,14 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<bool> {
-    let config = Config::from_sources(cli.config.as_deref(), std::env::vars())?;
+    // Not `std::env::vars`, which panics on a variable that is not UTF-8.
+    let env = std::env::vars_os().filter_map(|(name, value)| {
+        Some((
+            name.into_string().ok()?,
+            value.to_string_lossy().into_owned(),
+        ))
+    });
+    let config = Config::from_sources(cli.config.as_deref(), env)?;
     // The proxy logs to stdout from many threads: it must not run while this
     // thread holds the lock, so it is started before the lock is taken.
     if let Command::Worker { metrics_listen } = &cli.command {

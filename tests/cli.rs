@@ -383,6 +383,24 @@ fn any_setting_can_come_from_the_environment() {
         assert!(err.contains(name) && err.contains(why), "{name}: {err}");
         assert!(!err.contains("FAIRGATE__THREADS"), "{err}");
     }
+    // Any other variable may hold bytes that are not UTF-8.
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let out = Command::new(env!("CARGO_BIN_EXE_fairgate"))
+            .args(["config", "check"])
+            .env(
+                "FAIRGATE_NOT_TEXT",
+                std::ffi::OsStr::from_bytes(b"\xff\xfe"),
+            )
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     // A value that fits but is not valid: the same problems as the file's.
     let out = check(&[("FAIRGATE__GUARD__MAX_BODY_BYTES", "0")], &[]);
     assert_eq!(out.status.code(), Some(2));
