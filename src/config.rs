@@ -471,6 +471,14 @@ impl RulesConfig {
     }
 }
 
+/// The text of the configuration file at `path`.
+fn read(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
 /// Sets the setting that the variable `name` (see [`ENV_PREFIX`]) names in
 /// `tree`, a whole configuration as YAML, to `value` read as YAML.
 fn set(tree: &mut serde_yaml_ng::Value, name: &str, value: &str) -> Result<(), String> {
@@ -549,13 +557,7 @@ impl Config {
         };
         // The file's own mistakes come with their lines.
         let file = match path {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
-                    path: path.to_owned(),
-                    source: e,
-                })?;
-                Config::parse_only(path, &text)?
-            }
+            Some(path) => Config::parse_only(path, &read(path)?)?,
             None => Config::default(),
         };
         // Every setting, so that a variable changes only the one it names.
@@ -593,11 +595,7 @@ impl Config {
 
     /// Reads and validates a configuration file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        Config::parse(path, &text)
+        Config::parse(path, &read(path)?)
     }
 
     /// Parses and validates the text of a configuration file; `path` is only
