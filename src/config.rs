@@ -48,8 +48,8 @@ pub struct Config {
     /// arrives is given up). 0: no limit.
     pub client_body_timeout_ms: u64,
     /// How long a write to a client may wait for the client to read
-    /// (its socket's buffers full); then the connection is closed. 0: no
-    /// limit.
+    /// (its socket's buffers full), or an HTTP/2 answer for its stream's
+    /// window to open; then the connection is closed. 0: no limit.
     pub client_send_timeout_ms: u64,
     /// How many client connections the proxy port holds at once; more
     /// wait in the listen backlog until one closes. 0: no limit.

@@ -885,3 +885,47 @@ async fn a_client_that_stops_reading_is_closed() {
     );
     proxy.stop().await;
 }
+
+/// An HTTP/2 client that stops taking one answer (its stream's window
+/// never opened again) while its connection stays up, so that no write of
+/// the connection waits, is dropped after `client_send_timeout_ms` too; an
+/// answer that waits on its upstream for longer than that is not.
+#[tokio::test]
+async fn an_http2_client_that_stops_taking_an_answer_is_dropped() {
+    use http_body_util::{BodyExt, Empty};
+    let mock = start_mock().await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    config.client_send_timeout_ms = 300;
+    let proxy = start_proxy(config).await;
+    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let executor = hyper_util::rt::TokioExecutor::new();
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(executor, io)
+        .await
+        .unwrap();
+    let ended = tokio::spawn(connection);
+    let get = |script: Value| {
+        hyper::Request::get("http://fairgate/v1/models")
+            .header("x-mock-reply", script.to_string())
+            .body(Empty::<bytes::Bytes>::new())
+            .unwrap()
+    };
+    // Two pieces 700 ms apart: the upstream's pauses are not the client's.
+    let slow = json!({"raw_sse": "data: [DONE]\n\n", "piece_delay_ms": 700});
+    let response = sender.send_request(get(slow)).await.unwrap();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"data: [DONE]\n\n");
+    // Far more than a window holds, never read.
+    let response = sender
+        .send_request(get(json!({"bulk_mib": 64})))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let closed = tokio::time::timeout(Duration::from_secs(10), ended).await;
+    assert!(
+        closed.is_ok(),
+        "the proxy kept a connection whose client took nothing"
+    );
+    drop(response);
+    proxy.stop().await;
+}

@@ -363,7 +363,7 @@ pub async fn run(
                 let connection = builder.serve_connection_with_upgrades(stream, service_fn(handle)).into_owned();
                 let closing = closing.subscribe();
                 tokio::spawn(async move {
-                    drive(connection, requests, idle, closing, |c| c.graceful_shutdown()).await;
+                    drive(connection, requests, (idle, sending), closing, |c| c.graceful_shutdown()).await;
                     drop(open);
                 });
             }
@@ -384,7 +384,7 @@ pub async fn run(
                 let stream = TokioIo::new(stall::SendTimeout::new(stream, sending));
                 let connection = builder.serve_connection(stream, service_fn(handle)).into_owned();
                 let closing = closing.subscribe();
-                tokio::spawn(drive(connection, requests, idle, closing, |c| c.graceful_shutdown()));
+                tokio::spawn(drive(connection, requests, (idle, sending), closing, |c| c.graceful_shutdown()));
             }
             () = &mut shutdown => break,
         }
@@ -478,7 +478,6 @@ pub(crate) async fn accept_failed(error: std::io::Error, warned: &mut Option<Ins
 }
 
 /// What [`drive`] knows of the requests made on one connection.
-#[derive(Default)]
 struct Requests {
     /// How many have begun.
     begun: AtomicU64,
@@ -486,14 +485,76 @@ struct Requests {
     /// counted: hyper's header timeout bounds the idle time between them.
     open: AtomicUsize,
     http2: AtomicBool,
+    /// When the connection opened: the clock of [`Open::held`].
+    opened: Instant,
+    /// The [`Open::held`] of each open HTTP/2 answer.
+    answers: std::sync::Mutex<Vec<std::sync::Weak<AtomicU64>>>,
+}
+
+impl Requests {
+    fn new() -> Requests {
+        Requests {
+            begun: AtomicU64::new(0),
+            open: AtomicUsize::new(0),
+            http2: AtomicBool::new(false),
+            opened: Instant::now(),
+            answers: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Milliseconds since the connection opened, plus one (0 is "not").
+    fn now(&self) -> u64 {
+        self.opened.elapsed().as_millis() as u64 + 1
+    }
+
+    /// Whether an open HTTP/2 answer has had a frame taken and not sent on
+    /// for `limit`: hyper polls an answer for its next frame only once
+    /// the client's flow-control window has room, so a client that stops
+    /// taking one stream's data while the connection's others flow (no
+    /// write of the connection waits) holds it there.
+    fn stalled(&self, limit: Duration) -> bool {
+        let Ok(mut answers) = self.answers.lock() else {
+            return false;
+        };
+        answers.retain(|held| held.strong_count() > 0);
+        let now = self.now();
+        let limit = limit.as_millis() as u64;
+        answers
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .any(|held| {
+                let since = held.load(Ordering::Relaxed);
+                since != 0 && now.saturating_sub(since) >= limit
+            })
+    }
 }
 
 /// An HTTP/2 request in [`Requests::open`] until dropped with its answer.
-struct Open(Arc<Requests>);
+struct Open {
+    requests: Arc<Requests>,
+    /// Since when ([`Requests::now`]) the answer's last frame has waited
+    /// for the next poll; 0 while it does not (see [`Requests::stalled`]).
+    held: Arc<AtomicU64>,
+}
+
+impl Open {
+    fn new(requests: &Arc<Requests>) -> Open {
+        requests.http2.store(true, Ordering::Relaxed);
+        requests.open.fetch_add(1, Ordering::Relaxed);
+        let held = Arc::new(AtomicU64::new(0));
+        if let Ok(mut answers) = requests.answers.lock() {
+            answers.push(Arc::downgrade(&held));
+        }
+        Open {
+            requests: requests.clone(),
+            held,
+        }
+    }
+}
 
 impl Drop for Open {
     fn drop(&mut self) {
-        self.0.open.fetch_sub(1, Ordering::Relaxed);
+        self.requests.open.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -502,28 +563,25 @@ impl Drop for Open {
 fn counting<R>(
     handle: impl Fn(Request<Incoming>, Option<Open>) -> R,
 ) -> (Arc<Requests>, impl Fn(Request<Incoming>) -> R) {
-    let requests = Arc::new(Requests::default());
+    let requests = Arc::new(Requests::new());
     let counted = requests.clone();
     let handle = move |req: Request<Incoming>| {
         counted.begun.fetch_add(1, Ordering::Relaxed);
-        let open = (req.version() == http::Version::HTTP_2).then(|| {
-            counted.http2.store(true, Ordering::Relaxed);
-            counted.open.fetch_add(1, Ordering::Relaxed);
-            Open(counted.clone())
-        });
+        let open = (req.version() == http::Version::HTTP_2).then(|| Open::new(&counted));
         handle(req, open)
     };
     (requests, handle)
 }
 
-/// `answer` holding `open` until its body has been sent or dropped.
+/// `answer` holding `open` until its body has been sent or dropped, and
+/// noting in it when a frame waits for the next poll.
 fn tracked(answer: Response<ProxyBody>, open: Option<Open>) -> Response<ProxyBody> {
     let Some(open) = open else {
         return answer;
     };
     struct Tracked {
         body: ProxyBody,
-        _open: Open,
+        open: Open,
     }
     impl http_body::Body for Tracked {
         type Data = Bytes;
@@ -532,7 +590,13 @@ fn tracked(answer: Response<ProxyBody>, open: Option<Open>) -> Response<ProxyBod
             mut self: std::pin::Pin<&mut Self>,
             cx: &mut std::task::Context<'_>,
         ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-            std::pin::Pin::new(&mut self.body).poll_frame(cx)
+            self.open.held.store(0, Ordering::Relaxed);
+            let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
+            if let Poll::Ready(Some(Ok(_))) = polled {
+                let now = self.open.requests.now();
+                self.open.held.store(now, Ordering::Relaxed);
+            }
+            polled
         }
         fn is_end_stream(&self) -> bool {
             self.body.is_end_stream()
@@ -541,7 +605,7 @@ fn tracked(answer: Response<ProxyBody>, open: Option<Open>) -> Response<ProxyBod
             self.body.size_hint()
         }
     }
-    answer.map(|body| Tracked { body, _open: open }.boxed_unsync())
+    answer.map(|body| Tracked { body, open }.boxed_unsync())
 }
 
 /// Serves one accepted connection to its end, closing it (`close`: a
@@ -556,34 +620,38 @@ fn tracked(answer: Response<ProxyBody>, open: Option<Open>) -> Response<ProxyBod
 /// never asks), or an HTTP/2 one that began none since the last check and
 /// has none open, is closed, and dropped if it has not ended by the next
 /// check: an idle HTTP/2 connection lasts one to two `idle` after its
-/// last answer.
+/// last answer. An HTTP/2 connection is also checked every `sending`
+/// (`client_send_timeout_ms`) for an answer its client stopped taking
+/// ([`Requests::stalled`]), and dropped if one has been for that long.
 async fn drive<C, E>(
     connection: C,
     requests: Arc<Requests>,
-    idle: Option<Duration>,
+    (idle, sending): (Option<Duration>, Option<Duration>),
     mut closing: tokio::sync::watch::Receiver<bool>,
     close: impl Fn(std::pin::Pin<&mut C>),
 ) where
     C: Future<Output = Result<(), E>>,
     E: std::fmt::Display,
 {
+    let every = |period: Duration| {
+        let first = tokio::time::Instant::now() + period;
+        let mut checks = tokio::time::interval_at(first, period);
+        // A check is about the time since the last: late ones do not bunch.
+        checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        checks
+    };
+    let (mut idle_checks, mut send_checks) = (idle.map(every), sending.map(every));
     let mut connection = std::pin::pin!(connection);
     let mut checked = 0;
     let (mut shut, mut closed_idle) = (false, false);
     loop {
-        let check = async {
-            match idle {
-                Some(idle) if !shut => tokio::time::sleep(idle).await,
-                _ => std::future::pending().await,
-            }
-        };
         tokio::select! {
             served = &mut connection => return ended(served),
             () = shutting(&mut closing), if !shut => {
                 close(connection.as_mut());
                 shut = true;
             }
-            () = check => {
+            () = tick(&mut idle_checks), if !shut => {
                 if closed_idle {
                     tracing::debug!("dropped an idle connection that did not close");
                     return;
@@ -597,18 +665,30 @@ async fn drive<C, E>(
                     closed_idle = true;
                 } else if !http2 {
                     // HTTP/1: hyper's header timeout takes over.
-                    break;
+                    idle_checks = None;
                 }
                 checked = begun;
             }
+            () = tick(&mut send_checks), if !shut => {
+                // An HTTP/1 connection has no answer in `stalled`.
+                if let Some(limit) = sending
+                    && requests.stalled(limit)
+                {
+                    tracing::info!("dropped an HTTP/2 connection whose client stopped taking an answer");
+                    return;
+                }
+            }
         }
     }
-    tokio::select! {
-        served = &mut connection => ended(served),
-        () = shutting(&mut closing), if !shut => {
-            close(connection.as_mut());
-            ended(connection.await);
+}
+
+/// The next tick of `checks`; never, when there are none.
+async fn tick(checks: &mut Option<tokio::time::Interval>) {
+    match checks {
+        Some(checks) => {
+            checks.tick().await;
         }
+        None => std::future::pending().await,
     }
 }
 
