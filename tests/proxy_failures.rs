@@ -758,6 +758,28 @@ async fn a_request_body_that_stops_arriving_gets_408() {
     proxy.stop().await;
 }
 
+/// An HTTP/2 connection to the proxy at `addr` (prior knowledge, no
+/// TLS): its sender, and its task, which ends when the connection does.
+async fn http2_client<B>(
+    addr: std::net::SocketAddr,
+) -> (
+    hyper::client::conn::http2::SendRequest<B>,
+    tokio::task::JoinHandle<hyper::Result<()>>,
+)
+where
+    B: hyper::body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let executor = hyper_util::rt::TokioExecutor::new();
+    let (sender, connection) = hyper::client::conn::http2::handshake(executor, io)
+        .await
+        .unwrap();
+    (sender, tokio::spawn(connection))
+}
+
 /// An HTTP/2 connection, for which hyper has no idle timeout, is closed
 /// (GOAWAY) once it has been idle for about `client_header_timeout_ms`:
 /// not while a stream is being answered, however long that takes, nor
@@ -769,13 +791,7 @@ async fn an_idle_http2_connection_is_closed() {
     let mut config = config(&mock.url(), Path::new("rules"));
     config.client_header_timeout_ms = 300;
     let proxy = start_proxy(config).await;
-    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let io = hyper_util::rt::TokioIo::new(stream);
-    let executor = hyper_util::rt::TokioExecutor::new();
-    let (mut sender, connection) = hyper::client::conn::http2::handshake(executor, io)
-        .await
-        .unwrap();
-    let ended = tokio::spawn(connection);
+    let (mut sender, ended) = http2_client(proxy.addr).await;
     let post = |script: Value, stream: bool| {
         hyper::Request::post("http://fairgate/v1/chat/completions")
             .header("content-type", "application/json")
@@ -897,13 +913,7 @@ async fn an_http2_client_that_stops_taking_an_answer_is_dropped() {
     let mut config = config(&mock.url(), Path::new("rules"));
     config.client_send_timeout_ms = 300;
     let proxy = start_proxy(config).await;
-    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
-    let io = hyper_util::rt::TokioIo::new(stream);
-    let executor = hyper_util::rt::TokioExecutor::new();
-    let (mut sender, connection) = hyper::client::conn::http2::handshake(executor, io)
-        .await
-        .unwrap();
-    let ended = tokio::spawn(connection);
+    let (mut sender, ended) = http2_client(proxy.addr).await;
     let get = |script: Value| {
         hyper::Request::get("http://fairgate/v1/models")
             .header("x-mock-reply", script.to_string())

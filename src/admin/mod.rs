@@ -35,12 +35,8 @@ pub async fn serve_worker_metrics(
             accepted = listener.accept() => accepted,
             _ = stop.wait_for(|s| *s) => return,
         };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(error) => {
-                crate::proxy::accept_failed(error, &mut warned).await;
-                continue;
-            }
+        let Some(stream) = crate::proxy::taken(accepted, &mut warned).await else {
+            continue;
         };
         let (metrics, token) = (metrics.clone(), token.clone());
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {

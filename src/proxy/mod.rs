@@ -346,13 +346,7 @@ pub async fn run(
     loop {
         tokio::select! {
             (accepted, slot) = accept_within(&listener, state.connections.as_ref()) => {
-                let stream = match accepted {
-                    Ok((stream, _)) => stream,
-                    Err(error) => {
-                        accept_failed(error, &mut warned).await;
-                        continue;
-                    }
-                };
+                let Some(stream) = taken(accepted, &mut warned).await else { continue };
                 let open = Connection::open(slot, &state.metrics);
                 // Stream events are small writes: without this, each one
                 // after the first can wait for the client's delayed ACK.
@@ -367,15 +361,9 @@ pub async fn run(
                     drop(open);
                 });
             }
-            accepted = async { Some(admin.as_ref()?.accept().await) }, if admin.is_some() => {
-                let stream = match accepted {
-                    Some(Ok((stream, _))) => stream,
-                    Some(Err(error)) => {
-                        accept_failed(error, &mut warned).await;
-                        continue;
-                    }
-                    None => continue,
-                };
+            accepted = async { admin.as_ref()?.accept().await.map(Some).transpose() }, if admin.is_some() => {
+                let Some(accepted) = accepted else { continue };
+                let Some(stream) = taken(accepted, &mut warned).await else { continue };
                 let state = state.clone();
                 let (requests, handle) = counting(move |req, open| {
                     let answered = crate::admin::handle(state.clone(), req);
@@ -452,15 +440,22 @@ impl Drop for Connection {
 /// How long accepting pauses after an error that would come again at once.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
-/// What the accept loop does when `accept` failed. A connection reset
-/// before it was taken is passed over at once. Any other error (out of file
-/// descriptors or memory) would come again at once while the connection
-/// waits in the backlog, so a loop that retried at once would spin a core
-/// and starve the exchanges in flight: accepting pauses for
+/// The connection `accept` took, or `None` when it failed. A connection
+/// reset before it was taken is passed over at once. Any other error (out
+/// of file descriptors or memory) would come again at once while the
+/// connection waits in the backlog, so a loop that retried at once would
+/// spin a core and starve the exchanges in flight: accepting pauses for
 /// [`ACCEPT_PAUSE`]. The error is logged at most every ten seconds
 /// (`warned`: when it last was).
-pub(crate) async fn accept_failed(error: std::io::Error, warned: &mut Option<Instant>) {
+pub(crate) async fn taken(
+    accepted: std::io::Result<(tokio::net::TcpStream, std::net::SocketAddr)>,
+    warned: &mut Option<Instant>,
+) -> Option<tokio::net::TcpStream> {
     use std::io::ErrorKind;
+    let error = match accepted {
+        Ok((stream, _)) => return Some(stream),
+        Err(error) => error,
+    };
     let passing = [
         ErrorKind::ConnectionAborted,
         ErrorKind::ConnectionReset,
@@ -468,13 +463,14 @@ pub(crate) async fn accept_failed(error: std::io::Error, warned: &mut Option<Ins
         ErrorKind::WouldBlock,
     ];
     if passing.contains(&error.kind()) {
-        return;
+        return None;
     }
     if warned.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
         tracing::warn!(%error, "cannot accept connections: pausing accepts");
         *warned = Some(Instant::now());
     }
     tokio::time::sleep(ACCEPT_PAUSE).await;
+    None
 }
 
 /// What [`drive`] knows of the requests made on one connection.
