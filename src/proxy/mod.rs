@@ -539,6 +539,12 @@ impl Open {
         requests.open.fetch_add(1, Ordering::Relaxed);
         let held = Arc::new(AtomicU64::new(0));
         if let Ok(mut answers) = requests.answers.lock() {
+            // The ended answers go when they outnumber the open ones, not
+            // only at a check: a busy connection would hold thousands.
+            let open = requests.open.load(Ordering::Relaxed);
+            if answers.len() >= 2 * open + 16 {
+                answers.retain(|held| held.strong_count() > 0);
+            }
             answers.push(Arc::downgrade(&held));
         }
         Open {
@@ -1917,6 +1923,22 @@ mod tests {
             assert_eq!(count.get(), 1, "{id}");
         }
         assert!(records.try_recv().is_err(), "one record each");
+    }
+
+    /// A busy HTTP/2 connection's list of answers keeps the open ones and
+    /// not every one it ever served.
+    #[test]
+    fn the_answers_of_a_connection_do_not_pile_up() {
+        let requests = Arc::new(Requests::new());
+        let kept: Vec<Open> = (0..10).map(|_| Open::new(&requests)).collect();
+        for _ in 0..10_000 {
+            drop(Open::new(&requests));
+        }
+        let listed = requests.answers.lock().unwrap().len();
+        assert!(listed < 2 * kept.len() + 17, "{listed} answers listed");
+        assert_eq!(requests.open.load(Ordering::Relaxed), 10);
+        kept[3].held.store(1, Ordering::Relaxed);
+        assert!(requests.stalled(Duration::ZERO));
     }
 
     #[test]
