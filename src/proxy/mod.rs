@@ -347,18 +347,26 @@ pub async fn run(
         tokio::select! {
             (accepted, slot) = accept_within(&listener, state.connections.as_ref()) => {
                 let Some(stream) = taken(accepted, &mut warned).await else { continue };
-                let open = Connection::open(slot, &state.metrics);
+                let connection = Arc::new(Connection::open(slot, &state.metrics));
                 // Stream events are small writes: without this, each one
                 // after the first can wait for the client's delayed ACK.
                 let _ = stream.set_nodelay(true);
                 let state = state.clone();
-                let (requests, handle) = counting(move |req, open| answer(state.clone(), req, open));
+                let held = connection.clone();
+                let (requests, handle) = counting(move |mut req, open| {
+                    // A tunnel outlives the connection's HTTP serving, and
+                    // keeps its slot.
+                    if req.headers().contains_key(http::header::UPGRADE) {
+                        req.extensions_mut().insert(held.clone());
+                    }
+                    answer(state.clone(), req, open)
+                });
                 let stream = TokioIo::new(stall::SendTimeout::new(stream, sending));
-                let connection = builder.serve_connection_with_upgrades(stream, service_fn(handle)).into_owned();
+                let served = builder.serve_connection_with_upgrades(stream, service_fn(handle)).into_owned();
                 let closing = closing.subscribe();
                 tokio::spawn(async move {
-                    drive(connection, requests, (idle, sending), closing, |c| c.graceful_shutdown()).await;
-                    drop(open);
+                    drive(served, requests, (idle, sending), closing, |c| c.graceful_shutdown()).await;
+                    drop(connection);
                 });
             }
             accepted = async { admin.as_ref()?.accept().await.map(Some).transpose() }, if admin.is_some() => {
@@ -415,7 +423,7 @@ async fn accept_within(
 
 /// An open client connection of the proxy port: its slot of
 /// `max_connections` and its count in `fairgate_connections_open`, both
-/// given back when it is dropped.
+/// given back when it is dropped (shared with its tunnel once upgraded).
 struct Connection {
     _slot: Option<tokio::sync::OwnedSemaphorePermit>,
     open: prometheus::IntGauge,

@@ -10,13 +10,16 @@
 //! either side closes; any other answer is relayed as it is.
 //!
 //! A shutdown waits for open tunnels as for streams, up to
-//! `shutdown_grace_ms`, then closes them.
+//! `shutdown_grace_ms`, then closes them. A tunnel keeps its client
+//! connection's slot of `max_connections` until it closes.
 //!
 //! What goes through a tunnel is not scanned: fairgate reads HTTP messages,
 //! not WebSocket frames. So a WebSocket on a path the guard reads (a
 //! Responses API session at `/v1/responses`, say) is refused with 403
 //! `upgrade_refused`, and `guard.upgrades: refuse` refuses every one, for
 //! deployments where no session may go around the rules.
+
+use std::sync::Arc;
 
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Either, Empty, Full};
@@ -74,6 +77,7 @@ pub async fn relay(
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
     let from_client = hyper::upgrade::on(&mut req);
+    let connection = req.extensions_mut().remove::<Arc<super::Connection>>();
     let (method, body) = (req.method().clone(), Either::Left(Full::default()));
     let forwarded = forward_on(
         state,
@@ -105,7 +109,7 @@ pub async fn relay(
     let open = OpenTunnel::new(state);
     let (metrics, upstream_name) = (state.metrics.clone(), route.upstream.clone());
     tokio::spawn(async move {
-        let _open = open;
+        let (_open, _connection) = (open, connection);
         let (client, upstream) = match tokio::join!(from_client, from_upstream) {
             (Ok(client), Ok(upstream)) => (client, upstream),
             (Err(error), _) | (_, Err(error)) => {
