@@ -594,19 +594,24 @@ impl<'a> Texts<'a> {
 
     /// A content block (Anthropic) or part (OpenAI), the reader at its
     /// start: text (`text`, `input_text`, `output_text`) in `scope`; tool
-    /// results and documents are context.
+    /// results, search results and documents are context, with the title
+    /// and context the model is given beside a document or search result.
     fn block(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
         reader.decided_object(
-            ["type", "text", "content", "source"],
+            ["type", "text", "content", "source", "title", "context"],
             |reader| Ok(reader.string()?.map(|t| t.value)),
             |reader, kind, key| match (kind.as_deref(), key) {
                 (Some("text" | "input_text" | "output_text"), 1) => self.text(reader, scope),
                 (Some("tool_result"), 2) => self.content(reader, Scope::Context),
+                (Some("search_result"), 2) => self.blocks(reader, Scope::Context),
                 (Some("document"), 3) => {
                     if reader.is_object()? {
                         self.document_source(reader)?;
                     }
                     Ok(())
+                }
+                (Some("document" | "search_result"), 4) | (Some("document"), 5) => {
+                    self.text(reader, Scope::Context)
                 }
                 _ => reader.skip(),
             },
@@ -658,9 +663,10 @@ impl<'a> Texts<'a> {
         })
     }
 
-    /// The Responses API's `input`: a string, or items of which function
-    /// call outputs are context and the content of items other than the
-    /// assistant's is prompt.
+    /// The Responses API's `input`: a string, or items of which the
+    /// outputs of tool calls (`function_call_output`, any other
+    /// `*_call_output`, an `mcp_call`'s) are context and the content of
+    /// items other than the assistant's is prompt.
     fn responses_input(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         if reader.jiter.peek()? == Peek::String {
             return self.text(reader, Scope::Prompt);
@@ -677,7 +683,10 @@ impl<'a> Texts<'a> {
                 }
                 Ok(())
             })?;
-            let (span, scope) = if kind.as_deref() == Some("function_call_output") {
+            let tool_output = kind
+                .as_deref()
+                .is_some_and(|kind| kind.ends_with("_call_output") || kind == "mcp_call");
+            let (span, scope) = if tool_output {
                 (output, Scope::Context)
             } else if role.as_deref() != Some("assistant") {
                 (content, Scope::Prompt)
@@ -869,7 +878,13 @@ mod tests {
                 {"type": "text", "text": "question"},
                 {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "result"}]},
                 {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "doc text"}},
-                {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "part"}]}}
+                {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "part"}]}},
+                {"title": "doc title", "context": "doc context", "type": "document", "source": {"type": "base64", "data": "JVBERi0="}},
+                {"type": "search_result", "source": "https://example.com", "title": "found",
+                    "content": [{"type": "text", "text": "snippet"}], "citations": {"enabled": true}},
+                {"type": "tool_result", "tool_use_id": "s", "content": [
+                    {"type": "search_result", "source": "s", "title": "t", "content": [{"type": "text", "text": "nested"}]}
+                ]}
             ]},
             {"role": "assistant", "content": "old"}
         ]});
@@ -880,7 +895,15 @@ mod tests {
                 (Scope::Prompt, "question".into()),
                 (Scope::Context, "result".into()),
                 (Scope::Context, "doc text".into()),
-                (Scope::Context, "part".into())
+                (Scope::Context, "part".into()),
+                // `json!` sorts keys: `type` comes last, and the members
+                // before it are read after it, in the body's order.
+                (Scope::Context, "doc context".into()),
+                (Scope::Context, "doc title".into()),
+                (Scope::Context, "snippet".into()),
+                (Scope::Context, "found".into()),
+                (Scope::Context, "nested".into()),
+                (Scope::Context, "t".into())
             ]
         );
     }
@@ -890,14 +913,21 @@ mod tests {
         let body = json!({"instructions": "inst", "input": [
             {"role": "user", "content": [{"type": "input_text", "text": "q"}]},
             {"role": "assistant", "content": [{"type": "output_text", "text": "mine"}]},
-            {"type": "function_call_output", "call_id": "c", "output": "out"}
+            {"type": "function_call_output", "call_id": "c", "output": "out"},
+            {"type": "custom_tool_call_output", "call_id": "d", "output": [{"type": "input_text", "text": "custom"}]},
+            {"type": "local_shell_call_output", "id": "e", "output": "shell"},
+            {"type": "mcp_call", "name": "f", "arguments": "{}", "output": "mcp"},
+            {"type": "computer_call_output", "call_id": "g", "output": {"type": "computer_screenshot", "image_url": "data:"}}
         ]});
         assert_eq!(
             collect_request(Endpoint::Responses, body),
             [
                 (Scope::Prompt, "inst".into()),
                 (Scope::Prompt, "q".into()),
-                (Scope::Context, "out".into())
+                (Scope::Context, "out".into()),
+                (Scope::Context, "custom".into()),
+                (Scope::Context, "shell".into()),
+                (Scope::Context, "mcp".into())
             ]
         );
         let body = json!({"prompt": ["a", ["b"], 7]});
@@ -964,7 +994,8 @@ mod tests {
             "messages": [
                 {"content": [{"text": "t", "type": "text"},
                     {"content": "r", "type": "tool_result"},
-                    {"source": {"data": "d", "type": "text"}, "type": "document"}],
+                    {"source": {"data": "d", "type": "text"}, "type": "document", "title": "n"},
+                    {"content": [{"text": "u", "type": "text"}], "type": "search_result"}],
                  "role": "user"},
                 {"role": "tool", "content": "xé\"y"}]});
         let response = json!({"choices": [{"message": {"content": "a", "refusal": "b",

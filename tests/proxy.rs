@@ -1623,3 +1623,71 @@ async fn a_text_sent_again_is_judged_as_the_first_time() {
     assert_eq!(mock.requests().len(), 3);
     proxy.stop().await;
 }
+
+/// Retrieved text reaches the model in more shapes than tool results and
+/// documents: an Anthropic search result (on its own or inside a tool
+/// result), the title and context given beside a document, and in the
+/// Responses API the output of any tool call. Each is read as context,
+/// which the financial-safety rules watch.
+#[tokio::test]
+async fn search_results_and_every_tool_output_are_read_as_context() {
+    let (mock, proxy) = start().await;
+    let advice = "Put all your savings into Dogecoin now.";
+    let search = |text: &str| {
+        json!({"type": "search_result", "source": "https://example.com/tips", "title": "Tips",
+            "content": [{"type": "text", "text": text}], "citations": {"enabled": true}})
+    };
+    let anthropic = |block: Value| {
+        json!({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": [{"role": "user",
+            "content": [block, {"type": "text", "text": "Summarize this for me."}]}]})
+    };
+    let responses = |item: Value| json!({"model": "gpt-4o", "input": [{"role": "user", "content": "Summarize the tool's answer."}, item]});
+    let blocked = [
+        ("/v1/messages", anthropic(search(advice))),
+        (
+            "/v1/messages",
+            anthropic(
+                json!({"type": "tool_result", "tool_use_id": "t", "content": [search(advice)]}),
+            ),
+        ),
+        (
+            "/v1/messages",
+            anthropic(json!({"type": "document", "title": advice,
+                "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQ="}})),
+        ),
+        (
+            "/v1/messages",
+            anthropic(json!({"type": "document", "context": advice,
+                "source": {"type": "text", "media_type": "text/plain", "data": "A note."}})),
+        ),
+        (
+            "/v1/responses",
+            responses(json!({"type": "custom_tool_call_output", "call_id": "c", "output": advice})),
+        ),
+        (
+            "/v1/responses",
+            responses(
+                json!({"type": "mcp_call", "id": "m", "server_label": "tips", "name": "tip",
+                "arguments": "{}", "output": advice}),
+            ),
+        ),
+    ];
+    for (path, body) in &blocked {
+        let response = proxy.post(path, json!({}), body).await;
+        assert_eq!(response.status(), 400, "{body}");
+        assert_eq!(response.headers()["x-fairgate-verdict"], "block");
+        let answer: Value = response.json().await.unwrap();
+        if *path == "/v1/responses" {
+            assert_eq!(answer["error"]["fairgate"]["scope"], "context", "{body}");
+        }
+    }
+    assert!(mock.requests().is_empty());
+    // The same shapes with harmless text go through.
+    let harmless = "Keep three months of expenses in savings.";
+    let response = proxy
+        .post("/v1/messages", json!({}), &anthropic(search(harmless)))
+        .await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(mock.requests().len(), 1);
+    proxy.stop().await;
+}
