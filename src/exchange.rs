@@ -147,6 +147,7 @@ impl<'a> RequestBody<'a> {
                 "prompt",
                 "instructions",
                 "input",
+                "suffix",
             ];
             reader.object(keys, |reader, key| match (key, endpoint) {
                 (0, _) => {
@@ -173,7 +174,8 @@ impl<'a> RequestBody<'a> {
                 (4, Endpoint::ChatCompletions) => rest.chat_messages(reader),
                 (4, Endpoint::Messages) => rest.anthropic_messages(reader),
                 (5, Endpoint::Messages) => first.content(reader, Scope::Prompt),
-                (6, Endpoint::Completions) => rest.strings(reader, Scope::Prompt),
+                (6 | 9, Endpoint::Completions) => rest.strings(reader, Scope::Prompt),
+                (6, Endpoint::Responses) => first.prompt_variables(reader),
                 (7, Endpoint::Responses) => first.text(reader, Scope::Prompt),
                 (8, Endpoint::Responses) => rest.responses_input(reader),
                 _ => reader.skip(),
@@ -663,6 +665,26 @@ impl<'a> Texts<'a> {
         })
     }
 
+    /// The `variables` of a Responses API prompt template (the reader at
+    /// the `prompt` object): each value, a string or an input part, goes
+    /// into the stored prompt, so it is prompt (apps pass the user's words
+    /// this way).
+    fn prompt_variables(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        if !reader.is_object()? {
+            return Ok(());
+        }
+        reader.object(["variables"], |reader, _| {
+            if !reader.is_object()? {
+                return Ok(());
+            }
+            reader.members(|reader| match reader.jiter.peek()? {
+                Peek::String => self.text(reader, Scope::Prompt),
+                Peek::Object => self.block(reader, Scope::Prompt),
+                _ => reader.skip(),
+            })
+        })
+    }
+
     /// The Responses API's `input`: a string, or items of which the
     /// outputs of tool calls (`function_call_output`, any other
     /// `*_call_output`, an `mcp_call`'s) are context and the content of
@@ -930,6 +952,26 @@ mod tests {
                 (Scope::Context, "mcp".into())
             ]
         );
+        let body = json!({"prompt": {"id": "pmpt_1", "version": "2", "variables": {
+                "city": "Lyon", "question": {"type": "input_text", "text": "asked"},
+                "photo": {"type": "input_image", "image_url": "https://example.com/a.png"}}},
+            "input": "more"});
+        assert_eq!(
+            collect_request(Endpoint::Responses, body),
+            [
+                (Scope::Prompt, "Lyon".into()),
+                (Scope::Prompt, "asked".into()),
+                (Scope::Prompt, "more".into())
+            ]
+        );
+        let body = json!({"prompt": "before", "suffix": "after"});
+        assert_eq!(
+            collect_request(Endpoint::Completions, body),
+            [
+                (Scope::Prompt, "before".into()),
+                (Scope::Prompt, "after".into())
+            ]
+        );
         let body = json!({"prompt": ["a", ["b"], 7]});
         assert_eq!(
             collect_request(Endpoint::Completions, body),
@@ -988,7 +1030,7 @@ mod tests {
     #[test]
     fn every_cut_of_a_body_is_an_error_never_a_panic() {
         let request = json!({"model": "m", "system": [{"type": "text", "text": "s"}],
-            "instructions": "i", "prompt": ["p", ["q"]], "input": [
+            "instructions": "i", "prompt": ["p", ["q"]], "suffix": "x", "input": [
                 {"content": "c", "role": "user"},
                 {"output": "o", "type": "function_call_output"}],
             "messages": [
