@@ -496,8 +496,14 @@ impl Batch {
     }
 }
 
-/// The members of a Responses API output item that hold response text.
-const OUTPUT_ITEM: [&str; 3] = ["arguments", "content", "summary"];
+/// The members of a Responses API output item that hold response text:
+/// the model's words in a call (a function's or MCP tool's `arguments`, a
+/// custom tool's `input`, a code interpreter's `code`), then the parts of
+/// a message's `content` or a reasoning item's `summary`.
+const OUTPUT_ITEM: [&str; 5] = ["arguments", "input", "code", "content", "summary"];
+
+/// How many members of [`OUTPUT_ITEM`] are strings of text.
+const OUTPUT_ITEM_STRINGS: usize = 3;
 
 /// The texts found so far in a body.
 #[derive(Default)]
@@ -757,8 +763,8 @@ impl<'a> Texts<'a> {
     }
 
     /// A Responses API output item, the reader at its start: a call's
-    /// arguments, a message's content, a reasoning item's summary and
-    /// content.
+    /// arguments, input or code, a message's content, a reasoning item's
+    /// summary and content.
     fn output_item(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         reader.object(OUTPUT_ITEM, |reader, key| self.output_member(reader, key))
     }
@@ -767,7 +773,7 @@ impl<'a> Texts<'a> {
     fn output_member(&mut self, reader: &mut Reader<'a>, key: usize) -> Result<(), ReadError> {
         let scope = Scope::Response;
         match key {
-            0 => self.text(reader, scope),
+            _ if key < OUTPUT_ITEM_STRINGS => self.text(reader, scope),
             _ => self.objects(reader, |texts, reader| {
                 reader.object(["text", "refusal"], |reader, _| texts.text(reader, scope))
             }),
@@ -778,9 +784,9 @@ impl<'a> Texts<'a> {
     /// output item unless it is a message of another role than the
     /// assistant's (the user's own words are not the model's answer).
     fn stored_item(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
-        let [arguments, content, summary] = OUTPUT_ITEM;
+        let [arguments, input, code, content, summary] = OUTPUT_ITEM;
         reader.decided_object(
-            ["role", arguments, content, summary],
+            ["role", arguments, input, code, content, summary],
             |reader| Ok(reader.string()?.is_some_and(|t| t.value != "assistant")),
             |reader, &not_the_model, key| match not_the_model {
                 true => reader.skip(),
@@ -790,7 +796,7 @@ impl<'a> Texts<'a> {
     }
 
     /// An OpenAI chat completion's message: its content, its refusal, the
-    /// arguments of its tool calls, the transcript of its audio, and the
+    /// arguments (or custom input) of its tool calls, the transcript of its audio, and the
     /// reasoning of OpenAI-compatible servers (`reasoning_content`,
     /// `reasoning`).
     fn message(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
@@ -811,9 +817,15 @@ impl<'a> Texts<'a> {
                 2.. => self.text(reader, scope),
                 1 => self.transcript(reader),
                 _ => self.objects(reader, |texts, reader| {
-                    reader.object(["function"], |reader, _| {
+                    // A function's arguments, a custom tool's input.
+                    reader.object(["function", "custom"], |reader, call| {
                         if reader.is_object()? {
-                            reader.object(["arguments"], |reader, _| texts.text(reader, scope))?;
+                            reader.object(["arguments", "input"], |reader, key| {
+                                match key == call {
+                                    true => texts.text(reader, scope),
+                                    false => reader.skip(),
+                                }
+                            })?;
                         }
                         Ok(())
                     })
@@ -1282,7 +1294,7 @@ mod tests {
         for (endpoint, body) in [
             (
                 Endpoint::ChatCompletions,
-                json!({"choices": [{"message": {"reasoning_content": "mulls", "content": "hello", "refusal": null, "tool_calls": [{"function": {"arguments": "{\"a\":1}"}}], "reasoning": "ponders"}}], "usage": {"total_tokens": 3}}),
+                json!({"choices": [{"message": {"reasoning_content": "mulls", "content": "hello", "refusal": null, "tool_calls": [{"function": {"arguments": "{\"a\":1}"}}, {"type": "custom", "custom": {"name": "patch", "input": "custom in"}}], "reasoning": "ponders"}}], "usage": {"total_tokens": 3}}),
             ),
             (
                 Endpoint::Messages,
@@ -1292,7 +1304,10 @@ mod tests {
                 Endpoint::Responses,
                 json!({"output": [
                     {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "summed up"}], "content": [{"type": "reasoning_text", "text": "reasoned"}]},
-                    {"type": "message", "content": [{"type": "output_text", "text": "resp"}]}]}),
+                    {"type": "message", "content": [{"type": "output_text", "text": "resp"}]},
+                    {"type": "custom_tool_call", "call_id": "c", "name": "patch", "input": "custom input"},
+                    {"type": "code_interpreter_call", "container_id": "k", "code": "print(1)", "outputs": null},
+                    {"type": "mcp_call", "name": "tip", "arguments": "{\"q\":1}", "output": "the server's"}]}),
             ),
             (
                 Endpoint::Completions,
@@ -1313,6 +1328,7 @@ mod tests {
                 "ponders",
                 "mulls",
                 "{\"a\":1}",
+                "custom in",
                 "claude thinks",
                 "claude says",
                 "in",
@@ -1321,6 +1337,9 @@ mod tests {
                 "reasoned",
                 "summed up",
                 "resp",
+                "custom input",
+                "print(1)",
+                "{\"q\":1}",
                 "completed"
             ]
         );

@@ -831,6 +831,67 @@ async fn streamed_tool_call_arguments_and_refusals_are_guarded_openai() {
     proxy.stop().await;
 }
 
+/// A custom tool's input (`"type": "custom"` calls, free text rather than
+/// JSON arguments) is response text as a function's arguments are, whole
+/// or streamed.
+#[tokio::test]
+async fn custom_tool_inputs_are_guarded_openai() {
+    let (_mock, proxy) = start().await;
+    let question = chat("Write my note.", false);
+    let answer = |input: &str| {
+        json!({"id": "chatcmpl-t", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant",
+                "content": null, "tool_calls": [{"id": "call_1", "type": "custom",
+                    "custom": {"name": "write_note", "input": input}}]}}]})
+        .to_string()
+    };
+    let blocked = answer("Put all your savings into Dogecoin right now.");
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_json": blocked}),
+            &question,
+        )
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "block");
+    let body = response.text().await.unwrap();
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["choices"][0]["finish_reason"], "content_filter");
+    let allowed = answer("Budget first.");
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_json": allowed.clone()}),
+            &question,
+        )
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
+    assert_eq!(response.text().await.unwrap(), allowed);
+
+    let call = |input: &str| json!({"tool_calls": [{"index": 0, "custom": {"input": input}}]});
+    let opening = json!({"role": "assistant", "content": null, "tool_calls": [
+        {"index": 0, "id": "call_1", "type": "custom", "custom": {"name": "write_note", "input": ""}}]});
+    let harmful = openai_raw_stream(
+        &[
+            opening,
+            call("Put all your sav"),
+            call("ings into Dogecoin right now."),
+        ],
+        "tool_calls",
+    );
+    let body = relay_stream(
+        &proxy,
+        "/v1/chat/completions",
+        harmful,
+        &chat("Write my note.", true),
+    )
+    .await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    assert_eq!(openai_stream_text(&body).1, ["content_filter"], "{body}");
+    proxy.stop().await;
+}
+
 /// The same for Anthropic's `input_json_delta` events: a blocked tool input
 /// ends the stream with the refusal, its block closed.
 #[tokio::test]

@@ -293,88 +293,151 @@ async fn a_redaction_holds_in_every_event() {
     proxy.stop().await;
 }
 
-/// A stream of one function call whose arguments come in `pieces`.
-fn function_call_stream(pieces: &[&str]) -> String {
-    let arguments = pieces.concat();
-    let call = |arguments: &str, status: &str| {
-        json!({"id": "fc_1", "type": "function_call", "status": status, "call_id": "call_1",
-               "name": "send_note", "arguments": arguments})
+/// The calls whose model-written text a Responses API stream carries in
+/// deltas: the item's type, the member holding that text, and the prefix
+/// of its delta and done events.
+const CALLS: [(&str, &str, &str); 4] = [
+    (
+        "function_call",
+        "arguments",
+        "response.function_call_arguments",
+    ),
+    (
+        "custom_tool_call",
+        "input",
+        "response.custom_tool_call_input",
+    ),
+    ("mcp_call", "arguments", "response.mcp_call_arguments"),
+    (
+        "code_interpreter_call",
+        "code",
+        "response.code_interpreter_call_code",
+    ),
+];
+
+/// A stream of one call of `kind` (one of [`CALLS`]) whose text comes in
+/// `pieces`.
+fn call_stream((kind, member, events_of): (&str, &str, &str), pieces: &[&str]) -> String {
+    let text = pieces.concat();
+    let call = |text: &str, status: &str| {
+        let mut call = json!({"id": "fc_1", "type": kind, "status": status, "call_id": "call_1", "name": "send_note"});
+        call[member] = json!(text);
+        call
     };
     let response = |status: &str, output: Value| json!({"id": "resp_mock", "object": "response", "status": status, "output": output});
     let mut events = vec![
         (
-            "response.created",
+            "response.created".to_owned(),
             json!({"response": response("in_progress", json!([]))}),
         ),
         (
-            "response.output_item.added",
+            "response.output_item.added".to_owned(),
             json!({"output_index": 0, "item": call("", "in_progress")}),
         ),
     ];
     for piece in pieces {
         events.push((
-            "response.function_call_arguments.delta",
+            format!("{events_of}.delta"),
             json!({"item_id": "fc_1", "output_index": 0, "delta": piece}),
         ));
     }
+    let mut done = json!({"item_id": "fc_1", "output_index": 0});
+    done[member] = json!(text);
     events.extend([
+        (format!("{events_of}.done"), done),
         (
-            "response.function_call_arguments.done",
-            json!({"item_id": "fc_1", "output_index": 0, "arguments": arguments}),
+            "response.output_item.done".to_owned(),
+            json!({"output_index": 0, "item": call(&text, "completed")}),
         ),
         (
-            "response.output_item.done",
-            json!({"output_index": 0, "item": call(&arguments, "completed")}),
-        ),
-        (
-            "response.completed",
-            json!({"response": response("completed", json!([call(&arguments, "completed")]))}),
+            "response.completed".to_owned(),
+            json!({"response": response("completed", json!([call(&text, "completed")]))}),
         ),
     ]);
-    support::numbered_stream(events)
+    support::numbered_stream(
+        events
+            .iter()
+            .map(|(name, data)| (name.as_str(), data.clone()))
+            .collect(),
+    )
 }
 
+/// What the model writes in any call (a function's or MCP tool's
+/// arguments, a custom tool's input, a code interpreter's code) is held
+/// and checked as its text is.
 #[tokio::test]
-async fn streamed_function_call_arguments_are_guarded() {
+async fn streamed_call_arguments_inputs_and_code_are_guarded() {
     let (_mock, proxy) = start().await;
-    let harmful = function_call_stream(&[
-        "{\"note\": \"Put all your sav",
-        "ings into Dogecoin right now.\"}",
-    ]);
-    let response = proxy
-        .post(
-            "/v1/responses",
-            json!({"raw_sse": harmful}),
-            &request("Write my note.", true),
-        )
-        .await;
-    let body = response.text().await.unwrap();
-    assert!(!body.contains("Dogecoin"), "{body}");
-    let events = events(&body);
-    assert_eq!(
-        names(&events),
-        [
-            "response.created",
-            "response.output_item.added",
-            "response.incomplete"
-        ]
-    );
-    delta_text(&events);
-    assert_blocked_ending(&events);
+    for call in CALLS {
+        let harmful = call_stream(
+            call,
+            &[
+                "{\"note\": \"Put all your sav",
+                "ings into Dogecoin right now.\"}",
+            ],
+        );
+        let response = proxy
+            .post(
+                "/v1/responses",
+                json!({"raw_sse": harmful}),
+                &request("Write my note.", true),
+            )
+            .await;
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("Dogecoin"), "{body}");
+        let events = events(&body);
+        assert_eq!(
+            names(&events),
+            [
+                "response.created",
+                "response.output_item.added",
+                "response.incomplete"
+            ],
+            "{call:?}"
+        );
+        delta_text(&events);
+        assert_blocked_ending(&events);
 
-    let harmless = function_call_stream(&["{\"note\": \"Budget ", "first.\"}"]);
-    let response = proxy
-        .post(
-            "/v1/responses",
-            json!({"raw_sse": harmless.clone()}),
-            &request("Write my note.", true),
-        )
-        .await;
-    assert_eq!(
-        response.text().await.unwrap(),
-        harmless,
-        "an allowed stream of a call arrives as it was sent"
-    );
+        let harmless = call_stream(call, &["{\"note\": \"Budget ", "first.\"}"]);
+        let response = proxy
+            .post(
+                "/v1/responses",
+                json!({"raw_sse": harmless.clone()}),
+                &request("Write my note.", true),
+            )
+            .await;
+        assert_eq!(
+            response.text().await.unwrap(),
+            harmless,
+            "an allowed stream of a call arrives as it was sent: {call:?}"
+        );
+    }
+    proxy.stop().await;
+}
+
+/// The same in a whole answer: whatever the call, what the model wrote
+/// in it is response text.
+#[tokio::test]
+async fn a_whole_answers_call_inputs_and_code_are_guarded() {
+    let (_mock, proxy) = start().await;
+    for (kind, member, _) in CALLS {
+        let mut call = json!({"id": "ct_1", "type": kind, "status": "completed", "call_id": "c"});
+        call[member] = json!("Put all your savings into Dogecoin right now.");
+        let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",
+            "output": [call], "usage": {"total_tokens": 12}});
+        let response = proxy
+            .post(
+                "/v1/responses",
+                json!({"raw_json": answer.to_string()}),
+                &request("Write my note.", false),
+            )
+            .await;
+        assert_eq!(response.headers()["x-fairgate-verdict"], "block", "{kind}");
+        let text = response.text().await.unwrap();
+        assert!(!text.contains("Dogecoin"), "{text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["incomplete_details"]["reason"], "content_filter");
+    }
     proxy.stop().await;
 }
 

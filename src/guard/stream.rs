@@ -1362,8 +1362,13 @@ impl Guard {
                 }
             }
             Some("response.output_text.done" | "response.output_item.done") => Kind::BlockEnd,
+            // The model's words in a call: a function's or MCP tool's
+            // arguments, a custom tool's input, the code it runs.
             Some(
                 "response.function_call_arguments.delta"
+                | "response.mcp_call_arguments.delta"
+                | "response.custom_tool_call_input.delta"
+                | "response.code_interpreter_call_code.delta"
                 | "response.refusal.delta"
                 | "response.reasoning_summary_text.delta"
                 | "response.reasoning_text.delta",
@@ -1381,6 +1386,9 @@ impl Guard {
             // annotation) point into text that may not be released yet.
             Some(
                 "response.function_call_arguments.done"
+                | "response.mcp_call_arguments.done"
+                | "response.custom_tool_call_input.done"
+                | "response.code_interpreter_call_code.done"
                 | "response.refusal.done"
                 | "response.reasoning_summary_text.done"
                 | "response.reasoning_text.done"
@@ -2195,16 +2203,18 @@ fn sse_text(event: Option<&str>, data: &str) -> Bytes {
 }
 
 /// The strings of a Responses API event that repeat response text: a
-/// done event's `text`, `refusal` or `arguments`, and those of the `part`,
-/// the `item` (its `content` or reasoning `summary`) or the
-/// `response.output` it carries.
+/// done event's `text`, `refusal`, `arguments`, `input` (a custom tool's)
+/// or `code`, and those of the `part`, the `item` (its `content` or
+/// reasoning `summary`) or the `response.output` it carries.
 fn repeated_texts<'a>(value: &'a mut Value, out: &mut Vec<&'a mut String>) {
     let Value::Object(members) = value else {
         return;
     };
     for (key, value) in members.iter_mut() {
         match (key.as_str(), value) {
-            ("text" | "refusal" | "arguments", Value::String(text)) => out.push(text),
+            ("text" | "refusal" | "arguments" | "input" | "code", Value::String(text)) => {
+                out.push(text)
+            }
             ("part" | "item" | "response", value @ Value::Object(_)) => repeated_texts(value, out),
             ("content" | "output" | "summary", Value::Array(items)) => {
                 for item in items {

@@ -70,7 +70,7 @@ pub struct Event<'a> {
 
 /// A delta object: Anthropic's `type`, `text`, `partial_json` (a tool's
 /// input) and `thinking`, OpenAI's `content`, `refusal` and the
-/// `arguments` of each of its `tool_calls`, and the reasoning of
+/// `arguments` (or custom `input`) of each of its `tool_calls`, and the reasoning of
 /// OpenAI-compatible servers (`reasoning_content`, `reasoning`).
 #[derive(Debug, Default)]
 pub struct Delta<'a> {
@@ -244,7 +244,8 @@ impl<'a> Delta<'a> {
             .map(|()| delta)
     }
 
-    /// The `function.arguments` of each item of `tool_calls`, in order.
+    /// The `function.arguments` (or a custom tool's `custom.input`) of
+    /// each item of `tool_calls`, in order.
     fn read_tool_calls(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         if !reader.is(Peek::Array)? {
             return Ok(());
@@ -253,13 +254,16 @@ impl<'a> Delta<'a> {
             if !reader.is_object()? {
                 return Ok(());
             }
-            reader.object(["function"], |reader, _| {
+            reader.object(["function", "custom"], |reader, call| {
                 if !reader.is_object()? {
                     return Ok(());
                 }
-                reader.object(["arguments"], |reader, _| {
-                    self.arguments.extend(reader.string()?);
-                    Ok(())
+                reader.object(["arguments", "input"], |reader, key| {
+                    if key == call {
+                        self.arguments.extend(reader.string()?);
+                        return Ok(());
+                    }
+                    reader.skip()
                 })
             })
         })
