@@ -796,7 +796,8 @@ impl<'a> Texts<'a> {
     }
 
     /// An OpenAI chat completion's message: its content, its refusal, the
-    /// arguments (or custom input) of its tool calls, the transcript of its audio, and the
+    /// arguments (or custom input) of its tool calls (or of the deprecated
+    /// `function_call`), the transcript of its audio, and the
     /// reasoning of OpenAI-compatible servers (`reasoning_content`,
     /// `reasoning`).
     fn message(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
@@ -812,8 +813,14 @@ impl<'a> Texts<'a> {
                 "refusal",
                 "reasoning_content",
                 "reasoning",
+                "function_call",
             ],
             |reader, key| match key {
+                // The deprecated functions API's one call.
+                6 => match reader.is_object()? {
+                    true => reader.object(["arguments"], |reader, _| self.text(reader, scope)),
+                    false => Ok(()),
+                },
                 2.. => self.text(reader, scope),
                 1 => self.transcript(reader),
                 _ => self.objects(reader, |texts, reader| {
@@ -1294,7 +1301,7 @@ mod tests {
         for (endpoint, body) in [
             (
                 Endpoint::ChatCompletions,
-                json!({"choices": [{"message": {"reasoning_content": "mulls", "content": "hello", "refusal": null, "tool_calls": [{"function": {"arguments": "{\"a\":1}"}}, {"type": "custom", "custom": {"name": "patch", "input": "custom in"}}], "reasoning": "ponders"}}], "usage": {"total_tokens": 3}}),
+                json!({"choices": [{"message": {"reasoning_content": "mulls", "content": "hello", "refusal": null, "tool_calls": [{"function": {"arguments": "{\"a\":1}"}}, {"type": "custom", "custom": {"name": "patch", "input": "custom in"}}], "reasoning": "ponders", "function_call": {"name": "f", "arguments": "legacy"}}}], "usage": {"total_tokens": 3}}),
             ),
             (
                 Endpoint::Messages,
@@ -1325,6 +1332,7 @@ mod tests {
             seen,
             [
                 "hello",
+                "legacy",
                 "ponders",
                 "mulls",
                 "{\"a\":1}",

@@ -892,6 +892,50 @@ async fn custom_tool_inputs_are_guarded_openai() {
     proxy.stop().await;
 }
 
+/// The deprecated functions API's `function_call` (apps that still send
+/// `functions`) carries arguments as a tool call does, whole or streamed.
+#[tokio::test]
+async fn a_legacy_function_call_is_guarded_openai() {
+    let (_mock, proxy) = start().await;
+    let answer = json!({"id": "chatcmpl-t", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "finish_reason": "function_call", "message": {"role": "assistant",
+            "content": null, "function_call": {"name": "write_note",
+                "arguments": "{\"note\": \"Put all your savings into Dogecoin right now.\"}"}}}]});
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_json": answer.to_string()}),
+            &chat("Write my note.", false),
+        )
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "block");
+    let body = response.text().await.unwrap();
+    assert!(!body.contains("Dogecoin"), "{body}");
+
+    let call = |arguments: &str| json!({"function_call": {"arguments": arguments}});
+    let opening = json!({"role": "assistant", "content": null,
+        "function_call": {"name": "write_note", "arguments": ""}});
+    let harmful = openai_raw_stream(
+        &[
+            opening.clone(),
+            call("{\"note\": \"Put all your sav"),
+            call("ings into Dogecoin right now.\"}"),
+        ],
+        "function_call",
+    );
+    let question = chat("Write my note.", true);
+    let body = relay_stream(&proxy, "/v1/chat/completions", harmful, &question).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    assert_eq!(openai_stream_text(&body).1, ["content_filter"], "{body}");
+    let harmless = openai_raw_stream(
+        &[opening, call("{\"note\": \"Budget "), call("first.\"}")],
+        "function_call",
+    );
+    let body = relay_stream(&proxy, "/v1/chat/completions", harmless.clone(), &question).await;
+    assert_eq!(body, harmless, "an allowed call arrives as it was sent");
+    proxy.stop().await;
+}
+
 /// The same for Anthropic's `input_json_delta` events: a blocked tool input
 /// ends the stream with the refusal, its block closed.
 #[tokio::test]

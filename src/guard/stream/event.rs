@@ -214,11 +214,22 @@ impl<'a> Delta<'a> {
             "reasoning_content",
             "reasoning",
             "audio",
+            "function_call",
         ];
         reader
             .object(keys, |reader, key| {
                 if key == 5 {
                     return delta.read_tool_calls(reader);
+                }
+                // The deprecated functions API's one call.
+                if key == 10 {
+                    if !reader.is_object()? {
+                        return Ok(());
+                    }
+                    return reader.object(["arguments"], |reader, _| {
+                        delta.arguments.extend(reader.string()?);
+                        Ok(())
+                    });
                 }
                 if key == 9 {
                     delta.audio = reader.is_object()?;
