@@ -766,6 +766,11 @@ async fn handle(
     request_id: &str,
     started: Instant,
 ) -> Response<ProxyBody> {
+    if let Some(plain) = plain_path(req.uri().path())
+        && reading(req.method(), &plain) != reading(req.method(), req.uri().path())
+    {
+        return respond::failure(dialect_of_path(&plain), Failure::AmbiguousPath, request_id);
+    }
     if tunnel::is_websocket(req.headers()) {
         return tunnel::relay(state, req, request_id).await;
     }
@@ -787,6 +792,47 @@ async fn handle(
             None => passthrough(state, req, request_id).await,
         },
     }
+}
+
+/// The plain form of a request path whose bytes an upstream may read as
+/// another path: percent-decoded (as Starlette and Go's `net/http` route),
+/// `;` parameters taken off each segment (as Java servers do), empty and
+/// `.` segments dropped and `..` taking off the segment before it (as URL
+/// normalization does). `None` for a path with none of these, as nearly
+/// every path is: two quick passes over its bytes.
+fn plain_path(path: &str) -> Option<String> {
+    let bytes = path.as_bytes();
+    let unusual = bytes.iter().any(|&b| b == b'%' || b == b';')
+        || bytes
+            .windows(2)
+            .any(|pair| pair[0] == b'/' && matches!(pair[1], b'/' | b'.'));
+    if !unusual {
+        return None;
+    }
+    let decoded = percent_encoding::percent_decode_str(path).decode_utf8_lossy();
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in decoded.split('/') {
+        match segment.split(';').next().unwrap_or_default() {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            segment => segments.push(segment),
+        }
+    }
+    Some(format!("/{}", segments.join("/")))
+}
+
+/// How fairgate reads a request to `path`: the guarded endpoint, stored
+/// answer or batch it is, if any. A path whose plain form ([`plain_path`])
+/// reads otherwise is refused: the upstream might serve the plain form,
+/// and the guard would have read the wrong thing (or nothing).
+fn reading(method: &Method, path: &str) -> (Option<Endpoint>, Option<Stored>, Option<Batch>) {
+    (
+        Endpoint::from_path(path),
+        Stored::from_path(path),
+        Batch::from_request(method, path),
+    )
 }
 
 /// Headers that describe one connection, not the message (`name` in
@@ -1790,6 +1836,31 @@ fn guarded_stream(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plain_paths_are_decoded_and_normalized_and_plain_ones_left_alone() {
+        for path in [
+            "/v1/chat/completions",
+            "/v1/files/file-abc/content",
+            "/",
+            "",
+        ] {
+            assert_eq!(plain_path(path), None, "{path}");
+        }
+        for (path, plain) in [
+            ("//v1/chat/completions", "/v1/chat/completions"),
+            ("/v1//chat/completions/", "/v1/chat/completions"),
+            ("/v1/./messages", "/v1/messages"),
+            ("/v1/a/b/../../responses", "/v1/responses"),
+            ("/../../v1/responses", "/v1/responses"),
+            ("/v1/chat%2Fcompletions", "/v1/chat/completions"),
+            ("/v1/%2e%2e/v1/messages", "/v1/messages"),
+            ("/v1/chat;x=1/completions;y", "/v1/chat/completions"),
+            ("/v1/files/%ff", "/v1/files/\u{fffd}"),
+        ] {
+            assert_eq!(plain_path(path).as_deref(), Some(plain), "{path}");
+        }
+    }
 
     /// A fault in a handler is answered, over a real connection, with a
     /// 500 in the caller's dialect that SDKs do not retry; the connection

@@ -35,6 +35,9 @@ pub enum Failure {
     UpstreamBroken,
     /// No route matches the path.
     NoRoute,
+    /// The path's bytes and its plain form (decoded, normalized) would be
+    /// read as different requests.
+    AmbiguousPath,
     /// A WebSocket on a guarded path, or anywhere with `guard.upgrades:
     /// refuse`.
     UpgradeRefused,
@@ -46,9 +49,10 @@ impl Failure {
     fn status(self) -> StatusCode {
         match self {
             Failure::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Failure::InvalidJson | Failure::AmbiguousJson | Failure::BadEncoding => {
-                StatusCode::BAD_REQUEST
-            }
+            Failure::InvalidJson
+            | Failure::AmbiguousJson
+            | Failure::AmbiguousPath
+            | Failure::BadEncoding => StatusCode::BAD_REQUEST,
             Failure::UnsupportedEncoding => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Failure::ClientTimeout => StatusCode::REQUEST_TIMEOUT,
             Failure::UpstreamUnreachable | Failure::UpstreamBroken => StatusCode::BAD_GATEWAY,
@@ -71,6 +75,7 @@ impl Failure {
             Failure::UpstreamTimeout => "upstream_timeout",
             Failure::UpstreamBroken => "upstream_error",
             Failure::NoRoute => "not_found",
+            Failure::AmbiguousPath => "ambiguous_path",
             Failure::UpgradeRefused => "upgrade_refused",
             Failure::Fault => "internal_error",
         }
@@ -96,6 +101,9 @@ impl Failure {
             Failure::UpstreamTimeout => "The upstream API did not answer in time.",
             Failure::UpstreamBroken => "The upstream API's response could not be read.",
             Failure::NoRoute => "No upstream serves this path.",
+            Failure::AmbiguousPath => {
+                "The request path has empty or dot segments, percent-encoded characters or ';' parameters, and an API may read it as a path this gateway guards; send the path in its plain form."
+            }
             Failure::UpgradeRefused => {
                 "This gateway does not scan WebSocket sessions, so it refuses them on the paths it guards, and on every path with guard.upgrades: refuse."
             }
@@ -111,6 +119,7 @@ impl Failure {
             Failure::TooLarge => "request_too_large",
             Failure::InvalidJson
             | Failure::AmbiguousJson
+            | Failure::AmbiguousPath
             | Failure::BadEncoding
             | Failure::UnsupportedEncoding
             | Failure::ClientTimeout => "invalid_request_error",
@@ -125,6 +134,9 @@ impl Failure {
             Failure::TooLarge
             | Failure::InvalidJson
             | Failure::AmbiguousJson
+            | Failure::AmbiguousPath
+            | Failure::BadEncoding
+            | Failure::UnsupportedEncoding
             | Failure::ClientTimeout
             | Failure::NoRoute
             | Failure::UpgradeRefused => "invalid_request_error",
