@@ -511,12 +511,26 @@ struct Texts<'a> {
     found: Vec<Text<'a>>,
 }
 
-/// Which way to read a chat message's content: the scope of its role.
-fn role_scope(role: &str) -> Option<Scope> {
-    match role {
-        "system" | "developer" | "user" => Some(Scope::Prompt),
-        "tool" | "function" => Some(Scope::Context),
-        _ => None,
+/// Which way to read a chat message's content: the scope of its role, or
+/// `None` for the model's own earlier turns. A role the API does not
+/// define (`User`, `human`), or none, is read as prompt: servers that
+/// take such messages give them to the model.
+#[derive(Debug, Clone, Copy)]
+struct RoleScope(Option<Scope>);
+
+impl Default for RoleScope {
+    fn default() -> Self {
+        RoleScope(Some(Scope::Prompt))
+    }
+}
+
+impl RoleScope {
+    fn of(role: &str) -> RoleScope {
+        RoleScope(match role {
+            "assistant" => None,
+            "tool" | "function" => Some(Scope::Context),
+            _ => Some(Scope::Prompt),
+        })
     }
 }
 
@@ -640,32 +654,39 @@ impl<'a> Texts<'a> {
         )
     }
 
-    /// OpenAI chat messages: the content of system, developer and user
-    /// messages is prompt, of tool and function messages context.
+    /// OpenAI chat messages: the content of tool and function messages is
+    /// context, of the assistant's nothing, of any other (system,
+    /// developer, user) prompt ([`RoleScope`]).
     fn chat_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         self.objects(reader, |texts, reader| {
             reader.decided_object(
                 ["role", "content"],
-                |reader| Ok(reader.string()?.and_then(|t| role_scope(&t.value))),
-                |reader, scope, _| match scope {
-                    Some(scope) => texts.content(reader, *scope),
+                |reader| {
+                    Ok(reader
+                        .string()?
+                        .map(|t| RoleScope::of(&t.value))
+                        .unwrap_or_default())
+                },
+                |reader, scope, _| match scope.0 {
+                    Some(scope) => texts.content(reader, scope),
                     None => reader.skip(),
                 },
             )
         })
     }
 
-    /// Anthropic messages: the content of user messages, a string or
-    /// blocks, is prompt.
+    /// Anthropic messages: the content of any but the assistant's, a
+    /// string or blocks, is prompt (a role the API does not define too,
+    /// as [`RoleScope`] says).
     fn anthropic_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         self.objects(reader, |texts, reader| {
             reader.decided_object(
                 ["role", "content"],
-                |reader| Ok(reader.string()?.is_some_and(|t| t.value == "user")),
-                |reader, &user, _| match reader.jiter.peek()? {
-                    Peek::String if user => texts.text(reader, Scope::Prompt),
-                    _ if user => texts.blocks(reader, Scope::Prompt),
-                    _ => reader.skip(),
+                |reader| Ok(reader.string()?.is_some_and(|t| t.value == "assistant")),
+                |reader, &model, _| match reader.jiter.peek()? {
+                    _ if model => reader.skip(),
+                    Peek::String => texts.text(reader, Scope::Prompt),
+                    _ => texts.blocks(reader, Scope::Prompt),
                 },
             )
         })
@@ -896,7 +917,11 @@ mod tests {
             {"role": "system", "content": "be nice"},
             {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]},
             {"role": "assistant", "content": "earlier answer"},
-            {"role": "tool", "tool_call_id": "1", "content": "tool said"}
+            {"role": "tool", "tool_call_id": "1", "content": "tool said"},
+            {"role": "User", "content": "cased"},
+            {"role": "human", "content": "other role"},
+            {"content": "no role"},
+            {"role": 7, "content": "odd role"}
         ]});
         let text = body.to_string();
         let read = RequestBody::read(Endpoint::ChatCompletions, text.as_bytes()).unwrap();
@@ -907,7 +932,11 @@ mod tests {
             [
                 (Scope::Prompt, "be nice".into()),
                 (Scope::Prompt, "hi".into()),
-                (Scope::Context, "tool said".into())
+                (Scope::Context, "tool said".into()),
+                (Scope::Prompt, "cased".into()),
+                (Scope::Prompt, "other role".into()),
+                (Scope::Prompt, "no role".into()),
+                (Scope::Prompt, "odd role".into())
             ]
         );
     }
@@ -927,7 +956,8 @@ mod tests {
                     {"type": "search_result", "source": "s", "title": "t", "content": [{"type": "text", "text": "nested"}]}
                 ]}
             ]},
-            {"role": "assistant", "content": "old"}
+            {"role": "assistant", "content": "old"},
+            {"role": "human", "content": "other role"}
         ]});
         assert_eq!(
             collect_request(Endpoint::Messages, body),
@@ -944,7 +974,8 @@ mod tests {
                 (Scope::Context, "snippet".into()),
                 (Scope::Context, "found".into()),
                 (Scope::Context, "nested".into()),
-                (Scope::Context, "t".into())
+                (Scope::Context, "t".into()),
+                (Scope::Prompt, "other role".into())
             ]
         );
     }
