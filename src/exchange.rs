@@ -187,6 +187,40 @@ impl<'a> RequestBody<'a> {
     }
 }
 
+/// Whether `path` (after any prefix, as for [`Endpoint::from_path`]) adds
+/// items to a stored conversation, which a later response reads as its
+/// input: `/v1/conversations` (a new one, with its first `items`) or
+/// `/v1/conversations/{id}/items`.
+pub fn adds_conversation_items(path: &str) -> bool {
+    let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
+    let Some(v1) = segments.iter().rposition(|segment| *segment == "v1") else {
+        return false;
+    };
+    matches!(
+        &segments[v1 + 1..],
+        ["conversations"] | ["conversations", _, "items"]
+    )
+}
+
+/// Reads the `items` a request adds to a conversation, as the Responses
+/// API's `input` is read; an error as for [`RequestBody::read`].
+pub fn read_conversation_items(body: &[u8]) -> Result<BatchRequest<'_>, ReadError> {
+    let mut reader = Reader::bytes(body)?;
+    let mut texts = Texts::default();
+    if reader.is_object()? {
+        reader.object(["items"], |reader, _| texts.responses_input(reader))?;
+    }
+    reader.finish()?;
+    let params = RequestBody {
+        texts: texts.found,
+        ..RequestBody::default()
+    };
+    Ok(BatchRequest {
+        custom_id: None,
+        params,
+    })
+}
+
 /// One request of an Anthropic message batch (`POST /v1/messages/batches`):
 /// its `custom_id`, and its `params` read as a `/v1/messages` request, with
 /// the places of the whole batch body.

@@ -38,7 +38,7 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
 use crate::config::{Config, OnBlock, StreamMode};
-use crate::exchange::{Batch, Dialect, Endpoint, RequestBody, ResponseBody, Stored};
+use crate::exchange::{self, Batch, Dialect, Endpoint, RequestBody, ResponseBody, Stored};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json::ReadError;
@@ -785,6 +785,9 @@ async fn handle(
     {
         return stored::fetch(state, req, stored, request_id).await;
     }
+    if req.method() == Method::POST && exchange::adds_conversation_items(req.uri().path()) {
+        return stored::add_items(state, req, request_id).await;
+    }
     match endpoint {
         Some(endpoint) => guarded(state, req, endpoint, request_id, started).await,
         None => match Batch::from_request(req.method(), req.uri().path()) {
@@ -827,11 +830,12 @@ fn plain_path(path: &str) -> Option<String> {
 /// answer or batch it is, if any. A path whose plain form ([`plain_path`])
 /// reads otherwise is refused: the upstream might serve the plain form,
 /// and the guard would have read the wrong thing (or nothing).
-fn reading(method: &Method, path: &str) -> (Option<Endpoint>, Option<Stored>, Option<Batch>) {
+fn reading(method: &Method, path: &str) -> (Option<Endpoint>, Option<Stored>, Option<Batch>, bool) {
     (
         Endpoint::from_path(path),
         Stored::from_path(path),
         Batch::from_request(method, path),
+        exchange::adds_conversation_items(path),
     )
 }
 

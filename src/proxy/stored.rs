@@ -2,6 +2,9 @@
 //! completions and conversation items): relayed as the answers were when
 //! they were made, after the same response scan. Without it a client
 //! could fetch, by its id, a response whose creation fairgate refused.
+//! And the items a client adds to a stored conversation ([`add_items`]),
+//! read as a response's input: a later response reads them without their
+//! being sent again.
 //!
 //! A stored response or chat completion that a rule blocks comes back as
 //! the refusal its creation got (or the 400 error, with `on_block:
@@ -13,15 +16,17 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use http::{Request, Response, header};
+use http::{Method, Request, Response, header};
 use hyper::body::Incoming;
 
-use super::respond;
+use super::batch::Refusal;
+use super::respond::{self, Failure};
 use super::{ProxyBody, Relayed, State, upstream};
 use crate::config::OnBlock;
-use crate::exchange::{Dialect, Endpoint, ResponseBody, Stored};
+use crate::exchange::{self, Dialect, Endpoint, ResponseBody, Stored};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
+use crate::json;
 use crate::json::ReadError;
 use crate::risk::{self, Decision, Verdict};
 use crate::rules::Scope;
@@ -29,6 +34,67 @@ use crate::telemetry::Blocked;
 
 /// The route label of these fetches in the metrics.
 const ROUTE: &str = "stored";
+
+/// The route label of items added to a conversation.
+const ITEMS: &str = "conversation_items";
+
+/// `POST /v1/conversations` and `POST /v1/conversations/{id}/items`: the
+/// items added to a stored conversation, which a later response reads as
+/// its input (`"conversation": "conv_..."`) without sending them again,
+/// are read as the Responses API's input is. One that a rule blocks
+/// refuses the request with the 400 a blocked prompt gets, naming
+/// `items`; `redact` hits are redacted in place. There is no exchange
+/// record: nothing answers them.
+pub(super) async fn add_items(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let (parts, body) = req.into_parts();
+    let (bytes, decoded) = match super::read_request(state, &parts.headers, body).await {
+        Ok(read) => read,
+        Err(failure) => return respond::failure(dialect, failure, request_id),
+    };
+    let items = match exchange::read_conversation_items(&bytes) {
+        Ok(items) => items,
+        Err(error) => return respond::unreadable(dialect, &error, None, request_id),
+    };
+    let Some(route) = state.config.route(parts.uri.path(), None) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    let upstream = route.upstream.clone();
+    let rules = state.rules.snapshot();
+    let guard = &state.config.guard;
+    let texts = &items.params.texts;
+    let scan = guard::scan_request(&rules, &state.config.risk, &guard.context_tags, texts);
+    let scanned_in = ScannedIn {
+        route: ITEMS,
+        upstream: &upstream,
+        model: None,
+        request_id,
+        scope: Scope::Prompt,
+        status: Some(400),
+    };
+    count(state, scanned_in, &scan.verdict);
+    let (hits, decision) = (&scan.verdict.hits, scan.verdict.decision);
+    if let Some(refusal) = Refusal::of_block(&items, hits, decision) {
+        return refusal.respond(dialect, "items", request_id);
+    }
+    let body = match scan.edits.is_empty() {
+        true => bytes,
+        false => json::splice(&bytes, &scan.edits),
+    };
+    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers);
+    if decoded {
+        headers.remove(header::CONTENT_ENCODING);
+    }
+    let body = http_body_util::Either::Left(http_body_util::Full::new(body));
+    match super::forward(state, &upstream, Method::POST, &parts.uri, headers, body).await {
+        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Err(failure) => respond::failure(dialect, failure, request_id),
+    }
+}
 
 /// Fetches a stored answer and relays it as the guard allows.
 pub(super) async fn fetch(
