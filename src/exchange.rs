@@ -876,7 +876,9 @@ impl<'a> Texts<'a> {
                     true => reader.object(["arguments"], |reader, _| self.text(reader, scope)),
                     false => Ok(()),
                 },
-                2.. => self.text(reader, scope),
+                // A string, or parts as some OpenAI-compatible servers send.
+                2 => self.content(reader, scope),
+                3.. => self.text(reader, scope),
                 1 => self.transcript(reader),
                 _ => self.objects(reader, |texts, reader| {
                     // A function's arguments, a custom tool's input.

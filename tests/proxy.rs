@@ -1871,3 +1871,43 @@ async fn messages_of_roles_the_api_does_not_define_are_read_as_prompt() {
     assert_eq!(response.status(), 200);
     proxy.stop().await;
 }
+
+/// Some OpenAI-compatible servers send a message's content as an array of
+/// parts rather than a string, whole and in stream deltas: it is read
+/// (and held in a stream) all the same.
+#[tokio::test]
+async fn content_sent_as_parts_is_guarded_openai() {
+    let (_mock, proxy) = start().await;
+    let advice = "Put all your savings into Dogecoin right now.";
+    let answer = json!({"id": "chatcmpl-t", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant",
+            "content": [{"type": "text", "text": advice}]}}]});
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_json": answer.to_string()}),
+            &chat("Tips?", false),
+        )
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "block");
+    let body = response.text().await.unwrap();
+    assert!(!body.contains("Dogecoin"), "{body}");
+
+    let part = |text: &str| json!({"content": [{"type": "text", "text": text}]});
+    let harmful = openai_raw_stream(
+        &[
+            json!({"role": "assistant", "content": ""}),
+            part("Put all your sav"),
+            part("ings into Dogecoin right now."),
+        ],
+        "stop",
+    );
+    let question = chat("Tips?", true);
+    let body = relay_stream(&proxy, "/v1/chat/completions", harmful, &question).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    assert_eq!(openai_stream_text(&body).1, ["content_filter"], "{body}");
+    let harmless = openai_raw_stream(&[part("Start with "), part("a budget.")], "stop");
+    let body = relay_stream(&proxy, "/v1/chat/completions", harmless.clone(), &question).await;
+    assert_eq!(body, harmless, "allowed parts arrive as they were sent");
+    proxy.stop().await;
+}

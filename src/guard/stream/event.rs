@@ -80,6 +80,10 @@ pub struct Delta<'a> {
     pub refusal: Option<Text<'a>>,
     pub partial_json: Option<Text<'a>>,
     pub arguments: Vec<Text<'a>>,
+    /// The texts of `content` when it is an array of parts (strings, or
+    /// objects with a `text`), as some OpenAI-compatible servers send it:
+    /// held whole, not re-framed.
+    pub content_parts: Vec<Text<'a>>,
     /// `thinking`, `reasoning_content` and `reasoning`, in order.
     pub reasoning: Vec<Text<'a>>,
     /// Whether it carries `audio` (OpenAI), and the audio's `transcript`.
@@ -221,6 +225,20 @@ impl<'a> Delta<'a> {
                 if key == 5 {
                     return delta.read_tool_calls(reader);
                 }
+                // Content as parts, as some OpenAI-compatible servers send it.
+                if key == 2 && reader.jiter.peek()? == Peek::Array {
+                    return reader.array(|reader| match reader.jiter.peek()? {
+                        Peek::String => {
+                            delta.content_parts.extend(reader.string()?);
+                            Ok(())
+                        }
+                        Peek::Object => reader.object(["text"], |reader, _| {
+                            delta.content_parts.extend(reader.string()?);
+                            Ok(())
+                        }),
+                        _ => reader.skip(),
+                    });
+                }
                 // The deprecated functions API's one call.
                 if key == 10 {
                     if !reader.is_object()? {
@@ -281,7 +299,7 @@ impl<'a> Delta<'a> {
     }
 
     /// The text of a delta that the guard cannot re-frame and so holds
-    /// whole: a refusal, tool-call arguments (a call's opening, with none
+    /// whole: content sent as parts, a refusal, tool-call arguments (a call's opening, with none
     /// yet, too), a tool's input, reasoning, audio (its transcript; a
     /// piece of the audio alone, too, since it says what the transcript
     /// writes). An empty refusal or reasoning, which some servers send
@@ -292,6 +310,7 @@ impl<'a> Delta<'a> {
         if refusal.is_none()
             && self.partial_json.is_none()
             && self.arguments.is_empty()
+            && self.content_parts.is_empty()
             && reasoning.clone().next().is_none()
             && !self.audio
         {
@@ -299,6 +318,7 @@ impl<'a> Delta<'a> {
         }
         let parts = refusal
             .into_iter()
+            .chain(&self.content_parts)
             .chain(&self.partial_json)
             .chain(&self.arguments)
             .chain(reasoning)
