@@ -1729,6 +1729,28 @@ async fn a_text_sent_again_is_judged_as_the_first_time() {
     proxy.stop().await;
 }
 
+/// Posts each of `requests` (path and body) and checks that the proxy
+/// refused it as a blocked prompt, nothing of it sent upstream; the
+/// answers' bodies, in order.
+async fn all_refused(
+    proxy: &support::Proxy,
+    mock: &support::Mock,
+    requests: &[(&str, Value)],
+) -> Vec<Value> {
+    let mut answers = Vec::new();
+    for (path, body) in requests {
+        let response = proxy.post(path, json!({}), body).await;
+        assert_eq!(response.status(), 400, "{body}");
+        assert_eq!(response.headers()["x-fairgate-verdict"], "block", "{body}");
+        answers.push(response.json().await.unwrap());
+    }
+    assert!(
+        mock.requests().is_empty(),
+        "a refused request went upstream"
+    );
+    answers
+}
+
 /// Retrieved text reaches the model in more shapes than tool results and
 /// documents: an Anthropic search result (on its own or inside a tool
 /// result), the title and context given beside a document, and in the
@@ -1777,16 +1799,12 @@ async fn search_results_and_every_tool_output_are_read_as_context() {
             ),
         ),
     ];
-    for (path, body) in &blocked {
-        let response = proxy.post(path, json!({}), body).await;
-        assert_eq!(response.status(), 400, "{body}");
-        assert_eq!(response.headers()["x-fairgate-verdict"], "block");
-        let answer: Value = response.json().await.unwrap();
+    let answers = all_refused(&proxy, &mock, &blocked).await;
+    for ((path, _), answer) in blocked.iter().zip(&answers) {
         if *path == "/v1/responses" {
-            assert_eq!(answer["error"]["fairgate"]["scope"], "context", "{body}");
+            assert_eq!(answer["error"]["fairgate"]["scope"], "context", "{answer}");
         }
     }
-    assert!(mock.requests().is_empty());
     // The same shapes with harmless text go through.
     let harmless = "Keep three months of expenses in savings.";
     let response = proxy
@@ -1819,14 +1837,10 @@ async fn prompt_template_variables_and_a_completion_suffix_are_read_as_prompt() 
             json!({"model": "gpt-3.5-turbo-instruct", "prompt": "def f():", "suffix": attack}),
         ),
     ];
-    for (path, body) in &blocked {
-        let response = proxy.post(path, json!({}), body).await;
-        assert_eq!(response.status(), 400, "{body}");
-        let answer: Value = response.json().await.unwrap();
-        assert_eq!(answer["error"]["code"], "content_filter", "{body}");
-        assert_eq!(answer["error"]["fairgate"]["scope"], "prompt", "{body}");
+    for answer in all_refused(&proxy, &mock, &blocked).await {
+        assert_eq!(answer["error"]["code"], "content_filter", "{answer}");
+        assert_eq!(answer["error"]["fairgate"]["scope"], "prompt", "{answer}");
     }
-    assert!(mock.requests().is_empty());
     let harmless = json!({"model": "gpt-4o",
         "prompt": {"id": "pmpt_123", "variables": {"question": "How do I start a budget?"}}});
     let response = proxy.post("/v1/responses", json!({}), &harmless).await;
@@ -1856,12 +1870,7 @@ async fn messages_of_roles_the_api_does_not_define_are_read_as_prompt() {
             json!({"model": "m", "max_tokens": 9, "messages": [{"role": "human", "content": attack}]}),
         ),
     ];
-    for (path, body) in &blocked {
-        let response = proxy.post(path, json!({}), body).await;
-        assert_eq!(response.status(), 400, "{body}");
-        assert_eq!(response.headers()["x-fairgate-verdict"], "block", "{body}");
-    }
-    assert!(mock.requests().is_empty());
+    all_refused(&proxy, &mock, &blocked).await;
     // The model's own earlier turns are not read as the user's words.
     let earlier = json!({"model": "m", "messages": [
         {"role": "assistant", "content": attack}, {"role": "user", "content": "Thanks."}]});

@@ -37,14 +37,14 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
-use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, header};
+use http::{HeaderMap, Method, Request, Response, Uri, header};
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
 
 use super::respond::{self, Failure};
 use super::stored::{ScannedIn, count};
-use super::{BoxError, ProxyBody, Relayed, State, lines, upstream};
+use super::{BoxError, ProxyBody, ReadRequest, Relayed, State, lines, upstream};
 use crate::config::OnBlock;
 use crate::exchange::{self, Batch, BatchAnswer, BatchRequest, Dialect};
 use crate::guard::{self, block_message, rule_ids};
@@ -461,19 +461,15 @@ async fn create(
 ) -> Response<ProxyBody> {
     let dialect = Dialect::Anthropic;
     let origin = client_origin(req.headers(), req.uri());
-    let (parts, body) = req.into_parts();
-    let (bytes, decoded) = match super::read_request(state, &parts.headers, body).await {
+    let read = match ReadRequest::of(state, req, dialect, request_id).await {
         Ok(read) => read,
-        Err(failure) => return respond::failure(dialect, failure, request_id),
+        Err(answer) => return answer,
     };
-    let requests = match exchange::read_batch(&bytes) {
+    let requests = match exchange::read_batch(&read.bytes) {
         Ok(requests) => requests,
         Err(error) => return respond::unreadable(dialect, &error, None, request_id),
     };
-    let Some(route) = state.config.route(parts.uri.path(), None) else {
-        return respond::failure(dialect, Failure::NoRoute, request_id);
-    };
-    let upstream = route.upstream.clone();
+    let upstream = read.upstream.clone();
     let rules = state.rules.snapshot();
     let mut edits = Vec::new();
     for (index, request) in requests.iter().enumerate() {
@@ -486,19 +482,10 @@ async fn create(
         }
     }
     let body = match edits.is_empty() {
-        true => bytes,
-        false => json::splice(&bytes, &edits),
+        true => read.bytes.clone(),
+        false => json::splice(&read.bytes, &edits),
     };
-    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers);
-    if decoded {
-        headers.remove(header::CONTENT_ENCODING);
-    }
-    headers.insert(
-        header::ACCEPT_ENCODING,
-        HeaderValue::from_static("identity"),
-    );
-    let body = http_body_util::Either::Left(Full::new(body));
-    match super::forward(state, &upstream, Method::POST, &parts.uri, headers, body).await {
+    match read.send(state, body, true).await {
         Ok((response, deadline)) => {
             let relayed = Relayed {
                 upstream,

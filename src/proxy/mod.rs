@@ -1647,6 +1647,70 @@ async fn read_request(
     }
 }
 
+/// A request that fairgate reads whole to scan what it sends, outside an
+/// exchange (a message batch, items added to a conversation): its head,
+/// its body as read (decompressed), and the upstream its path routes to.
+pub(super) struct ReadRequest {
+    pub parts: http::request::Parts,
+    pub bytes: Bytes,
+    /// Whether `bytes` were decompressed from the body sent.
+    decoded: bool,
+    pub upstream: String,
+    dialect: Dialect,
+}
+
+impl ReadRequest {
+    /// Reads `req`'s body ([`read_request`]) and finds its upstream; the
+    /// error answer in `dialect` when either fails.
+    pub(super) async fn of(
+        state: &State,
+        req: Request<Incoming>,
+        dialect: Dialect,
+        request_id: &str,
+    ) -> Result<ReadRequest, Response<ProxyBody>> {
+        let (parts, body) = req.into_parts();
+        let (bytes, decoded) = match read_request(state, &parts.headers, body).await {
+            Ok(read) => read,
+            Err(failure) => return Err(respond::failure(dialect, failure, request_id)),
+        };
+        let Some(route) = state.config.route(parts.uri.path(), None) else {
+            return Err(respond::failure(dialect, Failure::NoRoute, request_id));
+        };
+        let upstream = route.upstream.clone();
+        Ok(ReadRequest {
+            parts,
+            bytes,
+            decoded,
+            upstream,
+            dialect,
+        })
+    }
+
+    /// Sends the request upstream with `body` (what was read, redacted or
+    /// not), uncompressed; with `identity`, asking for an uncompressed
+    /// answer too.
+    pub(super) async fn send(
+        &self,
+        state: &State,
+        body: Bytes,
+        identity: bool,
+    ) -> Result<(Response<upstream::Answer>, tokio::time::Instant), Failure> {
+        let head = self.parts.headers.clone();
+        let mut headers = upstream_headers(state, &self.upstream, self.dialect, head);
+        if self.decoded {
+            headers.remove(header::CONTENT_ENCODING);
+        }
+        if identity {
+            headers.insert(
+                header::ACCEPT_ENCODING,
+                HeaderValue::from_static("identity"),
+            );
+        }
+        let (uri, body) = (&self.parts.uri, Either::Left(Full::new(body)));
+        forward(state, &self.upstream, Method::POST, uri, headers, body).await
+    }
+}
+
 /// A client's request body, read whole: [`Failure::TooLarge`] past `limit`
 /// bytes, [`Failure::ClientTimeout`] when no part of it has come for
 /// `client_body_timeout_ms`, [`Failure::InvalidJson`] when the client

@@ -16,12 +16,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use http::{Method, Request, Response, header};
+use http::{Request, Response, header};
 use hyper::body::Incoming;
 
 use super::batch::Refusal;
-use super::respond::{self, Failure};
-use super::{ProxyBody, Relayed, State, upstream};
+use super::respond;
+use super::{ProxyBody, ReadRequest, Relayed, State, upstream};
 use crate::config::OnBlock;
 use crate::exchange::{self, Dialect, Endpoint, ResponseBody, Stored};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
@@ -51,26 +51,22 @@ pub(super) async fn add_items(
     request_id: &str,
 ) -> Response<ProxyBody> {
     let dialect = Dialect::OpenAi;
-    let (parts, body) = req.into_parts();
-    let (bytes, decoded) = match super::read_request(state, &parts.headers, body).await {
+    let read = match ReadRequest::of(state, req, dialect, request_id).await {
         Ok(read) => read,
-        Err(failure) => return respond::failure(dialect, failure, request_id),
+        Err(answer) => return answer,
     };
-    let items = match exchange::read_conversation_items(&bytes) {
+    let items = match exchange::read_conversation_items(&read.bytes) {
         Ok(items) => items,
         Err(error) => return respond::unreadable(dialect, &error, None, request_id),
     };
-    let Some(route) = state.config.route(parts.uri.path(), None) else {
-        return respond::failure(dialect, Failure::NoRoute, request_id);
-    };
-    let upstream = route.upstream.clone();
+    let upstream = &read.upstream;
     let rules = state.rules.snapshot();
     let guard = &state.config.guard;
     let texts = &items.params.texts;
     let scan = guard::scan_request(&rules, &state.config.risk, &guard.context_tags, texts);
     let scanned_in = ScannedIn {
         route: ITEMS,
-        upstream: &upstream,
+        upstream,
         model: None,
         request_id,
         scope: Scope::Prompt,
@@ -82,15 +78,10 @@ pub(super) async fn add_items(
         return refusal.respond(dialect, "items", request_id);
     }
     let body = match scan.edits.is_empty() {
-        true => bytes,
-        false => json::splice(&bytes, &scan.edits),
+        true => read.bytes.clone(),
+        false => json::splice(&read.bytes, &scan.edits),
     };
-    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers);
-    if decoded {
-        headers.remove(header::CONTENT_ENCODING);
-    }
-    let body = http_body_util::Either::Left(http_body_util::Full::new(body));
-    match super::forward(state, &upstream, Method::POST, &parts.uri, headers, body).await {
+    match read.send(state, body, false).await {
         Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
