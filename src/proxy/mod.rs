@@ -827,7 +827,8 @@ fn plain_path(path: &str) -> Option<String> {
 }
 
 /// How fairgate reads a request to `path`: the guarded endpoint, stored
-/// answer or batch it is, if any. A path whose plain form ([`plain_path`])
+/// answer, batch or conversation items it is, if any. A path whose plain
+/// form ([`plain_path`])
 /// reads otherwise is refused: the upstream might serve the plain form,
 /// and the guard would have read the wrong thing (or nothing).
 fn reading(method: &Method, path: &str) -> (Option<Endpoint>, Option<Stored>, Option<Batch>, bool) {
