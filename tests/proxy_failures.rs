@@ -992,9 +992,14 @@ async fn a_path_that_reads_as_a_guarded_one_once_normalized_is_refused() {
     }
     // The Anthropic envelope for a path that is the Messages API's.
     let answer = send("POST", "/v1/./messages").await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(answer.contains(r#""type":"error""#), "{answer}");
     assert!(
-        answer.contains("ambiguous_path") || answer.contains("plain form"),
+        answer.contains(r#""type":"invalid_request_error""#),
+        "{answer}"
+    );
+    assert!(
+        answer.contains("send the path in its plain form"),
         "{answer}"
     );
     // Stored answers and batches too.

@@ -766,34 +766,62 @@ async fn handle(
     request_id: &str,
     started: Instant,
 ) -> Response<ProxyBody> {
+    let reading = Reading::of(req.method(), req.uri().path());
     if let Some(plain) = plain_path(req.uri().path())
-        && reading(req.method(), &plain) != reading(req.method(), req.uri().path())
+        && Reading::of(req.method(), &plain) != reading
     {
         return respond::failure(dialect_of_path(&plain), Failure::AmbiguousPath, request_id);
     }
     if tunnel::is_websocket(req.headers()) {
         return tunnel::relay(state, req, request_id).await;
     }
-    let endpoint = (req.method() == Method::POST)
-        .then(|| Endpoint::from_path(req.uri().path()))
-        .flatten();
-    if req.method() == Method::POST && req.uri().path().trim_end_matches('/') == "/v1/feedback" {
-        return feedback(state, req, request_id).await;
+    match reading {
+        Reading::Guarded(endpoint) => guarded(state, req, endpoint, request_id, started).await,
+        Reading::Feedback => feedback(state, req, request_id).await,
+        Reading::Stored(stored) => stored::fetch(state, req, stored, request_id).await,
+        Reading::ConversationItems => stored::add_items(state, req, request_id).await,
+        Reading::Batch(batch) => batch::handle(state, req, batch, request_id).await,
+        Reading::Passed => passthrough(state, req, request_id).await,
     }
-    if req.method() == Method::GET
-        && let Some(stored) = Stored::from_path(req.uri().path())
-    {
-        return stored::fetch(state, req, stored, request_id).await;
-    }
-    if req.method() == Method::POST && exchange::adds_conversation_items(req.uri().path()) {
-        return stored::add_items(state, req, request_id).await;
-    }
-    match endpoint {
-        Some(endpoint) => guarded(state, req, endpoint, request_id, started).await,
-        None => match Batch::from_request(req.method(), req.uri().path()) {
-            Some(batch) => batch::handle(state, req, batch, request_id).await,
-            None => passthrough(state, req, request_id).await,
-        },
+}
+
+/// What fairgate does with a request, by its method and path. One
+/// classification for serving it and for telling whether its path's plain
+/// form ([`plain_path`]) would be served otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reading {
+    /// `POST` to a guarded endpoint: an exchange.
+    Guarded(Endpoint),
+    /// fairgate's own `POST /v1/feedback`.
+    Feedback,
+    /// `GET` of an answer the API stored.
+    Stored(Stored),
+    /// `POST` of items to a stored conversation.
+    ConversationItems,
+    /// A request about batches.
+    Batch(Batch),
+    /// Anything else, passed through unread.
+    Passed,
+}
+
+impl Reading {
+    fn of(method: &Method, path: &str) -> Reading {
+        if *method == Method::POST {
+            if let Some(endpoint) = Endpoint::from_path(path) {
+                return Reading::Guarded(endpoint);
+            }
+            if path.trim_end_matches('/') == "/v1/feedback" {
+                return Reading::Feedback;
+            }
+            if exchange::adds_conversation_items(path) {
+                return Reading::ConversationItems;
+            }
+        } else if *method == Method::GET
+            && let Some(stored) = Stored::from_path(path)
+        {
+            return Reading::Stored(stored);
+        }
+        Batch::from_request(method, path).map_or(Reading::Passed, Reading::Batch)
     }
 }
 
@@ -802,7 +830,10 @@ async fn handle(
 /// `;` parameters taken off each segment (as Java servers do), empty and
 /// `.` segments dropped and `..` taking off the segment before it (as URL
 /// normalization does). `None` for a path with none of these, as nearly
-/// every path is: two quick passes over its bytes.
+/// every path is: two quick passes over its bytes. A request whose path's
+/// plain form [`Reading`] reads otherwise is refused: the upstream might
+/// serve the plain form, and the guard would have read the wrong thing
+/// (or nothing).
 fn plain_path(path: &str) -> Option<String> {
     let bytes = path.as_bytes();
     let unusual = bytes.iter().any(|&b| b == b'%' || b == b';')
@@ -824,20 +855,6 @@ fn plain_path(path: &str) -> Option<String> {
         }
     }
     Some(format!("/{}", segments.join("/")))
-}
-
-/// How fairgate reads a request to `path`: the guarded endpoint, stored
-/// answer, batch or conversation items it is, if any. A path whose plain
-/// form ([`plain_path`])
-/// reads otherwise is refused: the upstream might serve the plain form,
-/// and the guard would have read the wrong thing (or nothing).
-fn reading(method: &Method, path: &str) -> (Option<Endpoint>, Option<Stored>, Option<Batch>, bool) {
-    (
-        Endpoint::from_path(path),
-        Stored::from_path(path),
-        Batch::from_request(method, path),
-        exchange::adds_conversation_items(path),
-    )
 }
 
 /// Headers that describe one connection, not the message (`name` in
