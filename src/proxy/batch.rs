@@ -90,16 +90,12 @@ async fn upload(
         return super::passthrough(state, req, request_id).await;
     };
     let limit = state.config.guard.max_body_bytes;
-    let (parts, mut body) = req.into_parts();
+    let (parts, body) = req.into_parts();
+    let mut body = super::client_body(state, body);
     let mut start = BytesMut::new();
-    let idle = state.config.client_body_timeout();
     let whole = loop {
-        let frame = match super::next_frame(&mut body, idle).await {
-            Ok(frame) => frame,
-            Err(failure) => return respond::failure(dialect, failure, request_id),
-        };
-        match frame {
-            Some(Ok(frame)) => {
+        match super::next_frame(&mut body).await {
+            Ok(Some(frame)) => {
                 if let Ok(data) = frame.into_data() {
                     start.extend_from_slice(&data);
                 }
@@ -107,8 +103,8 @@ async fn upload(
                     break false;
                 }
             }
-            Some(Err(_)) => return respond::failure(dialect, Failure::InvalidJson, request_id),
-            None => break true,
+            Ok(None) => break true,
+            Err(failure) => return respond::failure(dialect, failure, request_id),
         }
     };
     let encoding = parts.headers.get(header::CONTENT_ENCODING);
@@ -128,12 +124,11 @@ async fn upload(
         if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
             headers.insert(header::CONTENT_LENGTH, length.clone());
         }
-        let rest = upstream::ClientBody::new(body, idle);
         match purpose(&fields(&start, &boundary).await.0) {
-            Some(purpose) if purpose != b"batch" => upstream::read_on(start, rest),
+            Some(purpose) if purpose != b"batch" => upstream::read_on(start, body),
             // A batch's, or its purpose comes later.
             _ => {
-                let input = (start, rest, boundary);
+                let input = (start, body, boundary);
                 return read_on_the_way(state, parts, input, upstream, headers, request_id).await;
             }
         }

@@ -1266,8 +1266,7 @@ async fn relay(
             HeaderValue::from_static("identity"),
         );
     }
-    let idle = state.config.client_body_timeout();
-    let body = Either::Right(Either::Left(upstream::ClientBody::new(body, idle)));
+    let body = Either::Right(Either::Left(client_body(state, body)));
     match forward(state, &upstream, parts.method, &parts.uri, headers, body).await {
         Ok((response, deadline)) => Ok(Relayed {
             upstream,
@@ -1733,14 +1732,14 @@ impl ReadRequest {
 /// bytes, [`Failure::ClientTimeout`] when no part of it has come for
 /// `client_body_timeout_ms`, [`Failure::InvalidJson`] when the client
 /// breaks it off. A body that came in one frame is not copied.
-async fn read_whole(state: &State, mut body: Incoming, limit: usize) -> Result<Bytes, Failure> {
+async fn read_whole(state: &State, body: Incoming, limit: usize) -> Result<Bytes, Failure> {
     if http_body::Body::size_hint(&body).lower() > limit as u64 {
         return Err(Failure::TooLarge);
     }
-    let idle = state.config.client_body_timeout();
+    let mut body = client_body(state, body);
     let (mut first, mut more) = (None::<Bytes>, BytesMut::new());
-    while let Some(frame) = next_frame(&mut body, idle).await? {
-        let Ok(data) = frame.map_err(|_| Failure::InvalidJson)?.into_data() else {
+    while let Some(frame) = next_frame(&mut body).await? {
+        let Ok(data) = frame.into_data() else {
             continue; // trailers
         };
         let read = first.as_ref().map_or(0, Bytes::len) + more.len();
@@ -1758,22 +1757,21 @@ async fn read_whole(state: &State, mut body: Incoming, limit: usize) -> Result<B
     Ok(first.unwrap_or_else(|| more.freeze()))
 }
 
-/// The next frame of a client's body, or [`Failure::ClientTimeout`] when
-/// none has come for `idle`.
-async fn next_frame(
-    body: &mut Incoming,
-    idle: Option<Duration>,
-) -> Result<Option<Result<Frame<Bytes>, hyper::Error>>, Failure> {
-    let mut frame = body.frame();
-    // A frame already there needs no timer (nor its registration).
-    if let Poll::Ready(frame) = futures_util::poll!(&mut frame) {
-        return Ok(frame);
-    }
-    match idle {
-        Some(idle) => tokio::time::timeout(idle, frame)
-            .await
-            .map_err(|_| Failure::ClientTimeout),
-        None => Ok(frame.await),
+/// A client's body, with `client_body_timeout_ms` on each wait for its
+/// next part.
+fn client_body(state: &State, body: Incoming) -> upstream::ClientBody {
+    upstream::ClientBody::new(body, state.config.client_body_timeout())
+}
+
+/// The next frame of a client's body read by the proxy:
+/// [`Failure::ClientTimeout`] when none has come in time,
+/// [`Failure::InvalidJson`] when the client broke the body off.
+async fn next_frame(body: &mut upstream::ClientBody) -> Result<Option<Frame<Bytes>>, Failure> {
+    match body.frame().await {
+        None => Ok(None),
+        Some(Ok(frame)) => Ok(Some(frame)),
+        Some(Err(error)) if error.is::<upstream::Stalled>() => Err(Failure::ClientTimeout),
+        Some(Err(_)) => Err(Failure::InvalidJson),
     }
 }
 

@@ -225,8 +225,7 @@ async fn part(
         headers.insert(header::CONTENT_LENGTH, length);
     }
     let (copies, reading) = lines::read(state, &upstream, boundary, "data", request_id);
-    let idle = state.config.client_body_timeout();
-    let frames = upstream::ClientBody::new(body, idle).into_frames();
+    let frames = super::client_body(state, body).into_frames();
     let body = lines::tee(frames, copies, None);
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
     let (response, deadline) = match forwarded.await {

@@ -66,7 +66,8 @@ pub fn read_on(start: Bytes, rest: ClientBody) -> UpstreamBody {
     Either::Right(Either::Right(BodyExt::boxed(body)))
 }
 
-/// A client's body going upstream as it arrives. It fails with [`Stalled`]
+/// A client's body, read whole by the proxy or going upstream as it
+/// arrives. It fails with [`Stalled`]
 /// when no part of it has come for `idle` (`client_body_timeout_ms`), so
 /// that a client that stops sending holds neither its request nor an
 /// upstream connection for as long as the upstream's own timeout. The timer
