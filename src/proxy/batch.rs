@@ -379,18 +379,33 @@ pub(super) fn scan_counted(
     request: &BatchRequest,
     request_id: &str,
 ) -> guard::RequestScan {
+    // The batch's 400 may come with a later request (an upload's
+    // completion).
+    let counted = (REQUESTS, None);
+    scan_counted_as(state, rules, upstream, counted, request, request_id)
+}
+
+/// A request's texts scanned as a prompt sent outside an exchange, and
+/// counted under `route`, a block with the `status` its client gets if
+/// known now.
+pub(super) fn scan_counted_as(
+    state: &State,
+    rules: &RuleSet,
+    upstream: &str,
+    (route, status): (&'static str, Option<u16>),
+    request: &BatchRequest,
+    request_id: &str,
+) -> guard::RequestScan {
     let guard = &state.config.guard;
     let texts = &request.params.texts;
     let scan = guard::scan_request(rules, &state.config.risk, &guard.context_tags, texts);
     let scanned_in = ScannedIn {
-        route: REQUESTS,
+        route,
         upstream,
         model: request.params.model.as_deref(),
         request_id,
         scope: Scope::Prompt,
-        // The batch's 400 may come with a later request (an upload's
-        // completion).
-        status: None,
+        status,
     };
     count(state, scanned_in, &scan.verdict);
     scan

@@ -19,7 +19,7 @@ use std::time::Instant;
 use http::{Request, Response, header};
 use hyper::body::Incoming;
 
-use super::batch::Refusal;
+use super::batch::{Refusal, scan_counted_as};
 use super::respond;
 use super::{ProxyBody, ReadRequest, Relayed, State, upstream};
 use crate::config::OnBlock;
@@ -59,20 +59,9 @@ pub(super) async fn add_items(
         Ok(items) => items,
         Err(error) => return respond::unreadable(dialect, &error, None, request_id),
     };
-    let upstream = &read.upstream;
     let rules = state.rules.snapshot();
-    let guard = &state.config.guard;
-    let texts = &items.params.texts;
-    let scan = guard::scan_request(&rules, &state.config.risk, &guard.context_tags, texts);
-    let scanned_in = ScannedIn {
-        route: ITEMS,
-        upstream,
-        model: None,
-        request_id,
-        scope: Scope::Prompt,
-        status: Some(400),
-    };
-    count(state, scanned_in, &scan.verdict);
+    let counted = (ITEMS, Some(400));
+    let scan = scan_counted_as(state, &rules, &read.upstream, counted, &items, request_id);
     let (hits, decision) = (&scan.verdict.hits, scan.verdict.decision);
     if let Some(refusal) = Refusal::of_block(&items, hits, decision) {
         return refusal.respond(dialect, "items", request_id);
