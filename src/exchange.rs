@@ -192,14 +192,20 @@ impl<'a> RequestBody<'a> {
 /// input: `/v1/conversations` (a new one, with its first `items`) or
 /// `/v1/conversations/{id}/items`.
 pub fn adds_conversation_items(path: &str) -> bool {
-    let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
-    let Some(v1) = segments.iter().rposition(|segment| *segment == "v1") else {
-        return false;
-    };
     matches!(
-        &segments[v1 + 1..],
-        ["conversations"] | ["conversations", _, "items"]
+        after_v1(path).as_deref(),
+        Some(["conversations"] | ["conversations", _, "items"])
     )
+}
+
+/// The segments of `path` after its last `v1` (whatever prefix comes
+/// before it, as for [`Endpoint::from_path`]), less a trailing slash;
+/// `None` when it has no `v1`.
+fn after_v1(path: &str) -> Option<Vec<&str>> {
+    let mut segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
+    let v1 = segments.iter().rposition(|segment| *segment == "v1")?;
+    segments.drain(..=v1);
+    Some(segments)
 }
 
 /// Reads the `items` a request adds to a conversation, as the Responses
@@ -461,9 +467,7 @@ impl Stored {
     /// What a `GET` of `path` fetches, if it is a stored answer (after
     /// any prefix, as for [`Endpoint::from_path`]).
     pub fn from_path(path: &str) -> Option<Stored> {
-        let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
-        let v1 = segments.iter().rposition(|segment| *segment == "v1")?;
-        match &segments[v1 + 1..] {
+        match after_v1(path)?.as_slice() {
             ["responses", _] => Some(Stored::Response),
             ["chat", "completions"] => Some(Stored::ChatCompletions),
             ["chat", "completions", _] => Some(Stored::ChatCompletion),
@@ -511,11 +515,10 @@ impl Batch {
     /// What a request of `method` to `path` is about, if batches (after
     /// any prefix, as for [`Endpoint::from_path`]).
     pub fn from_request(method: &http::Method, path: &str) -> Option<Batch> {
-        let segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
-        let v1 = segments.iter().rposition(|segment| *segment == "v1")?;
+        let segments = after_v1(path)?;
         let post = *method == http::Method::POST;
         let get = *method == http::Method::GET;
-        match (&segments[v1 + 1..], post, get) {
+        match (segments.as_slice(), post, get) {
             (["messages", "batches"], true, _) => Some(Batch::Create),
             (["messages", "batches"] | ["messages", "batches", _], _, true) => Some(Batch::Objects),
             (["messages", "batches", _, "cancel"], true, _) => Some(Batch::Objects),
