@@ -543,22 +543,19 @@ impl Config {
             .into_iter()
             .filter(|(name, _)| name.starts_with(ENV_PREFIX))
             .collect();
-        if settings.is_empty() {
-            return match path {
-                Some(path) => Config::load(path),
-                None => Ok(Config::default()),
-            };
-        }
         settings.sort();
         let source = path.map_or_else(|| PathBuf::from("environment"), Path::to_owned);
-        let parse_error = |message: String| ConfigError::Parse {
-            path: source.clone(),
-            message,
-        };
         // The file's own mistakes come with their lines.
         let file = match path {
             Some(path) => Config::parse_only(path, &read(path)?)?,
             None => Config::default(),
+        };
+        if settings.is_empty() {
+            return file.validated(source);
+        }
+        let parse_error = |message: String| ConfigError::Parse {
+            path: source.clone(),
+            message,
         };
         // Every setting, so that a variable changes only the one it names.
         let file = serde_yaml_ng::to_value(&file).map_err(|e| parse_error(e.to_string()))?;
@@ -583,33 +580,22 @@ impl Config {
                 false => parse_error(wrong.join("; ")),
             }
         })?;
-        let problems = config.problems();
-        match problems.is_empty() {
-            true => Ok(config),
-            false => Err(ConfigError::Invalid {
-                path: source,
-                problems,
-            }),
-        }
-    }
-
-    /// Reads and validates a configuration file.
-    pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        Config::parse(path, &read(path)?)
+        config.validated(source)
     }
 
     /// Parses and validates the text of a configuration file; `path` is only
     /// used in messages.
     pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
-        let config = Config::parse_only(path, text)?;
-        let problems = config.problems();
-        if problems.is_empty() {
-            Ok(config)
-        } else {
-            Err(ConfigError::Invalid {
-                path: path.to_owned(),
-                problems,
-            })
+        Config::parse_only(path, text)?.validated(path.to_owned())
+    }
+
+    /// The configuration, if its values have no problem; else every
+    /// problem, for the source at `path`.
+    fn validated(self, path: PathBuf) -> Result<Config, ConfigError> {
+        let problems = self.problems();
+        match problems.is_empty() {
+            true => Ok(self),
+            false => Err(ConfigError::Invalid { path, problems }),
         }
     }
 
