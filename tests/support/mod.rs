@@ -616,7 +616,8 @@ impl Proxy {
     }
 
     /// The lines the JSON-lines sink has written so far, as written
-    /// (without their newlines).
+    /// (without their newlines). A line still being written (no newline
+    /// yet: a write of the sink's buffer may be under way) is left out.
     pub fn result_lines(&self) -> Vec<Vec<u8>> {
         let Some(jsonl) = &self.state.config.sinks.jsonl else {
             return Vec::new();
@@ -626,7 +627,9 @@ impl Proxy {
         };
         let mut lines = Vec::new();
         for entry in entries.flatten() {
-            let text = std::fs::read(entry.path()).unwrap_or_default();
+            let mut text = std::fs::read(entry.path()).unwrap_or_default();
+            let written = text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+            text.truncate(written);
             lines.extend(
                 text.split(|&b| b == b'\n')
                     .filter(|line| !line.is_empty())
