@@ -99,6 +99,12 @@ pub struct Text<'a> {
     /// could not reach (the transcript of audio): a `redact` hit in it
     /// blocks.
     pub whole: bool,
+    /// Part of a tool's definition (its description, its schema), which
+    /// the model reads as context and which may come from a third party
+    /// (an MCP server's tool list): scanned as context, but not the
+    /// exchange's context (not recorded, not weighed for relevance), and
+    /// sent again with every request.
+    pub definition: bool,
 }
 
 /// What the guard reads of a request body.
@@ -111,8 +117,9 @@ pub struct RequestBody<'a> {
     /// The `metadata` object, for [`crate::record::ClientMeta`].
     pub metadata: Option<&'a str>,
     /// System and user messages are the prompt; tool results, function
-    /// outputs and documents are context. Assistant turns of the history
-    /// are the model's own words and are not scanned again.
+    /// outputs, documents and tool definitions are context. Assistant
+    /// turns of the history are the model's own words and are not scanned
+    /// again.
     pub texts: Vec<Text<'a>>,
 }
 
@@ -133,8 +140,9 @@ impl<'a> RequestBody<'a> {
         endpoint: Endpoint,
     ) -> Result<RequestBody<'a>, ReadError> {
         let mut read = RequestBody::default();
-        // The system prompt and instructions come first in `texts`,
-        // wherever the body has them.
+        // The system prompt, instructions and tool definitions come first
+        // in `texts`, wherever the body has them: they are sent again with
+        // every request, the last text is the newest.
         let (mut first, mut rest) = (Texts::default(), Texts::default());
         if reader.is_object()? {
             let keys = [
@@ -148,6 +156,8 @@ impl<'a> RequestBody<'a> {
                 "instructions",
                 "input",
                 "suffix",
+                "tools",
+                "functions",
             ];
             reader.object(keys, |reader, key| match (key, endpoint) {
                 (0, _) => {
@@ -178,6 +188,8 @@ impl<'a> RequestBody<'a> {
                 (6, Endpoint::Responses) => first.prompt_variables(reader),
                 (7, Endpoint::Responses) => first.text(reader, Scope::Prompt),
                 (8, Endpoint::Responses) => rest.responses_input(reader),
+                (10, Endpoint::ChatCompletions | Endpoint::Responses | Endpoint::Messages)
+                | (11, Endpoint::ChatCompletions) => first.tool_definitions(reader),
                 _ => reader.skip(),
             })?;
         }
@@ -580,6 +592,7 @@ impl<'a> Texts<'a> {
                 text: text.value,
                 span: text.token,
                 whole: false,
+                definition: false,
             });
         }
         Ok(())
@@ -629,6 +642,43 @@ impl<'a> Texts<'a> {
             Peek::Object => reader.members(|reader| self.strings(reader, scope)),
             _ => reader.skip(),
         }
+    }
+
+    /// Tool definitions (`tools`, the deprecated `functions`), the reader
+    /// at their array: the description of each tool (of a chat tool's
+    /// `function` or `custom`, of an MCP server in the Responses API) and
+    /// every string of its parameters' schema (`parameters`,
+    /// `input_schema`: descriptions, titles, enum values, defaults), in
+    /// context and marked [`Text::definition`]. Instructions hidden there
+    /// reach the model as surely as in a tool's result (tool poisoning).
+    fn tool_definitions(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        let from = self.found.len();
+        self.objects(reader, |texts, reader| texts.tool_definition(reader))?;
+        for text in &mut self.found[from..] {
+            text.definition = true;
+        }
+        Ok(())
+    }
+
+    /// One tool's definition, the reader at its start (see
+    /// [`Texts::tool_definitions`]).
+    fn tool_definition(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        let keys = [
+            "description",
+            "server_description",
+            "parameters",
+            "input_schema",
+            "function",
+            "custom",
+        ];
+        reader.object(keys, |reader, key| match key {
+            0 | 1 => self.text(reader, Scope::Context),
+            2 | 3 => self.strings(reader, Scope::Context),
+            _ => match reader.is_object()? {
+                true => self.tool_definition(reader),
+                false => Ok(()),
+            },
+        })
     }
 
     /// OpenAI message content: a string, or parts of which the strings and
@@ -948,6 +998,87 @@ mod tests {
             }
             other => other.to_string(),
         }
+    }
+
+    /// The texts of `body` that are tool definitions, sorted (`json!`
+    /// sorts keys).
+    fn definitions(endpoint: Endpoint, body: &Value) -> Vec<String> {
+        let text = body.to_string();
+        let read = RequestBody::read(endpoint, text.as_bytes()).unwrap();
+        let mut found: Vec<String> = read
+            .texts
+            .into_iter()
+            .filter(|t| t.definition)
+            .inspect(|t| assert_eq!(t.scope, Scope::Context))
+            .map(|t| t.text.into_owned())
+            .collect();
+        found.sort();
+        found
+    }
+
+    #[test]
+    fn tool_definitions_are_context_in_every_dialect() {
+        let schema = json!({"type": "object", "properties": {
+            "account": {"type": "string", "description": "the account id"},
+            "kind": {"enum": ["checking", "savings"], "default": "checking"}
+        }, "required": ["account"]});
+        let chat = json!({"model": "gpt", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [
+                {"type": "function", "function": {"name": "balance", "description": "reads a balance", "parameters": schema}},
+                {"type": "custom", "custom": {"name": "sql", "description": "runs a query", "format": {"type": "text"}}}
+            ],
+            "functions": [{"name": "old", "description": "an old function"}]});
+        assert_eq!(
+            definitions(Endpoint::ChatCompletions, &chat),
+            [
+                "account",
+                "an old function",
+                "checking",
+                "checking",
+                "object",
+                "reads a balance",
+                "runs a query",
+                "savings",
+                "string",
+                "the account id"
+            ]
+        );
+        // Definitions come first: the user's turn is the last text.
+        let text = chat.to_string();
+        let read = RequestBody::read(Endpoint::ChatCompletions, text.as_bytes()).unwrap();
+        let last = read.texts.last().unwrap();
+        assert_eq!(
+            (last.scope, &*last.text, last.definition),
+            (Scope::Prompt, "hi", false)
+        );
+
+        let responses = json!({"model": "gpt", "input": "hi", "tools": [
+            {"type": "function", "name": "balance", "description": "reads a balance", "parameters": {"type": "object"}},
+            {"type": "mcp", "server_label": "bank", "server_url": "https://mcp.example",
+                "server_description": "the bank's tools", "headers": {"Authorization": "Bearer secret"}},
+            {"type": "web_search"}
+        ]});
+        assert_eq!(
+            definitions(Endpoint::Responses, &responses),
+            ["object", "reads a balance", "the bank's tools"]
+        );
+        let messages = json!({"model": "claude", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "balance", "description": "reads a balance",
+                "input_schema": {"type": "object", "properties": {"account": {"description": "the account id"}}}}]});
+        assert_eq!(
+            definitions(Endpoint::Messages, &messages),
+            ["object", "reads a balance", "the account id"]
+        );
+        // Completions take no tools; messages' texts are not definitions.
+        let completions = json!({"model": "m", "prompt": "hi", "tools": [{"description": "x"}]});
+        assert!(definitions(Endpoint::Completions, &completions).is_empty());
+        assert!(
+            definitions(
+                Endpoint::Messages,
+                &json!({"messages": [{"role": "user", "content": "hi"}]})
+            )
+            .is_empty()
+        );
     }
 
     #[test]

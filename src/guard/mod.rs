@@ -60,17 +60,25 @@ pub fn scan_request(
     let mut edits = Vec::new();
     for (i, text) in request_texts.iter().enumerate() {
         let Text {
-            scope, text, span, ..
+            scope,
+            text,
+            span,
+            definition,
+            ..
         } = text;
-        // The texts before the last one (a system prompt, the turns before
-        // the latest) are mostly sent again by the next request, and their
-        // hits are remembered; the last one is new by nature.
-        let again = i + 1 < request_texts.len();
+        // The texts before the last one (a system prompt, tool
+        // definitions, the turns before the latest) are mostly sent again
+        // by the next request, and their hits are remembered; the last one
+        // is new by nature.
+        let again = i + 1 < request_texts.len() || *definition;
         let mut rewritten = String::new();
         let mut changed = false;
         for (range, part_scope) in split_context(text, *scope, context_tags) {
             let part = &text[range.clone()];
             match part_scope {
+                // A tool's definition is read, but it is not what the
+                // exchange is about.
+                _ if *definition => {}
                 Scope::Prompt => {
                     question.push_str(part);
                     question.push('\n');
@@ -92,6 +100,7 @@ pub fn scan_request(
             };
             rewritten.push_str(&kept);
             match part_scope {
+                _ if *definition => {}
                 Scope::Context => texts.context.push(kept),
                 _ => texts.prompt.push(kept),
             }
