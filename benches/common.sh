@@ -42,6 +42,25 @@ else
   API_PATH=/v1/chat/completions
   BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"'"$SYSTEM"'"},{"role":"user","content":"'"$QUESTION"'"}]}'
 fi
+# TOOLS=N: N tool definitions in every request (a description and a
+# schema of three described parameters each, some 570 bytes a tool), as
+# agents send them: the same in every request, in the dialect's shape.
+if [ -n "${TOOLS:-}" ]; then
+  BODY=$(python3 -c "
+import json, sys
+body, n, anthropic = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == 'anthropic'
+def tool(i):
+    schema = {'type': 'object', 'required': ['account_id'], 'properties': {
+        'account_id': {'type': 'string', 'description': 'The id of the account, as the accounts tool lists it.'},
+        'from_date': {'type': 'string', 'format': 'date', 'description': 'The first day to include, in ISO 8601.'},
+        'category': {'type': 'string', 'enum': ['groceries', 'rent', 'travel', 'savings'], 'description': 'Only spending of this category.'}}}
+    name, text = f'tool_{i}', f'Lists the transactions of an account (tool {i}) between two dates, newest first, with their amounts and categories.'
+    if anthropic:
+        return {'name': name, 'description': text, 'input_schema': schema}
+    return {'type': 'function', 'function': {'name': name, 'description': text, 'parameters': schema}}
+body['tools'] = [tool(i) for i in range(n)]
+print(json.dumps(body, separators=(',', ':')))" "$BODY" "$TOOLS" "${DIALECT:-openai}")
+fi
 echo "$BODY" >"$WORK/body.json"
 echo "${BODY%\}}"',"stream":true}' >"$WORK/stream.json"
 

@@ -99,11 +99,14 @@ pub struct Text<'a> {
     /// could not reach (the transcript of audio): a `redact` hit in it
     /// blocks.
     pub whole: bool,
-    /// Part of a tool's definition (its description, its schema), which
-    /// the model reads as context and which may come from a third party
-    /// (an MCP server's tool list): scanned as context, but not the
-    /// exchange's context (not recorded, not weighed for relevance), and
-    /// sent again with every request.
+    /// The tool definitions of a request (`tools`, `functions`): `text`
+    /// is their array's JSON text as it stands at `span`, whose texts
+    /// [`definition_texts`] reads. The model reads them as context, and
+    /// they may come from a third party (an MCP server's tool list); they
+    /// are sent again with every request, so the guard remembers what it
+    /// found in them by their JSON text, and reads that only when it is
+    /// new. Not the exchange's context: not recorded, not weighed for
+    /// relevance.
     pub definition: bool,
 }
 
@@ -189,7 +192,7 @@ impl<'a> RequestBody<'a> {
                 (7, Endpoint::Responses) => first.text(reader, Scope::Prompt),
                 (8, Endpoint::Responses) => rest.responses_input(reader),
                 (10, Endpoint::ChatCompletions | Endpoint::Responses | Endpoint::Messages)
-                | (11, Endpoint::ChatCompletions) => first.tool_definitions(reader),
+                | (11, Endpoint::ChatCompletions) => first.definitions(reader),
                 _ => reader.skip(),
             })?;
         }
@@ -237,6 +240,23 @@ pub fn read_conversation_items(body: &[u8]) -> Result<BatchRequest<'_>, ReadErro
         custom_id: None,
         params,
     })
+}
+
+/// The texts of a request's tool definitions: their JSON text `json`
+/// (of a [`Text::definition`]), which lies at `at` of the body. They are
+/// the description of each tool (of a chat tool's `function` or `custom`,
+/// of an MCP server in the Responses API) and every string of its
+/// parameters' schema (`parameters`, `input_schema`: descriptions,
+/// titles, enum values, defaults), in context, with their places in the
+/// body. Instructions hidden there reach the model as surely as in a
+/// tool's result (tool poisoning). An error only for a text that is not
+/// JSON.
+pub fn definition_texts(json: &str, at: usize) -> Result<Vec<Text<'_>>, ReadError> {
+    let mut reader = Reader::at_base(json, at);
+    let mut texts = Texts::default();
+    texts.objects(&mut reader, |texts, reader| texts.tool_definition(reader))?;
+    reader.finish()?;
+    Ok(texts.found)
 }
 
 /// One request of an Anthropic message batch (`POST /v1/messages/batches`):
@@ -645,23 +665,23 @@ impl<'a> Texts<'a> {
     }
 
     /// Tool definitions (`tools`, the deprecated `functions`), the reader
-    /// at their array: the description of each tool (of a chat tool's
-    /// `function` or `custom`, of an MCP server in the Responses API) and
-    /// every string of its parameters' schema (`parameters`,
-    /// `input_schema`: descriptions, titles, enum values, defaults), in
-    /// context and marked [`Text::definition`]. Instructions hidden there
-    /// reach the model as surely as in a tool's result (tool poisoning).
-    fn tool_definitions(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
-        let from = self.found.len();
-        self.objects(reader, |texts, reader| texts.tool_definition(reader))?;
-        for text in &mut self.found[from..] {
-            text.definition = true;
+    /// at their value: an array is one [`Text::definition`], read later
+    /// by [`definition_texts`] if need be.
+    fn definitions(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        if let Some((text, span)) = reader.array_text()? {
+            self.found.push(Text {
+                scope: Scope::Context,
+                text: Cow::Borrowed(text),
+                span,
+                whole: false,
+                definition: true,
+            });
         }
         Ok(())
     }
 
     /// One tool's definition, the reader at its start (see
-    /// [`Texts::tool_definitions`]).
+    /// [`definition_texts`]). A key given twice is read both times.
     fn tool_definition(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         let keys = [
             "description",
@@ -671,7 +691,7 @@ impl<'a> Texts<'a> {
             "function",
             "custom",
         ];
-        reader.object(keys, |reader, key| match key {
+        reader.every_member(keys, |reader, key| match key {
             0 | 1 => self.text(reader, Scope::Context),
             2 | 3 => self.strings(reader, Scope::Context),
             _ => match reader.is_object()? {
@@ -1005,13 +1025,18 @@ mod tests {
     fn definitions(endpoint: Endpoint, body: &Value) -> Vec<String> {
         let text = body.to_string();
         let read = RequestBody::read(endpoint, text.as_bytes()).unwrap();
-        let mut found: Vec<String> = read
-            .texts
-            .into_iter()
-            .filter(|t| t.definition)
-            .inspect(|t| assert_eq!(t.scope, Scope::Context))
-            .map(|t| t.text.into_owned())
-            .collect();
+        let mut found = Vec::new();
+        for definitions in read.texts.iter().filter(|t| t.definition) {
+            assert_eq!(definitions.scope, Scope::Context);
+            // The JSON text of the array, where it stands.
+            assert_eq!(&text[definitions.span.clone()], definitions.text);
+            for t in definition_texts(&definitions.text, definitions.span.start).unwrap() {
+                let quoted: String = serde_json::from_str(&text[t.span.clone()]).unwrap();
+                assert_eq!(quoted, t.text);
+                assert_eq!(t.scope, Scope::Context);
+                found.push(t.text.into_owned());
+            }
+        }
         found.sort();
         found
     }
@@ -1069,7 +1094,17 @@ mod tests {
             definitions(Endpoint::Messages, &messages),
             ["object", "reads a balance", "the account id"]
         );
-        // Completions take no tools; messages' texts are not definitions.
+        // A key given twice is read both times (no parser reads one
+        // unscanned); completions take no tools; messages' texts are not
+        // definitions.
+        let twice = r#"{"messages": [], "tools": [{"description": "one", "description": "two"}]}"#;
+        let read = RequestBody::read(Endpoint::Messages, twice.as_bytes()).unwrap();
+        let json = &read.texts[0].text;
+        let texts: Vec<_> = definition_texts(json, read.texts[0].span.start).unwrap();
+        assert_eq!(
+            texts.iter().map(|t| &*t.text).collect::<Vec<_>>(),
+            ["one", "two"]
+        );
         let completions = json!({"model": "m", "prompt": "hi", "tools": [{"description": "x"}]});
         assert!(definitions(Endpoint::Completions, &completions).is_empty());
         assert!(

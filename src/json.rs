@@ -90,6 +90,16 @@ impl<'a> Reader<'a> {
             .map_err(|e| ReadError::Invalid(e.to_string()))
     }
 
+    /// A reader of `data`, a JSON text that lies at `base` of a whole
+    /// text (as [`Reader::array_text`] found it), counting places from the
+    /// whole text's start.
+    pub fn at_base(data: &'a str, base: usize) -> Reader<'a> {
+        Reader {
+            base,
+            ..Reader::new(data)
+        }
+    }
+
     /// A reader of the value at `span` of the whole text read by `self`
     /// (a span an earlier read returned).
     pub fn part(&self, span: Range<usize>) -> Reader<'a> {
@@ -135,6 +145,26 @@ impl<'a> Reader<'a> {
     pub fn object<const N: usize>(
         &mut self,
         keys: [&str; N],
+        member: impl FnMut(&mut Self, usize) -> Result<(), ReadError>,
+    ) -> Result<(), ReadError> {
+        self.keyed(keys, true, member)
+    }
+
+    /// As [`Reader::object`], but a key of `keys` given twice is read both
+    /// times, so that no parser reads one unscanned.
+    pub fn every_member<const N: usize>(
+        &mut self,
+        keys: [&str; N],
+        member: impl FnMut(&mut Self, usize) -> Result<(), ReadError>,
+    ) -> Result<(), ReadError> {
+        self.keyed(keys, false, member)
+    }
+
+    /// [`Reader::object`] when `once`, else [`Reader::every_member`].
+    fn keyed<const N: usize>(
+        &mut self,
+        keys: [&str; N],
+        once: bool,
         mut member: impl FnMut(&mut Self, usize) -> Result<(), ReadError>,
     ) -> Result<(), ReadError> {
         let position = |key: &str| keys.iter().position(|known| *known == key);
@@ -145,7 +175,7 @@ impl<'a> Reader<'a> {
             let mut key = reader.jiter.known_object()?;
             while let Some(name) = key {
                 match position(name) {
-                    Some(at) if seen & (1 << at) != 0 => {
+                    Some(at) if once && seen & (1 << at) != 0 => {
                         return Err(ReadError::Ambiguous(name.to_owned()));
                     }
                     Some(at) => {
@@ -314,6 +344,17 @@ impl<'a> Reader<'a> {
         let peek = self.jiter.peek()?;
         self.jiter.known_skip(peek)?;
         Ok(peek != Peek::Null)
+    }
+
+    /// The JSON text of the next value if it is an array, and where it
+    /// lies in the whole text.
+    pub fn array_text(&mut self) -> Result<Option<(&'a str, Range<usize>)>, ReadError> {
+        let peek = self.jiter.peek()?;
+        let start = self.jiter.current_index();
+        self.jiter.known_skip(peek)?;
+        let end = self.jiter.current_index();
+        Ok((peek == Peek::Array)
+            .then(|| (&self.data[start..end], self.base + start..self.base + end)))
     }
 
     /// The JSON text of the next value if it is an object.

@@ -1877,19 +1877,27 @@ async fn tool_definitions_are_read_as_context() {
         }
     }
 
-    // A card number in a schema is redacted where it stands.
+    // Sent again, as apps send their tools, they are refused again (what
+    // was found in them is remembered).
+    let (path, body) = &blocked[0];
+    let response = proxy.post(path, json!({}), body).await;
+    assert_eq!(response.status(), 400);
+
+    // A card number in a schema is redacted where it stands, every time.
     let card = chat(function(
         "Pays a bill.",
         schema("the card, for example 4111 1111 1111 1111"),
     ));
-    let response = proxy.post("/v1/chat/completions", json!({}), &card).await;
-    assert_eq!(response.status(), 200);
-    assert_eq!(response.headers()["x-fairgate-verdict"], "redact");
-    let sent: Value = serde_json::from_str(&mock.requests()[0].body).unwrap();
-    assert_eq!(
-        sent["tools"][0]["function"]["parameters"]["properties"]["sidenote"]["description"],
-        "the card, for example [REDACTED:card]"
-    );
+    for i in 0..2 {
+        let response = proxy.post("/v1/chat/completions", json!({}), &card).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["x-fairgate-verdict"], "redact");
+        let sent: Value = serde_json::from_str(&mock.requests()[i].body).unwrap();
+        assert_eq!(
+            sent["tools"][0]["function"]["parameters"]["properties"]["sidenote"]["description"],
+            "the card, for example [REDACTED:card]"
+        );
+    }
 
     // Harmless tools go through as sent, and are no part of the record's
     // context.
@@ -1900,10 +1908,10 @@ async fn tool_definitions_are_read_as_context() {
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
     let id = support::request_id(&response);
-    let sent: Value = serde_json::from_str(&mock.requests()[1].body).unwrap();
+    let sent: Value = serde_json::from_str(&mock.requests()[2].body).unwrap();
     assert_eq!(sent, harmless);
-    // Every exchange has its record: the refused ones, the two sent.
-    let rows = proxy.wait_for_results(blocked.len() + 2).await;
+    // Every exchange has its record: the refused ones, the three sent.
+    let rows = proxy.wait_for_results(blocked.len() + 4).await;
     let record = rows
         .iter()
         .find(|row| row["kind"] == "exchange" && row["request_id"] == id.as_str())

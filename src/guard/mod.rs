@@ -11,7 +11,7 @@ use bytes::Bytes;
 
 use serde_json::Value;
 
-use crate::exchange::Text;
+use crate::exchange::{self, Text};
 use crate::json;
 use crate::risk::{self, RiskConfig, Verdict};
 use crate::rules::{Action, Hit, RuleSet, Scope, redact};
@@ -59,26 +59,22 @@ pub fn scan_request(
     let mut texts = RequestTexts::default();
     let mut edits = Vec::new();
     for (i, text) in request_texts.iter().enumerate() {
+        if text.definition {
+            hits.extend(scan_definitions(rules, text, &mut edits));
+            continue;
+        }
         let Text {
-            scope,
-            text,
-            span,
-            definition,
-            ..
+            scope, text, span, ..
         } = text;
-        // The texts before the last one (a system prompt, tool
-        // definitions, the turns before the latest) are mostly sent again
-        // by the next request, and their hits are remembered; the last one
-        // is new by nature.
-        let again = i + 1 < request_texts.len() || *definition;
+        // The texts before the last one (a system prompt, the turns before
+        // the latest) are mostly sent again by the next request, and their
+        // hits are remembered; the last one is new by nature.
+        let again = i + 1 < request_texts.len();
         let mut rewritten = String::new();
         let mut changed = false;
         for (range, part_scope) in split_context(text, *scope, context_tags) {
             let part = &text[range.clone()];
             match part_scope {
-                // A tool's definition is read, but it is not what the
-                // exchange is about.
-                _ if *definition => {}
                 Scope::Prompt => {
                     question.push_str(part);
                     question.push('\n');
@@ -100,7 +96,6 @@ pub fn scan_request(
             };
             rewritten.push_str(&kept);
             match part_scope {
-                _ if *definition => {}
                 Scope::Context => texts.context.push(kept),
                 _ => texts.prompt.push(kept),
             }
@@ -128,6 +123,59 @@ pub fn scan_request(
         edits,
         texts,
     }
+}
+
+/// The hits of a request's tool definitions (a [`Text::definition`]),
+/// each text of them scanned as context, and their redactions added to
+/// `edits`. They are the model's context, but not what the exchange is
+/// about: their texts are not recorded, nor weighed for relevance.
+fn scan_definitions(
+    rules: &RuleSet,
+    definitions: &Text,
+    edits: &mut Vec<(Range<usize>, String)>,
+) -> Vec<Hit> {
+    let before = edits.len();
+    let hits = rules.scan_definitions(&definitions.text, || {
+        scan_definition_texts(rules, definitions, edits)
+    });
+    // Hits remembered from an earlier request carry no edits: a redaction
+    // scans again, for its places (personal data in a tool's definition
+    // is rare).
+    if edits.len() == before && hits.iter().any(|h| h.action == Action::Redact) {
+        scan_definition_texts(rules, definitions, edits);
+    }
+    hits
+}
+
+/// The hits of each text of a request's tool definitions, and their
+/// redactions added to `edits`.
+fn scan_definition_texts(
+    rules: &RuleSet,
+    definitions: &Text,
+    edits: &mut Vec<(Range<usize>, String)>,
+) -> Vec<Hit> {
+    // The JSON text of a request read whole; should it not read, it is
+    // scanned as it stands (every word of it is still seen), and what a
+    // redaction would rewrite there blocks.
+    let (texts, whole) = match exchange::definition_texts(&definitions.text, definitions.span.start)
+    {
+        Ok(texts) => (texts, false),
+        Err(_) => (vec![definitions.clone()], true),
+    };
+    let mut hits = Vec::new();
+    for text in texts {
+        let mut found = rules.scan(Scope::Context, &text.text);
+        if whole {
+            for hit in found.iter_mut().filter(|h| h.action == Action::Redact) {
+                hit.action = Action::Block;
+            }
+        }
+        if found.iter().any(|h| h.action == Action::Redact) {
+            edits.push((text.span.clone(), redact(&text.text, &found)));
+        }
+        hits.extend(found);
+    }
+    hits
 }
 
 /// The parts of a prompt text with their scope: the text between

@@ -207,6 +207,15 @@ impl RuleSet {
         remembered::hits(self.id, scope, text, || self.scan(scope, text))
     }
 
+    /// The hits of a request's tool definitions, given their JSON text:
+    /// `scan` finds them (in context, text by text), unless this thread
+    /// remembers that JSON text from an earlier request (see
+    /// [`RuleSet::scan_remembered`]): apps send the same tools with every
+    /// request, and reading them again costs more than scanning them.
+    pub fn scan_definitions(&self, json: &str, scan: impl FnOnce() -> Vec<Hit>) -> Vec<Hit> {
+        remembered::hits(self.id, remembered::Kind::Definitions, json, scan)
+    }
+
     /// As [`RuleSet::scan`], and also the normalized view of `text` it
     /// matched against (`None` when no pattern of the scope uses it), for
     /// callers that need the view too: the stream guard measures its hold

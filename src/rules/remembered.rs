@@ -48,13 +48,43 @@ thread_local! {
     static REMEMBERED: RefCell<Remembered> = RefCell::new(Remembered::default());
 }
 
-/// The hits of `text` in `scope` under rule set `set` (see
+/// What a text was scanned as.
+#[derive(Debug, Clone, Copy)]
+pub enum Kind {
+    /// A text in this scope.
+    Scope(Scope),
+    /// The JSON text of a request's tool definitions: the hits of every
+    /// text in them (`RuleSet::scan_definitions`).
+    Definitions,
+}
+
+impl Kind {
+    fn index(self) -> usize {
+        match self {
+            Kind::Scope(scope) => scope.index(),
+            Kind::Definitions => Scope::ALL.len(),
+        }
+    }
+}
+
+impl From<Scope> for Kind {
+    fn from(scope: Scope) -> Kind {
+        Kind::Scope(scope)
+    }
+}
+
+/// The hits of `text` scanned as `kind` under rule set `set` (see
 /// `RuleSet::scan_remembered`): remembered by this thread, or from `scan`.
-pub fn hits(set: u64, scope: Scope, text: &str, scan: impl FnOnce() -> Vec<Hit>) -> Vec<Hit> {
+pub fn hits(
+    set: u64,
+    kind: impl Into<Kind>,
+    text: &str,
+    scan: impl FnOnce() -> Vec<Hit>,
+) -> Vec<Hit> {
     if text.len() > LARGEST {
         return scan();
     }
-    REMEMBERED.with_borrow_mut(|remembered| remembered.hits(set, scope, text, scan))
+    REMEMBERED.with_borrow_mut(|remembered| remembered.hits(set, kind, text, scan))
 }
 
 /// One thread's memory of scanned texts.
@@ -66,10 +96,10 @@ pub struct Remembered {
     older: Generation,
 }
 
-/// Texts and their hits, per scope.
+/// Texts and their hits, per [`Kind`].
 #[derive(Default)]
 struct Generation {
-    by_scope: [HashMap<Box<str>, Vec<Hit>>; 3],
+    by_kind: [HashMap<Box<str>, Vec<Hit>>; Scope::ALL.len() + 1],
     /// What the entries held are counted for (see [`cost`]).
     bytes: usize,
 }
@@ -78,7 +108,7 @@ impl Remembered {
     pub fn hits(
         &mut self,
         set: u64,
-        scope: Scope,
+        kind: impl Into<Kind>,
         text: &str,
         scan: impl FnOnce() -> Vec<Hit>,
     ) -> Vec<Hit> {
@@ -88,11 +118,11 @@ impl Remembered {
                 ..Remembered::default()
             };
         }
-        let at = scope.index();
-        if let Some(hits) = self.newer.by_scope[at].get(text) {
+        let at = kind.into().index();
+        if let Some(hits) = self.newer.by_kind[at].get(text) {
             return hits.clone();
         }
-        let hits = match self.older.by_scope[at].remove_entry(text) {
+        let hits = match self.older.by_kind[at].remove_entry(text) {
             Some((text, hits)) => {
                 self.older.bytes -= cost(&text, &hits);
                 self.keep(at, text, hits.clone());
@@ -107,7 +137,7 @@ impl Remembered {
     /// Puts a text into the newer generation, which first becomes the
     /// older one if the text would take it over [`BUDGET`]; not an entry
     /// over [`LARGEST`].
-    fn keep(&mut self, scope: usize, text: Box<str>, hits: Vec<Hit>) {
+    fn keep(&mut self, kind: usize, text: Box<str>, hits: Vec<Hit>) {
         let cost = cost(&text, &hits);
         if cost > LARGEST {
             return;
@@ -116,7 +146,7 @@ impl Remembered {
             self.older = mem::take(&mut self.newer);
         }
         self.newer.bytes += cost;
-        self.newer.by_scope[scope].insert(text, hits);
+        self.newer.by_kind[kind].insert(text, hits);
     }
 
     /// Bytes held by both generations.
