@@ -821,24 +821,33 @@ impl<'a> Texts<'a> {
 
     /// The Responses API's `input`: a string, or items of which the
     /// outputs of tool calls (`function_call_output`, any other
-    /// `*_call_output`, an `mcp_call`'s) are context and the content of
-    /// items other than the assistant's is prompt.
+    /// `*_call_output`, an `mcp_call`'s) are context, the tools an MCP
+    /// server listed (`mcp_list_tools`) tool definitions, and the content
+    /// of items other than the assistant's prompt.
     fn responses_input(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         if reader.jiter.peek()? == Peek::String {
             return self.text(reader, Scope::Prompt);
         }
         self.objects(reader, |texts, reader| {
             let (mut kind, mut role) = (None, None);
-            let (mut output, mut content) = (None, None);
-            reader.object(["type", "role", "output", "content"], |reader, key| {
-                match key {
-                    0 => kind = reader.string()?.map(|t| t.value),
-                    1 => role = reader.string()?.map(|t| t.value),
-                    2 => output = Some(reader.span()?),
-                    _ => content = Some(reader.span()?),
-                }
-                Ok(())
-            })?;
+            let (mut output, mut content, mut tools) = (None, None, None);
+            reader.object(
+                ["type", "role", "output", "content", "tools"],
+                |reader, key| {
+                    match key {
+                        0 => kind = reader.string()?.map(|t| t.value),
+                        1 => role = reader.string()?.map(|t| t.value),
+                        2 => output = Some(reader.span()?),
+                        3 => content = Some(reader.span()?),
+                        _ => tools = Some(reader.span()?),
+                    }
+                    Ok(())
+                },
+            )?;
+            // The tools an MCP server listed, given back: definitions.
+            if let (Some("mcp_list_tools"), Some(tools)) = (kind.as_deref(), tools) {
+                texts.definitions(&mut reader.part(tools))?;
+            }
             let tool_output = kind
                 .as_deref()
                 .is_some_and(|kind| kind.ends_with("_call_output") || kind == "mcp_call");
@@ -1083,6 +1092,15 @@ mod tests {
                 "server_description": "the bank's tools", "headers": {"Authorization": "Bearer secret"}},
             {"type": "web_search"}
         ]});
+        let listed = json!({"model": "gpt", "input": [
+            {"type": "mcp_list_tools", "server_label": "bank", "tools": [
+                {"name": "pay", "description": "pays a bill", "input_schema": {"type": "object"}}]},
+            {"role": "user", "content": "hi"}
+        ]});
+        assert_eq!(
+            definitions(Endpoint::Responses, &listed),
+            ["object", "pays a bill"]
+        );
         assert_eq!(
             definitions(Endpoint::Responses, &responses),
             ["object", "reads a balance", "the bank's tools"]

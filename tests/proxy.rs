@@ -1819,7 +1819,8 @@ async fn search_results_and_every_tool_output_are_read_as_context() {
 /// and an app may take it from a third party (an MCP server's tool list):
 /// instructions hidden in a description or anywhere in a schema (tool
 /// poisoning) are read as context and refused before the model sees them,
-/// in every dialect; a redaction rewrites them in place; harmless tools go
+/// in every dialect (and in the tools an MCP server listed, given back in
+/// a Responses API input); a redaction rewrites them in place; harmless tools go
 /// through, and are not recorded as the exchange's context.
 #[tokio::test]
 async fn tool_definitions_are_read_as_context() {
@@ -1860,6 +1861,13 @@ async fn tool_definitions_are_read_as_context() {
             "/v1/responses",
             json!({"model": "gpt-4o", "input": "What is 2 + 3?", "tools": [{"type": "mcp",
                 "server_label": "math", "server_url": "https://mcp.example", "server_description": poison}]}),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "gpt-4o", "input": [
+                {"type": "mcp_list_tools", "id": "l", "server_label": "math",
+                    "tools": [{"name": "add", "description": poison, "input_schema": schema("a note")}]},
+                {"role": "user", "content": "What is 2 + 3?"}]}),
         ),
         (
             "/v1/messages",
