@@ -747,6 +747,26 @@ impl<'a> Texts<'a> {
         )
     }
 
+    /// The `content` of a server tool's result (Anthropic), the reader at
+    /// it: a fetched page (`web_fetch_result`, its document), the output
+    /// of code (`stdout`, `stderr`), or web search results (an array, of
+    /// which the titles: the pages' text is encrypted), all context.
+    fn server_tool_result(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        if reader.jiter.peek()? == Peek::Array {
+            return self.objects(reader, |texts, reader| {
+                reader.object(["title"], |reader, _| texts.text(reader, Scope::Context))
+            });
+        }
+        if !reader.is_object()? {
+            return Ok(());
+        }
+        reader.object(["content", "stdout", "stderr"], |reader, key| match key {
+            0 if reader.is_object()? => self.block(reader, Scope::Context),
+            0 => Ok(()),
+            _ => self.text(reader, Scope::Context),
+        })
+    }
+
     /// A document's `source`, the reader at its start: its `data` when its
     /// type is `text`, else the blocks of its `content`.
     fn document_source(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
@@ -791,9 +811,29 @@ impl<'a> Texts<'a> {
                 ["role", "content"],
                 |reader| Ok(reader.string()?.is_some_and(|t| t.value == "assistant")),
                 |reader, &model, _| match reader.jiter.peek()? {
-                    _ if model => reader.skip(),
+                    _ if model => texts.server_tool_results(reader),
                     Peek::String => texts.text(reader, Scope::Prompt),
                     _ => texts.blocks(reader, Scope::Prompt),
+                },
+            )
+        })
+    }
+
+    /// Of an Anthropic assistant turn's content, the results of server
+    /// tools (web search and fetch, code execution, an MCP connector's
+    /// tools), which the API puts there: not the model's words but what it
+    /// was given, so context. The rest of the turn is not read.
+    fn server_tool_results(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        self.objects(reader, |texts, reader| {
+            reader.decided_object(
+                ["type", "content"],
+                |reader| Ok(reader.string()?.map(|t| t.value)),
+                |reader, kind, _| match kind.as_deref() {
+                    Some("mcp_tool_result") => texts.content(reader, Scope::Context),
+                    Some(kind) if kind.ends_with("_tool_result") => {
+                        texts.server_tool_result(reader)
+                    }
+                    _ => reader.skip(),
                 },
             )
         })
@@ -821,7 +861,8 @@ impl<'a> Texts<'a> {
 
     /// The Responses API's `input`: a string, or items of which the
     /// outputs of tool calls (`function_call_output`, any other
-    /// `*_call_output`, an `mcp_call`'s) are context, the tools an MCP
+    /// `*_call_output`, an `mcp_call`'s, the results of a file search,
+    /// the logs of a code interpreter) are context, the tools an MCP
     /// server listed (`mcp_list_tools`) tool definitions, and the content
     /// of items other than the assistant's prompt.
     fn responses_input(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
@@ -831,22 +872,37 @@ impl<'a> Texts<'a> {
         self.objects(reader, |texts, reader| {
             let (mut kind, mut role) = (None, None);
             let (mut output, mut content, mut tools) = (None, None, None);
-            reader.object(
-                ["type", "role", "output", "content", "tools"],
-                |reader, key| {
-                    match key {
-                        0 => kind = reader.string()?.map(|t| t.value),
-                        1 => role = reader.string()?.map(|t| t.value),
-                        2 => output = Some(reader.span()?),
-                        3 => content = Some(reader.span()?),
-                        _ => tools = Some(reader.span()?),
-                    }
-                    Ok(())
-                },
-            )?;
-            // The tools an MCP server listed, given back: definitions.
-            if let (Some("mcp_list_tools"), Some(tools)) = (kind.as_deref(), tools) {
-                texts.definitions(&mut reader.part(tools))?;
+            let mut results = None;
+            let keys = [
+                "type", "role", "output", "content", "tools", "results", "outputs",
+            ];
+            reader.object(keys, |reader, key| {
+                match key {
+                    0 => kind = reader.string()?.map(|t| t.value),
+                    1 => role = reader.string()?.map(|t| t.value),
+                    2 => output = Some(reader.span()?),
+                    3 => content = Some(reader.span()?),
+                    4 => tools = Some(reader.span()?),
+                    _ => results = Some((key, reader.span()?)),
+                }
+                Ok(())
+            })?;
+            match (kind.as_deref(), tools, results) {
+                // The tools an MCP server listed, given back: definitions.
+                (Some("mcp_list_tools"), Some(tools), _) => {
+                    texts.definitions(&mut reader.part(tools))?
+                }
+                // What a hosted tool found, given back: the text of the
+                // files a search retrieved, the logs of code run.
+                (Some("file_search_call"), _, Some((5, results)))
+                | (Some("code_interpreter_call"), _, Some((6, results))) => {
+                    texts.objects(&mut reader.part(results), |texts, reader| {
+                        reader.object(["text", "logs"], |reader, _| {
+                            texts.text(reader, Scope::Context)
+                        })
+                    })?
+                }
+                _ => {}
             }
             let tool_output = kind
                 .as_deref()
@@ -1131,6 +1187,59 @@ mod tests {
                 &json!({"messages": [{"role": "user", "content": "hi"}]})
             )
             .is_empty()
+        );
+    }
+
+    #[test]
+    fn hosted_and_server_tool_results_given_back_are_context() {
+        let anthropic = json!({"model": "claude", "max_tokens": 10, "messages": [
+            {"role": "user", "content": "find it"},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "the model's words"},
+                {"type": "server_tool_use", "id": "s", "name": "web_search", "input": {"query": "q"}},
+                {"type": "mcp_tool_result", "tool_use_id": "a", "content": [{"type": "text", "text": "mcp said"}]},
+                {"type": "web_fetch_tool_result", "tool_use_id": "b", "content": {"type": "web_fetch_result",
+                    "url": "https://example.com", "content": {"type": "document", "title": "page title",
+                    "source": {"type": "text", "media_type": "text/plain", "data": "page text"}}}},
+                {"type": "code_execution_tool_result", "tool_use_id": "c", "content": {
+                    "type": "code_execution_result", "stdout": "out", "stderr": "err", "return_code": 0, "content": []}},
+                {"type": "web_search_tool_result", "tool_use_id": "d", "content": [
+                    {"type": "web_search_result", "url": "https://example.com", "title": "result title",
+                        "encrypted_content": "Eq0=", "page_age": null}]}
+            ]},
+        ]});
+        // An assistant turn's own words are not read; what server tools
+        // returned in it is (the API puts their results there).
+        let mut found = collect_request(Endpoint::Messages, anthropic);
+        found.sort_by(|a, b| a.1.cmp(&b.1));
+        assert_eq!(
+            found,
+            [
+                (Scope::Context, "err".into()),
+                (Scope::Prompt, "find it".into()),
+                (Scope::Context, "mcp said".into()),
+                (Scope::Context, "out".into()),
+                (Scope::Context, "page text".into()),
+                (Scope::Context, "page title".into()),
+                (Scope::Context, "result title".into())
+            ]
+        );
+
+        let responses = json!({"model": "gpt", "input": [
+            {"role": "user", "content": "find it"},
+            {"type": "file_search_call", "id": "f", "status": "completed", "queries": ["q"],
+                "results": [{"file_id": "file_1", "filename": "a.txt", "score": 0.9, "text": "found text"}]},
+            {"type": "code_interpreter_call", "id": "c", "code": "print(1)",
+                "outputs": [{"type": "logs", "logs": "1"}, {"type": "image", "url": "https://x"}]},
+            {"type": "file_search_call", "outputs": [{"logs": "not a search's"}]}
+        ]});
+        assert_eq!(
+            collect_request(Endpoint::Responses, responses),
+            [
+                (Scope::Prompt, "find it".into()),
+                (Scope::Context, "found text".into()),
+                (Scope::Context, "1".into())
+            ]
         );
     }
 

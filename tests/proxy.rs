@@ -1753,9 +1753,11 @@ async fn all_refused(
 
 /// Retrieved text reaches the model in more shapes than tool results and
 /// documents: an Anthropic search result (on its own or inside a tool
-/// result), the title and context given beside a document, and in the
-/// Responses API the output of any tool call. Each is read as context,
-/// which the financial-safety rules watch.
+/// result), the title and context given beside a document, the results
+/// of Anthropic's server tools given back in an assistant turn, and in the
+/// Responses API the output of any tool call, a file search's results
+/// and a code interpreter's logs. Each is read as context, which the
+/// financial-safety rules watch.
 #[tokio::test]
 async fn search_results_and_every_tool_output_are_read_as_context() {
     let (mock, proxy) = start().await;
@@ -1769,6 +1771,14 @@ async fn search_results_and_every_tool_output_are_read_as_context() {
             "content": [block, {"type": "text", "text": "Summarize this for me."}]}]})
     };
     let responses = |item: Value| json!({"model": "gpt-4o", "input": [{"role": "user", "content": "Summarize the tool's answer."}, item]});
+    let server_tool = |block: Value| {
+        json!({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": [
+            {"role": "user", "content": "Find me a tip."},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "Let me look."},
+                {"type": "server_tool_use", "id": "t", "name": "tips", "input": {}}, block]},
+            {"role": "user", "content": "Summarize it."}]})
+    };
     let blocked = [
         ("/v1/messages", anthropic(search(advice))),
         (
@@ -1796,6 +1806,42 @@ async fn search_results_and_every_tool_output_are_read_as_context() {
             responses(
                 json!({"type": "mcp_call", "id": "m", "server_label": "tips", "name": "tip",
                 "arguments": "{}", "output": advice}),
+            ),
+        ),
+        (
+            "/v1/responses",
+            responses(
+                json!({"type": "file_search_call", "id": "f", "status": "completed",
+                "queries": ["tips"], "results": [{"file_id": "file_1", "filename": "tips.txt", "text": advice}]}),
+            ),
+        ),
+        (
+            "/v1/responses",
+            responses(
+                json!({"type": "code_interpreter_call", "id": "c", "code": "print(tip)",
+                "outputs": [{"type": "logs", "logs": advice}]}),
+            ),
+        ),
+        // Anthropic puts the results of server tools in the assistant's
+        // turn, and the client gives them back there.
+        (
+            "/v1/messages",
+            server_tool(
+                json!({"type": "mcp_tool_result", "tool_use_id": "t", "is_error": false,
+                "content": [{"type": "text", "text": advice}]}),
+            ),
+        ),
+        (
+            "/v1/messages",
+            server_tool(json!({"type": "web_fetch_tool_result", "tool_use_id": "t",
+                "content": {"type": "web_fetch_result", "url": "https://example.com/tips",
+                    "content": {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": advice}}}})),
+        ),
+        (
+            "/v1/messages",
+            server_tool(
+                json!({"type": "code_execution_tool_result", "tool_use_id": "t",
+                "content": {"type": "code_execution_result", "stdout": advice, "stderr": "", "return_code": 0, "content": []}}),
             ),
         ),
     ];
