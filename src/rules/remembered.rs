@@ -286,29 +286,22 @@ mod tests {
     #[test]
     fn a_text_longer_than_the_limit_is_scanned_every_time() {
         let scans = Cell::new(0);
+        // The scans of a text looked up twice.
+        let twice = |kind: Kind, text: &str| {
+            let before = scans.get();
+            for _ in 0..2 {
+                hits(7, kind, text, || {
+                    scans.set(scans.get() + 1);
+                    Vec::new()
+                });
+            }
+            scans.get() - before
+        };
         let long = "x".repeat(LARGEST + 1);
-        for _ in 0..2 {
-            hits(7, Scope::Prompt, &long, || {
-                scans.set(scans.get() + 1);
-                Vec::new()
-            });
-        }
-        assert_eq!(scans.get(), 2);
+        assert_eq!(twice(Scope::Prompt.into(), &long), 2);
         // Tool definitions that long are remembered; longer ones are not.
-        for _ in 0..2 {
-            hits(7, Kind::Definitions, &long, || {
-                scans.set(scans.get() + 1);
-                Vec::new()
-            });
-        }
-        assert_eq!(scans.get(), 3);
+        assert_eq!(twice(Kind::Definitions, &long), 1);
         let longer = "x".repeat(LARGEST_DEFINITIONS + 1);
-        for _ in 0..2 {
-            hits(7, Kind::Definitions, &longer, || {
-                scans.set(scans.get() + 1);
-                Vec::new()
-            });
-        }
-        assert_eq!(scans.get(), 5);
+        assert_eq!(twice(Kind::Definitions, &longer), 2);
     }
 }
