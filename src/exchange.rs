@@ -259,6 +259,38 @@ pub fn definition_texts(json: &str, at: usize) -> Result<Vec<Text<'_>>, ReadErro
     Ok(texts.found)
 }
 
+/// What a streamed event that carries a whole item or block holds that a
+/// hosted or server tool gave the model, in context: of a Responses API
+/// event, its `item` (as an output item is read, see
+/// [`Texts::tool_results`]); of an Anthropic one, its `content_block`
+/// when that is a server tool's result. An error as for
+/// [`RequestBody::read`].
+pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_>>, ReadError> {
+    let mut reader = Reader::new(data);
+    let mut texts = Texts::default();
+    if reader.is_object()? {
+        let key = match dialect {
+            Dialect::OpenAi => "item",
+            Dialect::Anthropic => "content_block",
+        };
+        reader.object([key], |reader, _| {
+            if !reader.is_object()? {
+                return Ok(());
+            }
+            match dialect {
+                Dialect::OpenAi => texts.output_item(reader),
+                Dialect::Anthropic => reader.decided_object(
+                    ["type", "content"],
+                    |reader| Ok(reader.string()?.map(|t| t.value)),
+                    |reader, kind, _| texts.tool_result_content(reader, kind.as_deref()),
+                ),
+            }
+        })?;
+    }
+    texts.found.retain(|text| text.scope == Scope::Context);
+    Ok(texts.found)
+}
+
 /// One request of an Anthropic message batch (`POST /v1/messages/batches`):
 /// its `custom_id`, and its `params` read as a `/v1/messages` request, with
 /// the places of the whole batch body.
@@ -571,6 +603,13 @@ impl Batch {
 /// a message's `content` or a reasoning item's `summary`.
 const OUTPUT_ITEM: [&str; 5] = ["arguments", "input", "code", "content", "summary"];
 
+/// The members of a Responses API item that hold what a tool gave the
+/// model (see [`Texts::tool_results`]).
+const TOOL_RESULTS: [&str; 4] = ["output", "results", "outputs", "tools"];
+
+/// Where an item's [`TOOL_RESULTS`] members lie, in their order.
+type ToolResults = [Option<Range<usize>>; 4];
+
 /// How many members of [`OUTPUT_ITEM`] are strings of text.
 const OUTPUT_ITEM_STRINGS: usize = 3;
 
@@ -828,15 +867,24 @@ impl<'a> Texts<'a> {
             reader.decided_object(
                 ["type", "content"],
                 |reader| Ok(reader.string()?.map(|t| t.value)),
-                |reader, kind, _| match kind.as_deref() {
-                    Some("mcp_tool_result") => texts.content(reader, Scope::Context),
-                    Some(kind) if kind.ends_with("_tool_result") => {
-                        texts.server_tool_result(reader)
-                    }
-                    _ => reader.skip(),
-                },
+                |reader, kind, _| texts.tool_result_content(reader, kind.as_deref()),
             )
         })
+    }
+
+    /// The `content` of an Anthropic block of type `kind`, the reader at
+    /// it: context when the block is a server tool's result (see
+    /// [`Texts::server_tool_result`]), else skipped.
+    fn tool_result_content(
+        &mut self,
+        reader: &mut Reader<'a>,
+        kind: Option<&str>,
+    ) -> Result<(), ReadError> {
+        match kind {
+            Some("mcp_tool_result") => self.content(reader, Scope::Context),
+            Some(kind) if kind.ends_with("_tool_result") => self.server_tool_result(reader),
+            _ => reader.skip(),
+        }
     }
 
     /// The `variables` of a Responses API prompt template (the reader at
@@ -871,52 +919,26 @@ impl<'a> Texts<'a> {
         }
         self.objects(reader, |texts, reader| {
             let (mut kind, mut role) = (None, None);
-            let (mut output, mut content, mut tools) = (None, None, None);
-            let mut results = None;
-            let keys = [
-                "type", "role", "output", "content", "tools", "results", "outputs",
-            ];
+            let (mut content, mut found) = (None, ToolResults::default());
+            let [output, results, outputs, tools] = TOOL_RESULTS;
+            let keys = ["type", "role", "content", output, results, outputs, tools];
             reader.object(keys, |reader, key| {
                 match key {
                     0 => kind = reader.string()?.map(|t| t.value),
                     1 => role = reader.string()?.map(|t| t.value),
-                    2 => output = Some(reader.span()?),
-                    3 => content = Some(reader.span()?),
-                    4 => tools = Some(reader.span()?),
-                    _ => results = Some((key, reader.span()?)),
+                    2 => content = Some(reader.span()?),
+                    _ => found[key - 3] = Some(reader.span()?),
                 }
                 Ok(())
             })?;
-            match (kind.as_deref(), tools, results) {
-                // The tools an MCP server listed, given back: definitions.
-                (Some("mcp_list_tools"), Some(tools), _) => {
-                    texts.definitions(&mut reader.part(tools))?
+            // What a tool gave the model, given back; the tools an MCP
+            // server listed are definitions.
+            texts.tool_results(reader, kind.as_deref(), &found, true)?;
+            match content {
+                Some(span) if role.as_deref() != Some("assistant") => {
+                    texts.content(&mut reader.part(span), Scope::Prompt)
                 }
-                // What a hosted tool found, given back: the text of the
-                // files a search retrieved, the logs of code run.
-                (Some("file_search_call"), _, Some((5, results)))
-                | (Some("code_interpreter_call"), _, Some((6, results))) => {
-                    texts.objects(&mut reader.part(results), |texts, reader| {
-                        reader.object(["text", "logs"], |reader, _| {
-                            texts.text(reader, Scope::Context)
-                        })
-                    })?
-                }
-                _ => {}
-            }
-            let tool_output = kind
-                .as_deref()
-                .is_some_and(|kind| kind.ends_with("_call_output") || kind == "mcp_call");
-            let (span, scope) = if tool_output {
-                (output, Scope::Context)
-            } else if role.as_deref() != Some("assistant") {
-                (content, Scope::Prompt)
-            } else {
-                (None, Scope::Prompt)
-            };
-            match span {
-                Some(span) => texts.content(&mut reader.part(span), scope),
-                None => Ok(()),
+                _ => Ok(()),
             }
         })
     }
@@ -942,11 +964,18 @@ impl<'a> Texts<'a> {
                 (2, Endpoint::Responses) => {
                     self.objects(reader, |texts, reader| texts.output_item(reader))?
                 }
+                // The model's text, tool input and thinking; what a server
+                // tool gave it, context.
                 (3, Endpoint::Messages) => self.objects(reader, |texts, reader| {
-                    reader.object(["text", "input", "thinking"], |reader, key| match key {
-                        1 => texts.strings(reader, scope),
-                        _ => texts.text(reader, scope),
-                    })
+                    reader.decided_object(
+                        ["type", "text", "input", "thinking", "content"],
+                        |reader| Ok(reader.string()?.map(|t| t.value)),
+                        |reader, kind, key| match key {
+                            2 => texts.strings(reader, scope),
+                            4 => texts.tool_result_content(reader, kind.as_deref()),
+                            _ => texts.text(reader, scope),
+                        },
+                    )
                 })?,
                 _ => reader.skip()?,
             }
@@ -957,9 +986,68 @@ impl<'a> Texts<'a> {
 
     /// A Responses API output item, the reader at its start: a call's
     /// arguments, input or code, a message's content, a reasoning item's
-    /// summary and content.
+    /// summary and content; and what a hosted tool gave the model
+    /// ([`Texts::tool_results`]), context.
     fn output_item(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
-        reader.object(OUTPUT_ITEM, |reader, key| self.output_member(reader, key))
+        let [arguments, input, code, content, summary] = OUTPUT_ITEM;
+        let [output, results, outputs, tools] = TOOL_RESULTS;
+        let keys = [
+            arguments, input, code, content, summary, "type", output, results, outputs, tools,
+        ];
+        let (mut kind, mut found) = (None, ToolResults::default());
+        reader.object(keys, |reader, key| match key {
+            0..5 => self.output_member(reader, key),
+            5 => {
+                kind = reader.string()?.map(|t| t.value);
+                Ok(())
+            }
+            _ => {
+                found[key - 6] = Some(reader.span()?);
+                Ok(())
+            }
+        })?;
+        self.tool_results(reader, kind.as_deref(), &found, false)
+    }
+
+    /// What a Responses API item of type `kind` holds that a tool gave the
+    /// model, at the places `found` of its [`TOOL_RESULTS`] members, read
+    /// as context: a tool call's output (`*_call_output`, an `mcp_call`'s
+    /// `output`), the text of the files a search retrieved, the logs of
+    /// code run, and the tools an MCP server listed (`mcp_list_tools`):
+    /// as one [`Text::definition`] when `definitions`, else text by text.
+    fn tool_results(
+        &mut self,
+        reader: &Reader<'a>,
+        kind: Option<&str>,
+        found: &ToolResults,
+        definitions: bool,
+    ) -> Result<(), ReadError> {
+        let [output, results, outputs, tools] = found.clone();
+        let (kind, span) = match kind {
+            Some(kind) if kind.ends_with("_call_output") || kind == "mcp_call" => (kind, output),
+            Some(kind @ "file_search_call") => (kind, results),
+            Some(kind @ "code_interpreter_call") => (kind, outputs),
+            Some(kind @ "mcp_list_tools") => (kind, tools),
+            _ => return Ok(()),
+        };
+        let Some(span) = span else {
+            return Ok(());
+        };
+        let mut part = reader.part(span);
+        match kind {
+            "mcp_list_tools" if definitions => self.definitions(&mut part),
+            "mcp_list_tools" => {
+                self.objects(&mut part, |texts, reader| texts.tool_definition(reader))
+            }
+            "file_search_call" | "code_interpreter_call" => {
+                self.objects(&mut part, |texts, reader| {
+                    reader.object(["text", "logs"], |reader, _| {
+                        texts.text(reader, Scope::Context)
+                    })
+                })
+            }
+            _ => self.content(&mut part, Scope::Context),
+        }
     }
 
     /// The member at `key` of [`OUTPUT_ITEM`] of an output item.
@@ -1241,6 +1329,69 @@ mod tests {
                 (Scope::Context, "1".into())
             ]
         );
+    }
+
+    #[test]
+    fn what_hosted_tools_give_the_model_in_an_answer_is_context() {
+        let texts = |endpoint, body: &Value| -> Vec<(Scope, String)> {
+            let text = body.to_string();
+            let read = ResponseBody::read(endpoint, text.as_bytes()).unwrap();
+            let mut found: Vec<_> = read
+                .texts
+                .into_iter()
+                .map(|t| (t.scope, t.text.into_owned()))
+                .collect();
+            found.sort_by(|a, b| a.1.cmp(&b.1));
+            found
+        };
+        let responses = json!({"object": "response", "output": [
+            {"type": "mcp_call", "arguments": "{}", "output": "mcp said"},
+            {"type": "mcp_list_tools", "tools": [{"name": "t", "description": "listed"}]},
+            {"type": "file_search_call", "results": [{"text": "found"}]},
+            {"type": "code_interpreter_call", "code": "print(1)", "outputs": [{"type": "logs", "logs": "logged"}]},
+            {"type": "message", "content": [{"type": "output_text", "text": "answer"}]}
+        ]});
+        assert_eq!(
+            texts(Endpoint::Responses, &responses),
+            [
+                (Scope::Response, "answer".into()),
+                (Scope::Context, "found".into()),
+                (Scope::Context, "listed".into()),
+                (Scope::Context, "logged".into()),
+                (Scope::Context, "mcp said".into()),
+                (Scope::Response, "print(1)".into()),
+                (Scope::Response, "{}".into())
+            ]
+        );
+        let messages = json!({"type": "message", "content": [
+            {"type": "server_tool_use", "id": "s", "name": "web_fetch", "input": {"url": "u"}},
+            {"type": "web_fetch_tool_result", "tool_use_id": "s", "content": {"type": "web_fetch_result",
+                "content": {"type": "document", "source": {"type": "text", "data": "page"}}}},
+            {"type": "text", "text": "answer"}
+        ]});
+        assert_eq!(
+            texts(Endpoint::Messages, &messages),
+            [
+                (Scope::Response, "answer".into()),
+                (Scope::Context, "page".into()),
+                (Scope::Response, "u".into())
+            ]
+        );
+        // Streamed, the event that carries the item or block whole.
+        let found = |dialect, data: Value| -> Vec<String> {
+            let data = data.to_string();
+            streamed_tool_results(dialect, &data)
+                .unwrap()
+                .into_iter()
+                .map(|t| t.text.into_owned())
+                .collect()
+        };
+        let item = json!({"type": "response.output_item.done", "item": responses["output"][0]});
+        assert_eq!(found(Dialect::OpenAi, item), ["mcp said"]);
+        let block = json!({"type": "content_block_start", "index": 1, "content_block": messages["content"][1]});
+        assert_eq!(found(Dialect::Anthropic, block), ["page"]);
+        let text = json!({"type": "content_block_start", "index": 2, "content_block": messages["content"][2]});
+        assert!(found(Dialect::Anthropic, text).is_empty());
     }
 
     #[test]
@@ -1711,6 +1862,8 @@ mod tests {
                 "custom input",
                 "print(1)",
                 "{\"q\":1}",
+                // What the MCP server gave the model: context.
+                "the server's",
                 "completed"
             ]
         );

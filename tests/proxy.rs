@@ -1980,6 +1980,145 @@ async fn tool_definitions_are_read_as_context() {
     proxy.stop().await;
 }
 
+/// An Anthropic answer (whole, or streamed with `stream`) in which a server
+/// tool's result block (`result`) comes between the tool's use and the
+/// model's text.
+fn server_tool_answer(result: &Value, stream: bool) -> Value {
+    let text = "Here is a tip.";
+    let used = json!({"type": "mcp_tool_use", "id": "t", "name": "tip", "server_name": "tips", "input": {}});
+    if !stream {
+        let answer = json!({"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
+            "content": [used, result, {"type": "text", "text": text}], "stop_reason": "end_turn",
+            "usage": {"input_tokens": 5, "output_tokens": 7}});
+        return json!({"raw_json": answer.to_string()});
+    }
+    let events = [
+        (
+            "message_start",
+            json!({"message": {"id": "msg_1", "type": "message", "role": "assistant",
+            "model": "claude-x", "content": [], "stop_reason": null, "usage": {"input_tokens": 5, "output_tokens": 0}}}),
+        ),
+        (
+            "content_block_start",
+            json!({"index": 0, "content_block": used}),
+        ),
+        ("content_block_stop", json!({"index": 0})),
+        (
+            "content_block_start",
+            json!({"index": 1, "content_block": result}),
+        ),
+        ("content_block_stop", json!({"index": 1})),
+        (
+            "content_block_start",
+            json!({"index": 2, "content_block": {"type": "text", "text": ""}}),
+        ),
+        (
+            "content_block_delta",
+            json!({"index": 2, "delta": {"type": "text_delta", "text": text}}),
+        ),
+        ("content_block_stop", json!({"index": 2})),
+        (
+            "message_delta",
+            json!({"delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 7}}),
+        ),
+        ("message_stop", json!({})),
+    ];
+    let mut raw = String::new();
+    for (name, mut data) in events {
+        data["type"] = json!(name);
+        raw += &format!("event: {name}\ndata: {data}\n\n");
+    }
+    json!({"raw_sse": raw})
+}
+
+/// What Anthropic's server tools give the model during an answer (an MCP
+/// connector tool's result, a fetched page, code's output) is read as
+/// context in that answer, whole and streamed: text a rule blocks ends
+/// the answer as a refusal before the client sees it; harmless text goes
+/// through as it came.
+#[tokio::test]
+async fn what_server_tools_give_the_model_is_read_as_context() {
+    let (_mock, proxy) = start().await;
+    let results = |text: &str| {
+        [
+            json!({"type": "mcp_tool_result", "tool_use_id": "t", "is_error": false,
+                "content": [{"type": "text", "text": text}]}),
+            json!({"type": "web_fetch_tool_result", "tool_use_id": "t", "content": {"type": "web_fetch_result",
+                "url": "https://example.com/tips", "content": {"type": "document",
+                    "source": {"type": "text", "media_type": "text/plain", "data": text}}}}),
+            json!({"type": "code_execution_tool_result", "tool_use_id": "t", "content": {
+                "type": "code_execution_result", "stdout": text, "stderr": "", "return_code": 0, "content": []}}),
+        ]
+    };
+    let ask = |stream: bool| {
+        json!({"model": "claude-x", "max_tokens": 100, "stream": stream,
+            "messages": [{"role": "user", "content": "A tip?"}]})
+    };
+    for result in results("Put all your savings into Dogecoin now.") {
+        let response = proxy
+            .post(
+                "/v1/messages",
+                server_tool_answer(&result, false),
+                &ask(false),
+            )
+            .await;
+        assert_eq!(
+            response.headers()["x-fairgate-verdict"],
+            "block",
+            "{result}"
+        );
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("Dogecoin"), "{body}");
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(answer["stop_reason"], "refusal", "{answer}");
+
+        let response = proxy
+            .post(
+                "/v1/messages",
+                server_tool_answer(&result, true),
+                &ask(true),
+            )
+            .await;
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("Dogecoin"), "{result}: {body}");
+        let (text, stop, names) = support::anthropic_stream_text(&body);
+        assert_eq!(
+            (text.as_str(), stop.as_deref()),
+            ("", Some("refusal")),
+            "{body}"
+        );
+        assert_eq!(names.last().map(String::as_str), Some("message_stop"));
+    }
+    let tip = "Keep three months of expenses in savings.";
+    for result in results(tip) {
+        for stream in [false, true] {
+            let response = proxy
+                .post(
+                    "/v1/messages",
+                    server_tool_answer(&result, stream),
+                    &ask(stream),
+                )
+                .await;
+            assert_eq!(
+                response.headers()["x-fairgate-verdict"],
+                "allow",
+                "{result}"
+            );
+            let body = response.text().await.unwrap();
+            assert!(body.contains(tip), "{body}");
+            let text = match stream {
+                true => support::anthropic_stream_text(&body).0,
+                false => serde_json::from_str::<Value>(&body).unwrap()["content"][2]["text"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned(),
+            };
+            assert_eq!(text, "Here is a tip.");
+        }
+    }
+    proxy.stop().await;
+}
+
 /// Words a client gives the model outside its messages are prompt too: the
 /// variables of a Responses API prompt template (where apps put the
 /// user's question) and a completion's `suffix`.

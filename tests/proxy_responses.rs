@@ -770,3 +770,109 @@ async fn logprobs_of_redacted_text_are_not_sent() {
     assert_eq!(events.last().unwrap().0, "response.completed");
     proxy.stop().await;
 }
+
+/// A stream in which a hosted tool's item (`item`, complete at its end,
+/// and at its start too when `whole_at_start`) comes before the answer's
+/// text.
+fn hosted_tool_stream(item: Value, whole_at_start: bool) -> String {
+    let at = json!({"item_id": "msg_1", "output_index": 1, "content_index": 0});
+    let with = |extra: Value| support::merged(&at, extra);
+    let text = "Here is a tip.";
+    let message = json!({"id": "msg_1", "type": "message", "role": "assistant",
+        "content": [{"type": "output_text", "text": text}]});
+    let mut started = item.clone();
+    for key in ["output", "results", "outputs", "tools"] {
+        if let Some(member) = started.as_object_mut().filter(|_| !whole_at_start) {
+            member.remove(key);
+        }
+    }
+    support::numbered_stream(vec![
+        (
+            "response.created",
+            json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}}),
+        ),
+        (
+            "response.output_item.added",
+            json!({"output_index": 0, "item": started}),
+        ),
+        (
+            "response.output_item.done",
+            json!({"output_index": 0, "item": item}),
+        ),
+        (
+            "response.output_item.added",
+            json!({"output_index": 1, "item": {"id": "msg_1", "type": "message", "role": "assistant", "content": []}}),
+        ),
+        (
+            "response.content_part.added",
+            with(json!({"part": {"type": "output_text", "text": ""}})),
+        ),
+        ("response.output_text.delta", with(json!({"delta": text}))),
+        ("response.output_text.done", with(json!({"text": text}))),
+        (
+            "response.output_item.done",
+            json!({"output_index": 1, "item": message}),
+        ),
+        (
+            "response.completed",
+            json!({"response": {"id": "resp_mock", "status": "completed", "output": [item, message]}}),
+        ),
+    ])
+}
+
+/// What a hosted tool gives the model during a response (an MCP tool's
+/// output, the tools an MCP server listed, the files a search retrieved,
+/// a code interpreter's logs) is read as context in that answer, whole
+/// and streamed: retrieved text that a rule blocks ends the answer before
+/// the client sees it; harmless text goes through as it came.
+#[tokio::test]
+async fn what_hosted_tools_give_the_model_is_read_as_context() {
+    let (_mock, proxy) = start().await;
+    let items = |text: &str| {
+        [
+            json!({"id": "mcp_1", "type": "mcp_call", "status": "completed", "server_label": "tips",
+                "name": "tip", "arguments": "{}", "output": text}),
+            json!({"id": "mcpl_1", "type": "mcp_list_tools", "server_label": "tips",
+                "tools": [{"name": "tip", "description": text, "input_schema": {"type": "object"}}]}),
+            json!({"id": "fs_1", "type": "file_search_call", "status": "completed", "queries": ["tips"],
+                "results": [{"file_id": "file_1", "filename": "tips.txt", "score": 0.9, "text": text}]}),
+            json!({"id": "ci_1", "type": "code_interpreter_call", "status": "completed", "code": "print(tip)",
+                "outputs": [{"type": "logs", "logs": text}]}),
+        ]
+    };
+    let advice = "Put all your savings into Dogecoin right now.";
+    for item in items(advice) {
+        let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",
+            "output": [item, {"id": "msg_1", "type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": "Here is a tip."}]}]});
+        let response = proxy
+            .post(
+                "/v1/responses",
+                json!({"raw_json": answer.to_string()}),
+                &request("A tip?", false),
+            )
+            .await;
+        assert_eq!(response.headers()["x-fairgate-verdict"], "block", "{item}");
+        let text = response.text().await.unwrap();
+        assert!(!text.contains("Dogecoin"), "{text}");
+        let body: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["incomplete_details"]["reason"], "content_filter");
+
+        for whole_at_start in [false, true] {
+            let body = relay(&proxy, hosted_tool_stream(item.clone(), whole_at_start)).await;
+            assert!(!body.contains("Dogecoin"), "{item}: {body}");
+            let sent = events(&body);
+            assert_eq!(delta_text(&sent), "", "{item}");
+            assert_blocked_ending(&sent);
+        }
+    }
+    let tip = "Keep three months of expenses in savings.";
+    for item in items(tip) {
+        let body = relay(&proxy, hosted_tool_stream(item.clone(), false)).await;
+        let sent = events(&body);
+        assert_eq!(delta_text(&sent), "Here is a tip.", "{item}");
+        assert!(body.contains(tip), "{body}");
+        assert_eq!(sent.last().unwrap().0, "response.completed");
+    }
+    proxy.stop().await;
+}

@@ -229,22 +229,36 @@ pub fn scan_response(rules: &RuleSet, body: &[u8], response_texts: &[Text]) -> R
     let mut texts = Vec::new();
     let mut edits = Vec::new();
     for Text {
-        text, span, whole, ..
+        scope,
+        text,
+        span,
+        whole,
+        ..
     } in response_texts
     {
-        let mut found = rules.scan(Scope::Response, text);
+        // The answer's texts are the response; what a hosted tool gave the
+        // model in it (a search's results, an MCP tool's output) is
+        // context, scanned as such and not recorded as the answer.
+        let mut found = rules.scan(*scope, text);
         if *whole {
             // What it is the text of cannot be redacted: the text blocks.
             for hit in found.iter_mut().filter(|h| h.action == Action::Redact) {
                 hit.action = Action::Block;
             }
         }
-        if found.iter().any(|h| h.action == Action::Redact) {
-            let redacted = redact(text, &found);
-            texts.push(redacted.clone());
+        let redacted = found
+            .iter()
+            .any(|h| h.action == Action::Redact)
+            .then(|| redact(text, &found));
+        if *scope == Scope::Response {
+            texts.push(
+                redacted
+                    .clone()
+                    .unwrap_or_else(|| text.clone().into_owned()),
+            );
+        }
+        if let Some(redacted) = redacted {
             edits.push((span.clone(), redacted));
-        } else {
-            texts.push(text.clone().into_owned());
         }
         hits.extend(found);
     }

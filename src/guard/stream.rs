@@ -90,6 +90,16 @@
 //! `sequence_number`s are rewritten in the order sent. A blocked stream
 //! ends with `response.incomplete` whose `incomplete_details.reason` is
 //! `content_filter`, for the response the stream began with.
+//!
+//! What a hosted or server tool gives the model during the answer comes
+//! whole in one event: a Responses API item's start or end
+//! (`response.output_item.added`, `.done`: an MCP call's output, the tools
+//! an MCP server listed, a file search's results, a code interpreter's
+//! logs), an Anthropic block's start (`content_block_start` of an
+//! `mcp_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result`
+//! and the like). It is scanned as context when that event arrives; in
+//! `holdback` the event does not go out if a hit blocks, or would redact
+//! (the event is sent as it came), and the stream ends blocked.
 
 mod event;
 
@@ -108,7 +118,7 @@ use http_body_util::{BodyExt, StreamBody};
 use serde_json::{Map, Value, json};
 
 use crate::config::StreamMode;
-use crate::exchange::{Dialect, Endpoint};
+use crate::exchange::{self, Dialect, Endpoint};
 use crate::proxy::ProxyBody;
 use crate::proxy::respond::{self, Failure};
 use crate::record::{StreamEnd, Usage};
@@ -682,6 +692,16 @@ enum Kind {
     Malformed,
 }
 
+/// The types of Responses API items in which a hosted tool gives the
+/// model something (see [`exchange::streamed_tool_results`]), as they
+/// stand in an event's JSON text.
+const HOSTED_TOOL_ITEMS: [&str; 4] = [
+    "\"mcp_call\"",
+    "\"mcp_list_tools\"",
+    "\"file_search_call\"",
+    "\"code_interpreter_call\"",
+];
+
 /// The bytes of answer text a stream guard makes room for at once.
 const ANSWER_ROOM: usize = 1024;
 
@@ -715,6 +735,10 @@ pub struct Guard {
     /// Hits in text that Responses API events repeat but the stream did
     /// not carry.
     repeated_hits: Vec<Hit>,
+    /// Hits in what a hosted or server tool gave the model, which the
+    /// stream carries whole in one event (a Responses API item's end, an
+    /// Anthropic block's start), scanned as context.
+    context_hits: Vec<Hit>,
     /// The first OpenAI chunk with text (its JSON text), the template for
     /// re-framed chunks.
     template: Option<String>,
@@ -800,6 +824,7 @@ impl Guard {
             held_released: 0,
             held_whole: false,
             repeated_hits: Vec::new(),
+            context_hits: Vec::new(),
             template: None,
             template_tree: OnceCell::new(),
             part_templates: Vec::new(),
@@ -1361,7 +1386,19 @@ impl Guard {
                     text,
                 }
             }
-            Some("response.output_text.done" | "response.output_item.done") => Kind::BlockEnd,
+            // An item's end carries it whole (checked before it goes out):
+            // what a hosted tool gave the model is there, if not in its
+            // start already.
+            Some("response.output_item.added" | "response.output_item.done") => {
+                if HOSTED_TOOL_ITEMS.iter().any(|kind| data.contains(kind)) {
+                    self.scan_tool_results(data);
+                }
+                match event.kind.as_deref() {
+                    Some("response.output_item.done") => Kind::BlockEnd,
+                    _ => Kind::Other,
+                }
+            }
+            Some("response.output_text.done") => Kind::BlockEnd,
             // The model's words in a call: a function's or MCP tool's
             // arguments, a custom tool's input, the code it runs.
             Some(
@@ -1446,6 +1483,20 @@ impl Guard {
                     finished: false,
                     opens: Some(event.index.unwrap_or(0)),
                     whole: false,
+                }
+            }
+            // A server tool's result comes whole in its block's start.
+            Some("content_block_start")
+                if event
+                    .content_block
+                    .kind
+                    .as_deref()
+                    .is_some_and(|kind| kind.ends_with("_tool_result")) =>
+            {
+                self.scan_tool_results(data);
+                Kind::BlockStart {
+                    block: event.index.unwrap_or(0),
+                    text: String::new(),
                 }
             }
             Some("content_block_start") => Kind::BlockStart {
@@ -1567,6 +1618,10 @@ impl Guard {
                 frames
             }
             Kind::BlockStart { block, .. } => {
+                // A server tool's result that blocks never goes out.
+                if self.tool_results_block() {
+                    return self.block();
+                }
                 self.separate_block();
                 self.block = block;
                 self.block_open = true;
@@ -1620,7 +1675,14 @@ impl Guard {
                 frames
             }
             // Another choice's chunks never come here (see `on_event`).
-            Kind::Choice(_) | Kind::Other => self.after_held(event.raw),
+            Kind::Choice(_) | Kind::Other => {
+                // A tool's result that blocks (in an item's start) never
+                // goes out.
+                if self.tool_results_block() {
+                    return self.block();
+                }
+                self.after_held(event.raw)
+            }
         }
     }
 
@@ -1782,7 +1844,9 @@ impl Guard {
     /// The hits in the text this guard read.
     fn response_hits(&self) -> impl Iterator<Item = Hit> + '_ {
         let all = self.hits.iter().chain(&self.held_hits);
-        all.chain(&self.repeated_hits).cloned()
+        all.chain(&self.repeated_hits)
+            .chain(&self.context_hits)
+            .cloned()
     }
 
     /// The text this guard read, redacted, and the text it held after it.
@@ -1813,11 +1877,32 @@ impl Guard {
                 .held_hits
                 .iter()
                 .any(|h| matches!(h.action, Action::Block | Action::Redact))
+            || self.tool_results_block()
         {
             return true;
         }
         risk::assess(&self.setup.risk, self.all_hits(), &self.setup.relevance).decision
             == Decision::Block
+    }
+
+    /// Whether what a tool gave the model blocks: a hit that blocks, or
+    /// one that would redact (the event that carries it goes out whole).
+    fn tool_results_block(&self) -> bool {
+        self.context_hits
+            .iter()
+            .any(|h| matches!(h.action, Action::Block | Action::Redact))
+    }
+
+    /// Scans, as context, what a hosted or server tool gave the model and
+    /// event `data` carries whole (see [`exchange::streamed_tool_results`]).
+    fn scan_tool_results(&mut self, data: &str) {
+        let Ok(texts) = exchange::streamed_tool_results(self.dialect, data) else {
+            return;
+        };
+        for text in texts {
+            let hits = self.setup.rules.scan(Scope::Context, &text.text);
+            self.context_hits.extend(hits);
+        }
     }
 
     /// Appends a text event's text to `acc`, with its logprobs.
