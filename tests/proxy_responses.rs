@@ -874,5 +874,17 @@ async fn what_hosted_tools_give_the_model_is_read_as_context() {
         assert!(body.contains(tip), "{body}");
         assert_eq!(sent.last().unwrap().0, "response.completed");
     }
+    // What the tools gave the model is the exchange's context in its
+    // record, not its answer.
+    let rows = proxy.wait_for_results(16).await;
+    let with_tip: Vec<&Value> = rows
+        .iter()
+        .map(|row| &row["exchange"]["texts"])
+        .filter(|texts| texts["context"].to_string().contains(tip))
+        .collect();
+    assert_eq!(with_tip.len(), 4, "{rows:#?}");
+    for texts in with_tip {
+        assert!(!texts["response"].to_string().contains(tip), "{texts}");
+    }
     proxy.stop().await;
 }

@@ -217,6 +217,10 @@ pub struct ResponseScan {
     pub hits: Vec<Hit>,
     /// The response texts as the client gets them (redacted).
     pub texts: Vec<String>,
+    /// What hosted tools gave the model in the answer (a search's
+    /// results, an MCP tool's output), redacted: the exchange's context
+    /// too.
+    pub context: Vec<String>,
     /// The body as it goes to the client, when a `redact` hit rewrote it
     /// (and without its `logprobs`, whose tokens are the text as written).
     pub redacted: Option<Bytes>,
@@ -226,7 +230,7 @@ pub struct ResponseScan {
 /// [`crate::exchange::ResponseBody`]) and redacts the `redact` hits.
 pub fn scan_response(rules: &RuleSet, body: &[u8], response_texts: &[Text]) -> ResponseScan {
     let mut hits = Vec::new();
-    let mut texts = Vec::new();
+    let (mut texts, mut context) = (Vec::new(), Vec::new());
     let mut edits = Vec::new();
     for Text {
         scope,
@@ -250,12 +254,12 @@ pub fn scan_response(rules: &RuleSet, body: &[u8], response_texts: &[Text]) -> R
             .iter()
             .any(|h| h.action == Action::Redact)
             .then(|| redact(text, &found));
-        if *scope == Scope::Response {
-            texts.push(
-                redacted
-                    .clone()
-                    .unwrap_or_else(|| text.clone().into_owned()),
-            );
+        let kept = redacted
+            .clone()
+            .unwrap_or_else(|| text.clone().into_owned());
+        match scope {
+            Scope::Response => texts.push(kept),
+            _ => context.push(kept),
         }
         if let Some(redacted) = redacted {
             edits.push((span.clone(), redacted));
@@ -265,6 +269,7 @@ pub fn scan_response(rules: &RuleSet, body: &[u8], response_texts: &[Text]) -> R
     ResponseScan {
         hits,
         texts,
+        context,
         redacted: (!edits.is_empty()).then(|| without_logprobs(json::splice(body, &edits))),
     }
 }
@@ -299,6 +304,7 @@ pub fn scan_plain_response(rules: &RuleSet, body: &[u8]) -> ResponseScan {
     ResponseScan {
         redacted: redacting.then(|| Bytes::from(text.clone())),
         texts: vec![text],
+        context: Vec::new(),
         hits,
     }
 }

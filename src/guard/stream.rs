@@ -174,6 +174,9 @@ pub struct StreamOutcome {
     pub verdict: Verdict,
     /// The whole response text the upstream sent, redacted.
     pub text: String,
+    /// What hosted or server tools gave the model in the answer: the
+    /// exchange's context too.
+    pub context: Vec<String>,
     /// The upstream's `usage`, when the stream reported one.
     pub usage: Option<Usage>,
     /// Time spent in the guard itself (parsing, scanning, re-framing).
@@ -739,6 +742,8 @@ pub struct Guard {
     /// stream carries whole in one event (a Responses API item's end, an
     /// Anthropic block's start), scanned as context.
     context_hits: Vec<Hit>,
+    /// Those texts, for the record.
+    context_texts: Vec<String>,
     /// The first OpenAI chunk with text (its JSON text), the template for
     /// re-framed chunks.
     template: Option<String>,
@@ -825,6 +830,7 @@ impl Guard {
             held_whole: false,
             repeated_hits: Vec::new(),
             context_hits: Vec::new(),
+            context_texts: Vec::new(),
             template: None,
             template_tree: OnceCell::new(),
             part_templates: Vec::new(),
@@ -1116,6 +1122,7 @@ impl Guard {
         StreamOutcome {
             verdict,
             text,
+            context: self.context_texts.clone(),
             usage: self.usage.as_deref().map(Usage::from_json_text),
             guard_time,
             malformed: self.malformed,
@@ -1902,6 +1909,7 @@ impl Guard {
         for text in texts {
             let hits = self.setup.rules.scan(Scope::Context, &text.text);
             self.context_hits.extend(hits);
+            self.context_texts.push(text.text.into_owned());
         }
     }
 

@@ -1061,6 +1061,9 @@ struct RecordDraft {
 struct Ending<'a> {
     verdict: &'a Verdict,
     response: Vec<String>,
+    /// What hosted tools gave the model in the answer, after the
+    /// request's context.
+    context: Vec<String>,
     status: u16,
     /// The upstream's share of the time, when it was called.
     upstream: Option<Duration>,
@@ -1095,7 +1098,12 @@ impl RecordDraft {
             stream: self.stream,
             status: end.status,
             stream_end: end.stream_end,
-            texts: Texts::new(mode, self.prompt, self.context, end.response),
+            texts: Texts::new(
+                mode,
+                self.prompt,
+                [self.context, end.context].concat(),
+                end.response,
+            ),
             verdict: end.verdict.decision,
             risk: end.verdict.risk,
             hits: record_hits(end.verdict, mode),
@@ -1160,6 +1168,7 @@ impl<'a> Pending<'a> {
             Ending {
                 verdict: self.verdict,
                 response: Vec::new(),
+                context: Vec::new(),
                 status,
                 upstream,
                 proxy,
@@ -1594,6 +1603,7 @@ async fn guarded(
             Ending {
                 verdict: &verdict,
                 response: scanned.texts,
+                context: scanned.context,
                 status: status.as_u16(),
                 upstream: Some(upstream_time),
                 proxy: proxy_time,
@@ -1904,6 +1914,7 @@ fn guarded_stream(
             Ending {
                 verdict: &outcome.verdict,
                 response: vec![outcome.text],
+                context: outcome.context,
                 status: status.as_u16(),
                 upstream: Some(total.saturating_sub(proxy)),
                 proxy,
