@@ -1078,9 +1078,10 @@ impl RecordDraft {
     /// Completes the record and hands it to the side queue; a blocked
     /// exchange also goes to the dashboard's log, its entry made from the
     /// record as a restart makes it from the record read back.
-    fn finish(self, state: &State, end: Ending) {
+    fn finish(mut self, state: &State, end: Ending) {
         let mode = state.config.records.texts;
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        self.context.extend(end.context);
         let record = ExchangeRecord {
             schema_version: crate::record::SCHEMA_VERSION,
             request_id: self.request_id,
@@ -1098,12 +1099,7 @@ impl RecordDraft {
             stream: self.stream,
             status: end.status,
             stream_end: end.stream_end,
-            texts: Texts::new(
-                mode,
-                self.prompt,
-                [self.context, end.context].concat(),
-                end.response,
-            ),
+            texts: Texts::new(mode, self.prompt, self.context, end.response),
             verdict: end.verdict.decision,
             risk: end.verdict.risk,
             hits: record_hits(end.verdict, mode),
