@@ -2119,15 +2119,7 @@ async fn what_server_tools_give_the_model_is_read_as_context() {
     // What the tools gave the model is the exchange's context in its
     // record, not its answer: 3 kinds, whole and streamed.
     let rows = proxy.wait_for_results(12).await;
-    let with_tip: Vec<&Value> = rows
-        .iter()
-        .map(|row| &row["exchange"]["texts"])
-        .filter(|texts| texts["context"].to_string().contains(tip))
-        .collect();
-    assert_eq!(with_tip.len(), 6, "{rows:#?}");
-    for texts in with_tip {
-        assert!(!texts["response"].to_string().contains(tip), "{texts}");
-    }
+    assert_eq!(support::records_with_context(&rows, tip), 6, "{rows:#?}");
     proxy.stop().await;
 }
 

@@ -877,14 +877,6 @@ async fn what_hosted_tools_give_the_model_is_read_as_context() {
     // What the tools gave the model is the exchange's context in its
     // record, not its answer.
     let rows = proxy.wait_for_results(16).await;
-    let with_tip: Vec<&Value> = rows
-        .iter()
-        .map(|row| &row["exchange"]["texts"])
-        .filter(|texts| texts["context"].to_string().contains(tip))
-        .collect();
-    assert_eq!(with_tip.len(), 4, "{rows:#?}");
-    for texts in with_tip {
-        assert!(!texts["response"].to_string().contains(tip), "{texts}");
-    }
+    assert_eq!(support::records_with_context(&rows, tip), 4, "{rows:#?}");
     proxy.stop().await;
 }

@@ -924,3 +924,18 @@ pub async fn wait_for_count(client: &tokio_postgres::Client, sql: &str, n: i64) 
     }
     count
 }
+
+/// How many exchange records among `rows` (the sink's results) hold
+/// `text` as context, each checked not to hold it as the answer.
+pub fn records_with_context(rows: &[Value], text: &str) -> usize {
+    let texts = rows
+        .iter()
+        .map(|row| &row["exchange"]["texts"])
+        .filter(|texts| texts["context"].to_string().contains(text));
+    let mut count = 0;
+    for texts in texts {
+        assert!(!texts["response"].to_string().contains(text), "{texts}");
+        count += 1;
+    }
+    count
+}
