@@ -266,6 +266,15 @@ pub fn definition_texts(json: &str, at: usize) -> Result<Vec<Text<'_>>, ReadErro
 /// when that is a server tool's result. An error as for
 /// [`RequestBody::read`].
 pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_>>, ReadError> {
+    // Most items are messages and reasoning: an item of none of the tools'
+    // types, as its JSON text names them, is not read.
+    let quoted = |kind: &&str| {
+        data.match_indices(*kind)
+            .any(|(at, _)| data[..at].ends_with('"') && data[at + kind.len()..].starts_with('"'))
+    };
+    if dialect == Dialect::OpenAi && !HOSTED_TOOL_ITEMS.iter().any(quoted) {
+        return Ok(Vec::new());
+    }
     let mut reader = Reader::new(data);
     let mut texts = Texts::default();
     if reader.is_object()? {
@@ -602,6 +611,15 @@ impl Batch {
 /// custom tool's `input`, a code interpreter's `code`), then the parts of
 /// a message's `content` or a reasoning item's `summary`.
 const OUTPUT_ITEM: [&str; 5] = ["arguments", "input", "code", "content", "summary"];
+
+/// The types of Responses API items in an answer in which a hosted tool
+/// gives the model something (see [`Texts::tool_results`]).
+const HOSTED_TOOL_ITEMS: [&str; 4] = [
+    "mcp_call",
+    "mcp_list_tools",
+    "file_search_call",
+    "code_interpreter_call",
+];
 
 /// The members of a Responses API item that hold what a tool gave the
 /// model (see [`Texts::tool_results`]).

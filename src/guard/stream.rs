@@ -695,16 +695,6 @@ enum Kind {
     Malformed,
 }
 
-/// The types of Responses API items in which a hosted tool gives the
-/// model something (see [`exchange::streamed_tool_results`]), as they
-/// stand in an event's JSON text.
-const HOSTED_TOOL_ITEMS: [&str; 4] = [
-    "\"mcp_call\"",
-    "\"mcp_list_tools\"",
-    "\"file_search_call\"",
-    "\"code_interpreter_call\"",
-];
-
 /// The bytes of answer text a stream guard makes room for at once.
 const ANSWER_ROOM: usize = 1024;
 
@@ -1397,9 +1387,7 @@ impl Guard {
             // what a hosted tool gave the model is there, if not in its
             // start already.
             Some("response.output_item.added" | "response.output_item.done") => {
-                if HOSTED_TOOL_ITEMS.iter().any(|kind| data.contains(kind)) {
-                    self.scan_tool_results(data);
-                }
+                self.scan_tool_results(data);
                 match event.kind.as_deref() {
                     Some("response.output_item.done") => Kind::BlockEnd,
                     _ => Kind::Other,
@@ -1599,6 +1587,11 @@ impl Guard {
     }
 
     fn holdback(&mut self, event: SseEvent, kind: Kind) -> Vec<Bytes> {
+        // A tool's result that blocks never goes out, nor anything after
+        // it: the event that carried it is this one.
+        if self.tool_results_block() {
+            return self.block();
+        }
         match kind {
             Kind::Text { text, block } => {
                 // A chat completion has no blocks: held chunks before text
@@ -1625,10 +1618,6 @@ impl Guard {
                 frames
             }
             Kind::BlockStart { block, .. } => {
-                // A server tool's result that blocks never goes out.
-                if self.tool_results_block() {
-                    return self.block();
-                }
                 self.separate_block();
                 self.block = block;
                 self.block_open = true;
@@ -1682,14 +1671,7 @@ impl Guard {
                 frames
             }
             // Another choice's chunks never come here (see `on_event`).
-            Kind::Choice(_) | Kind::Other => {
-                // A tool's result that blocks (in an item's start) never
-                // goes out.
-                if self.tool_results_block() {
-                    return self.block();
-                }
-                self.after_held(event.raw)
-            }
+            Kind::Choice(_) | Kind::Other => self.after_held(event.raw),
         }
     }
 
