@@ -2089,6 +2089,28 @@ async fn what_server_tools_give_the_model_is_read_as_context() {
         );
         assert_eq!(names.last().map(String::as_str), Some("message_stop"));
     }
+    // A card number there is redacted, whole and streamed.
+    for result in results("Pay with 4111 1111 1111 1111 today.") {
+        for stream in [false, true] {
+            let response = proxy
+                .post(
+                    "/v1/messages",
+                    server_tool_answer(&result, stream),
+                    &ask(stream),
+                )
+                .await;
+            let body = response.text().await.unwrap();
+            assert!(!body.contains("4111"), "{body}");
+            assert!(body.contains("Pay with [REDACTED:card] today."), "{body}");
+            if stream {
+                let (text, stop, _) = support::anthropic_stream_text(&body);
+                assert_eq!(
+                    (text.as_str(), stop.as_deref()),
+                    ("Here is a tip.", Some("end_turn"))
+                );
+            }
+        }
+    }
     let tip = "Keep three months of expenses in savings.";
     for result in results(tip) {
         for stream in [false, true] {
@@ -2118,8 +2140,15 @@ async fn what_server_tools_give_the_model_is_read_as_context() {
     }
     // What the tools gave the model is the exchange's context in its
     // record, not its answer: 3 kinds, whole and streamed.
-    let rows = proxy.wait_for_results(12).await;
+    let rows = proxy.wait_for_results(18).await;
     assert_eq!(support::records_with_context(&rows, tip), 6, "{rows:#?}");
+    let redacted = "Pay with [REDACTED:card] today.";
+    assert_eq!(
+        support::records_with_context(&rows, redacted),
+        6,
+        "{rows:#?}"
+    );
+    assert!(!rows.iter().any(|row| row.to_string().contains("4111")));
     proxy.stop().await;
 }
 

@@ -866,6 +866,46 @@ async fn what_hosted_tools_give_the_model_is_read_as_context() {
             assert_blocked_ending(&sent);
         }
     }
+    // A card number there is redacted wherever the answer carries it: the
+    // item's start and end, and the whole response at its end.
+    let card = "Pay with 4111 1111 1111 1111 today.";
+    for item in items(card) {
+        let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",
+            "output": [item, {"id": "msg_1", "type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": "Here is a tip."}]}]});
+        let response = proxy
+            .post(
+                "/v1/responses",
+                json!({"raw_json": answer.to_string()}),
+                &request("A tip?", false),
+            )
+            .await;
+        assert_eq!(response.headers()["x-fairgate-verdict"], "redact", "{item}");
+        let text = response.text().await.unwrap();
+        assert!(
+            !text.contains("4111") && text.contains("[REDACTED:card]"),
+            "{text}"
+        );
+
+        for whole_at_start in [false, true] {
+            let body = relay(&proxy, hosted_tool_stream(item.clone(), whole_at_start)).await;
+            assert!(!body.contains("4111"), "{item}: {body}");
+            let sent = events(&body);
+            assert_eq!(delta_text(&sent), "Here is a tip.", "{item}");
+            let (last, completed) = sent.last().unwrap();
+            assert_eq!(last, "response.completed");
+            assert!(
+                completed
+                    .to_string()
+                    .contains("Pay with [REDACTED:card] today."),
+                "{completed}"
+            );
+            let redacted = sent
+                .iter()
+                .filter(|(_, data)| data.to_string().contains("[REDACTED:card]"));
+            assert_eq!(redacted.count(), 2 + usize::from(whole_at_start), "{body}");
+        }
+    }
     let tip = "Keep three months of expenses in savings.";
     for item in items(tip) {
         let body = relay(&proxy, hosted_tool_stream(item.clone(), false)).await;
@@ -876,7 +916,14 @@ async fn what_hosted_tools_give_the_model_is_read_as_context() {
     }
     // What the tools gave the model is the exchange's context in its
     // record, not its answer.
-    let rows = proxy.wait_for_results(16).await;
+    let rows = proxy.wait_for_results(28).await;
     assert_eq!(support::records_with_context(&rows, tip), 4, "{rows:#?}");
+    let redacted = "Pay with [REDACTED:card] today.";
+    assert_eq!(
+        support::records_with_context(&rows, redacted),
+        12,
+        "{rows:#?}"
+    );
+    assert!(!rows.iter().any(|row| row.to_string().contains("4111")));
     proxy.stop().await;
 }

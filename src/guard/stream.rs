@@ -98,8 +98,9 @@
 //! logs), an Anthropic block's start (`content_block_start` of an
 //! `mcp_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result`
 //! and the like). It is scanned as context when that event arrives; in
-//! `holdback` the event does not go out if a hit blocks, or would redact
-//! (the event is sent as it came), and the stream ends blocked.
+//! `holdback` and `buffer` a `redact` hit rewrites the text in the event
+//! (and where `response.completed` repeats it), and if a hit blocks the
+//! event does not go out and the stream ends blocked.
 
 mod event;
 
@@ -124,7 +125,7 @@ use crate::proxy::respond::{self, Failure};
 use crate::record::{StreamEnd, Usage};
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::normalize::{Normalized, clean_point_at_or_before, clean_point_in};
-use crate::rules::{Action, Hit, RuleSet, Scope};
+use crate::rules::{Action, Hit, RuleSet, Scope, redact};
 
 use event::{Event, Shape, Text};
 
@@ -732,8 +733,14 @@ pub struct Guard {
     /// stream carries whole in one event (a Responses API item's end, an
     /// Anthropic block's start), scanned as context.
     context_hits: Vec<Hit>,
-    /// Those texts, for the record.
+    /// Those texts, redacted, for the record.
     context_texts: Vec<String>,
+    /// Each such text that a `redact` hit rewrote, and its rewriting: the
+    /// Responses API repeats the item in `response.completed`.
+    context_redactions: Vec<(String, String)>,
+    /// The data of the event being classified, when it carried such a
+    /// text and a redaction rewrote it: the event goes on in its place.
+    redacted_data: Option<String>,
     /// The first OpenAI chunk with text (its JSON text), the template for
     /// re-framed chunks.
     template: Option<String>,
@@ -821,6 +828,8 @@ impl Guard {
             repeated_hits: Vec::new(),
             context_hits: Vec::new(),
             context_texts: Vec::new(),
+            context_redactions: Vec::new(),
+            redacted_data: None,
             template: None,
             template_tree: OnceCell::new(),
             part_templates: Vec::new(),
@@ -901,6 +910,12 @@ impl Guard {
             return Vec::new();
         }
         let kind = self.classify(&event);
+        let event = match self.redacted_data.take() {
+            Some(data) if self.setup.mode != StreamMode::Monitor => {
+                parse_event(sse_text(event.event.as_deref(), &data)).unwrap_or(event)
+            }
+            _ => event,
+        };
         self.final_seen |= matches!(kind, Kind::Final);
         let frames = match kind {
             Kind::Choice(index) => self.on_other_choice(index, event),
@@ -1093,6 +1108,11 @@ impl Guard {
         // The tokens of a redacted text are that text.
         if changed {
             super::strip_logprobs(json);
+        }
+        // What a tool gave the model, redacted when its item streamed, is
+        // redacted where the event repeats it.
+        if !self.context_redactions.is_empty() {
+            changed |= replace_strings(json, &self.context_redactions);
         }
         Some(changed)
     }
@@ -1874,24 +1894,38 @@ impl Guard {
             == Decision::Block
     }
 
-    /// Whether what a tool gave the model blocks: a hit that blocks, or
-    /// one that would redact (the event that carries it goes out whole).
+    /// Whether what a tool gave the model blocks.
     fn tool_results_block(&self) -> bool {
-        self.context_hits
-            .iter()
-            .any(|h| matches!(h.action, Action::Block | Action::Redact))
+        self.context_hits.iter().any(|h| h.action == Action::Block)
     }
 
     /// Scans, as context, what a hosted or server tool gave the model and
     /// event `data` carries whole (see [`exchange::streamed_tool_results`]).
+    /// A `redact` hit rewrites the text in the event's data, which goes
+    /// on in its place (`redacted_data`).
     fn scan_tool_results(&mut self, data: &str) {
         let Ok(texts) = exchange::streamed_tool_results(self.dialect, data) else {
             return;
         };
+        let mut edits = Vec::new();
         for text in texts {
             let hits = self.setup.rules.scan(Scope::Context, &text.text);
+            let kept = match hits.iter().any(|h| h.action == Action::Redact) {
+                true => {
+                    let redacted = redact(&text.text, &hits);
+                    edits.push((text.span, redacted.clone()));
+                    self.context_redactions
+                        .push((text.text.into_owned(), redacted.clone()));
+                    redacted
+                }
+                false => text.text.into_owned(),
+            };
             self.context_hits.extend(hits);
-            self.context_texts.push(text.text.into_owned());
+            self.context_texts.push(kept);
+        }
+        if !edits.is_empty() {
+            let data = crate::json::splice(data.as_bytes(), &edits);
+            self.redacted_data = String::from_utf8(data.into()).ok();
         }
     }
 
@@ -2298,6 +2332,27 @@ fn repeated_texts<'a>(value: &'a mut Value, out: &mut Vec<&'a mut String>) {
             }
             _ => {}
         }
+    }
+}
+
+/// Replaces, anywhere in `value`, each string that is the first of a
+/// pair in `pairs` by the second. Whether any was.
+fn replace_strings(value: &mut Value, pairs: &[(String, String)]) -> bool {
+    match value {
+        Value::String(text) => match pairs.iter().find(|(from, _)| from == text) {
+            Some((_, to)) => {
+                text.clone_from(to);
+                true
+            }
+            None => false,
+        },
+        Value::Array(items) => items.iter_mut().fold(false, |changed, item| {
+            replace_strings(item, pairs) | changed
+        }),
+        Value::Object(members) => members.values_mut().fold(false, |changed, item| {
+            replace_strings(item, pairs) | changed
+        }),
+        _ => false,
     }
 }
 
