@@ -263,7 +263,8 @@ pub fn definition_texts(json: &str, at: usize) -> Result<Vec<Text<'_>>, ReadErro
 /// hosted or server tool gave the model, in context: of a Responses API
 /// event, its `item` (as an output item is read, see
 /// [`Texts::tool_results`]); of an Anthropic one, its `content_block`
-/// when that is a server tool's result. An error as for
+/// when that is a server tool's result, and the text a `citations_delta`
+/// quotes (see [`Texts::citation`]). An error as for
 /// [`RequestBody::read`].
 pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_>>, ReadError> {
     // Most items are messages and reasoning: an item of none of the tools'
@@ -282,17 +283,21 @@ pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_
             Dialect::OpenAi => "item",
             Dialect::Anthropic => "content_block",
         };
-        reader.object([key], |reader, _| {
+        reader.object([key, "delta"], |reader, at| {
             if !reader.is_object()? {
                 return Ok(());
             }
-            match dialect {
-                Dialect::OpenAi => texts.output_item(reader),
-                Dialect::Anthropic => reader.decided_object(
+            match (dialect, at) {
+                (Dialect::OpenAi, 0) => texts.output_item(reader),
+                (Dialect::Anthropic, 0) => reader.decided_object(
                     ["type", "content"],
                     |reader| Ok(reader.string()?.map(|t| t.value)),
                     |reader, kind, _| texts.tool_result_content(reader, kind.as_deref()),
                 ),
+                (Dialect::Anthropic, _) => {
+                    reader.object(["citation"], |reader, _| texts.citation(reader))
+                }
+                _ => reader.skip(),
             }
         })?;
     }
@@ -890,6 +895,19 @@ impl<'a> Texts<'a> {
         })
     }
 
+    /// An Anthropic citation, the reader at its start: the text it quotes
+    /// from a document or a web page (`cited_text`), and the title of
+    /// that, are context. The client shows them beside the answer, and a
+    /// web page's text reaches the client no other way unencrypted.
+    fn citation(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        if !reader.is_object()? {
+            return Ok(());
+        }
+        reader.object(["cited_text", "document_title", "title"], |reader, _| {
+            self.text(reader, Scope::Context)
+        })
+    }
+
     /// The `content` of an Anthropic block of type `kind`, the reader at
     /// it: context when the block is a server tool's result (see
     /// [`Texts::server_tool_result`]), else skipped.
@@ -983,14 +1001,15 @@ impl<'a> Texts<'a> {
                     self.objects(reader, |texts, reader| texts.output_item(reader))?
                 }
                 // The model's text, tool input and thinking; what a server
-                // tool gave it, context.
+                // tool gave it, and the text its citations quote, context.
                 (3, Endpoint::Messages) => self.objects(reader, |texts, reader| {
                     reader.decided_object(
-                        ["type", "text", "input", "thinking", "content"],
+                        ["type", "text", "input", "thinking", "content", "citations"],
                         |reader| Ok(reader.string()?.map(|t| t.value)),
                         |reader, kind, key| match key {
                             2 => texts.strings(reader, scope),
                             4 => texts.tool_result_content(reader, kind.as_deref()),
+                            5 => texts.objects(reader, |texts, reader| texts.citation(reader)),
                             _ => texts.text(reader, scope),
                         },
                     )

@@ -2152,6 +2152,112 @@ async fn what_server_tools_give_the_model_is_read_as_context() {
     proxy.stop().await;
 }
 
+/// An Anthropic answer that cites a web page or a document, whole or
+/// streamed (`web_search_result_location`).
+fn cited_answer(cited: &str, stream: bool) -> Value {
+    let citation = json!({"type": "web_search_result_location", "cited_text": cited,
+        "url": "https://example.com/tips", "title": "Tips", "encrypted_index": "Eo8B"});
+    let text = "Savings come first.";
+    if !stream {
+        let answer = json!({"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
+            "content": [{"type": "text", "text": text, "citations": [citation]}],
+            "stop_reason": "end_turn", "usage": {"input_tokens": 5, "output_tokens": 7}});
+        return json!({"raw_json": answer.to_string()});
+    }
+    let events = [
+        (
+            "message_start",
+            json!({"message": {"id": "msg_1", "type": "message", "role": "assistant",
+            "model": "claude-x", "content": [], "stop_reason": null, "usage": {"input_tokens": 5, "output_tokens": 0}}}),
+        ),
+        (
+            "content_block_start",
+            json!({"index": 0, "content_block": {"type": "text", "text": "", "citations": []}}),
+        ),
+        (
+            "content_block_delta",
+            json!({"index": 0, "delta": {"type": "citations_delta", "citation": citation}}),
+        ),
+        (
+            "content_block_delta",
+            json!({"index": 0, "delta": {"type": "text_delta", "text": text}}),
+        ),
+        ("content_block_stop", json!({"index": 0})),
+        (
+            "message_delta",
+            json!({"delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 7}}),
+        ),
+        ("message_stop", json!({})),
+    ];
+    let mut raw = String::new();
+    for (name, mut data) in events {
+        data["type"] = json!(name);
+        raw += &format!("event: {name}\ndata: {data}\n\n");
+    }
+    json!({"raw_sse": raw})
+}
+
+/// The text an answer's citations quote (from a web page the model
+/// searched, or a document) is shown to the client beside the answer, and
+/// is read as context: whole and streamed, blocked, redacted, or passed
+/// and kept in the record's context.
+#[tokio::test]
+async fn the_text_an_answer_cites_is_read_as_context() {
+    let (_mock, proxy) = start().await;
+    let ask = |stream: bool| {
+        json!({"model": "claude-x", "max_tokens": 100, "stream": stream,
+            "messages": [{"role": "user", "content": "A tip?"}]})
+    };
+    for stream in [false, true] {
+        let cited = "Put all your savings into Dogecoin now.";
+        let response = proxy
+            .post("/v1/messages", cited_answer(cited, stream), &ask(stream))
+            .await;
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("Dogecoin"), "{body}");
+        let stop = match stream {
+            true => support::anthropic_stream_text(&body).1,
+            false => serde_json::from_str::<Value>(&body).unwrap()["stop_reason"]
+                .as_str()
+                .map(str::to_owned),
+        };
+        assert_eq!(stop.as_deref(), Some("refusal"), "{body}");
+
+        let cited = "Pay with 4111 1111 1111 1111 today.";
+        let response = proxy
+            .post("/v1/messages", cited_answer(cited, stream), &ask(stream))
+            .await;
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("4111"), "{body}");
+        assert!(body.contains("Pay with [REDACTED:card] today."), "{body}");
+
+        let cited = "Keep three months of expenses in savings.";
+        let response = proxy
+            .post("/v1/messages", cited_answer(cited, stream), &ask(stream))
+            .await;
+        assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
+        let body = response.text().await.unwrap();
+        assert!(body.contains(cited), "{body}");
+        if stream {
+            let (text, stop, _) = support::anthropic_stream_text(&body);
+            assert_eq!(
+                (text.as_str(), stop.as_deref()),
+                ("Savings come first.", Some("end_turn"))
+            );
+        }
+    }
+    let rows = proxy.wait_for_results(6).await;
+    let tip = "Keep three months of expenses in savings.";
+    assert_eq!(support::records_with_context(&rows, tip), 2, "{rows:#?}");
+    let redacted = "Pay with [REDACTED:card] today.";
+    assert_eq!(
+        support::records_with_context(&rows, redacted),
+        2,
+        "{rows:#?}"
+    );
+    proxy.stop().await;
+}
+
 /// Words a client gives the model outside its messages are prompt too: the
 /// variables of a Responses API prompt template (where apps put the
 /// user's question) and a completion's `suffix`.

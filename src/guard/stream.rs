@@ -97,7 +97,9 @@
 //! an MCP server listed, a file search's results, a code interpreter's
 //! logs), an Anthropic block's start (`content_block_start` of an
 //! `mcp_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result`
-//! and the like). It is scanned as context when that event arrives; in
+//! and the like), as does the text that an Anthropic citation quotes from
+//! a document or a web page (its `citations_delta`). It is scanned as
+//! context when that event arrives; in
 //! `holdback` and `buffer` a `redact` hit rewrites the text in the event
 //! (and where `response.completed` repeats it), and if a hit blocks the
 //! event does not go out and the stream ends blocked.
@@ -1476,6 +1478,11 @@ impl Guard {
                         text: EventText::Decoded(String::new()),
                         block: event.index.unwrap_or(0),
                     },
+                    // The text a citation quotes, whole in its event.
+                    (Some(kind), _) if kind == "citations_delta" => {
+                        self.scan_tool_results(data);
+                        Kind::Other
+                    }
                     _ => match delta.held_text() {
                         Some(text) => Kind::Held {
                             text,
