@@ -46,7 +46,11 @@ train() (
 DIALECT=openai train
 DIALECT=anthropic train
 
-"$PROFDATA_TOOL" merge -o "$PROFILES/merged.profdata" "$PROFILES"
-RUSTFLAGS="-Cprofile-use=$PROFILES/merged.profdata" cargo build --release --quiet \
+"$PROFDATA_TOOL" merge -o "$PROFILES.profdata" "$PROFILES"
+# Named by its content: a new profile is new flags, so cargo rebuilds
+# every crate with it rather than keep those built with the last one.
+PROFILE=$PROFILES-$(sha256sum "$PROFILES.profdata" | cut -c1-16).profdata
+mv "$PROFILES.profdata" "$PROFILE"
+RUSTFLAGS="-Cprofile-use=$PROFILE" cargo build --release --quiet \
   --target-dir target/pgo --bin fairgate
 echo "built target/pgo/release/fairgate"
