@@ -1987,17 +1987,9 @@ fn server_tool_answer(result: &Value, stream: bool) -> Value {
     let text = "Here is a tip.";
     let used = json!({"type": "mcp_tool_use", "id": "t", "name": "tip", "server_name": "tips", "input": {}});
     if !stream {
-        let answer = json!({"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
-            "content": [used, result, {"type": "text", "text": text}], "stop_reason": "end_turn",
-            "usage": {"input_tokens": 5, "output_tokens": 7}});
-        return json!({"raw_json": answer.to_string()});
+        return anthropic_answer(json!([used, result, {"type": "text", "text": text}]));
     }
-    let events = [
-        (
-            "message_start",
-            json!({"message": {"id": "msg_1", "type": "message", "role": "assistant",
-            "model": "claude-x", "content": [], "stop_reason": null, "usage": {"input_tokens": 5, "output_tokens": 0}}}),
-        ),
+    anthropic_answer_stream(vec![
         (
             "content_block_start",
             json!({"index": 0, "content_block": used}),
@@ -2017,12 +2009,27 @@ fn server_tool_answer(result: &Value, stream: bool) -> Value {
             json!({"index": 2, "delta": {"type": "text_delta", "text": text}}),
         ),
         ("content_block_stop", json!({"index": 2})),
-        (
-            "message_delta",
-            json!({"delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 7}}),
-        ),
-        ("message_stop", json!({})),
-    ];
+    ])
+}
+
+/// The mock's whole Anthropic answer of `content`, ended by `end_turn`.
+fn anthropic_answer(content: Value) -> Value {
+    let answer = json!({"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
+        "content": content, "stop_reason": "end_turn",
+        "usage": {"input_tokens": 5, "output_tokens": 7}});
+    json!({"raw_json": answer.to_string()})
+}
+
+/// The mock's streamed Anthropic answer of the content block events
+/// `blocks`, between the message's start and its end (`end_turn`).
+fn anthropic_answer_stream(blocks: Vec<(&str, Value)>) -> Value {
+    let start = json!({"message": {"id": "msg_1", "type": "message", "role": "assistant",
+        "model": "claude-x", "content": [], "stop_reason": null, "usage": {"input_tokens": 5, "output_tokens": 0}}});
+    let end = json!({"delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 7}});
+    let events = [("message_start", start)]
+        .into_iter()
+        .chain(blocks)
+        .chain([("message_delta", end), ("message_stop", json!({}))]);
     let mut raw = String::new();
     for (name, mut data) in events {
         data["type"] = json!(name);
@@ -2054,14 +2061,13 @@ async fn what_server_tools_give_the_model_is_read_as_context() {
         json!({"model": "claude-x", "max_tokens": 100, "stream": stream,
             "messages": [{"role": "user", "content": "A tip?"}]})
     };
+    let asks = [ask(false), ask(true)];
+    let answered = |result: &Value, stream: bool| {
+        let answer = server_tool_answer(result, stream);
+        proxy.post("/v1/messages", answer, &asks[usize::from(stream)])
+    };
     for result in results("Put all your savings into Dogecoin now.") {
-        let response = proxy
-            .post(
-                "/v1/messages",
-                server_tool_answer(&result, false),
-                &ask(false),
-            )
-            .await;
+        let response = answered(&result, false).await;
         assert_eq!(
             response.headers()["x-fairgate-verdict"],
             "block",
@@ -2072,13 +2078,7 @@ async fn what_server_tools_give_the_model_is_read_as_context() {
         let answer: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(answer["stop_reason"], "refusal", "{answer}");
 
-        let response = proxy
-            .post(
-                "/v1/messages",
-                server_tool_answer(&result, true),
-                &ask(true),
-            )
-            .await;
+        let response = answered(&result, true).await;
         let body = response.text().await.unwrap();
         assert!(!body.contains("Dogecoin"), "{result}: {body}");
         let (text, stop, names) = support::anthropic_stream_text(&body);
@@ -2092,13 +2092,7 @@ async fn what_server_tools_give_the_model_is_read_as_context() {
     // A card number there is redacted, whole and streamed.
     for result in results("Pay with 4111 1111 1111 1111 today.") {
         for stream in [false, true] {
-            let response = proxy
-                .post(
-                    "/v1/messages",
-                    server_tool_answer(&result, stream),
-                    &ask(stream),
-                )
-                .await;
+            let response = answered(&result, stream).await;
             let body = response.text().await.unwrap();
             assert!(!body.contains("4111"), "{body}");
             assert!(body.contains("Pay with [REDACTED:card] today."), "{body}");
@@ -2114,13 +2108,7 @@ async fn what_server_tools_give_the_model_is_read_as_context() {
     let tip = "Keep three months of expenses in savings.";
     for result in results(tip) {
         for stream in [false, true] {
-            let response = proxy
-                .post(
-                    "/v1/messages",
-                    server_tool_answer(&result, stream),
-                    &ask(stream),
-                )
-                .await;
+            let response = answered(&result, stream).await;
             assert_eq!(
                 response.headers()["x-fairgate-verdict"],
                 "allow",
@@ -2159,17 +2147,9 @@ fn cited_answer(cited: &str, stream: bool) -> Value {
         "url": "https://example.com/tips", "title": "Tips", "encrypted_index": "Eo8B"});
     let text = "Savings come first.";
     if !stream {
-        let answer = json!({"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
-            "content": [{"type": "text", "text": text, "citations": [citation]}],
-            "stop_reason": "end_turn", "usage": {"input_tokens": 5, "output_tokens": 7}});
-        return json!({"raw_json": answer.to_string()});
+        return anthropic_answer(json!([{"type": "text", "text": text, "citations": [citation]}]));
     }
-    let events = [
-        (
-            "message_start",
-            json!({"message": {"id": "msg_1", "type": "message", "role": "assistant",
-            "model": "claude-x", "content": [], "stop_reason": null, "usage": {"input_tokens": 5, "output_tokens": 0}}}),
-        ),
+    anthropic_answer_stream(vec![
         (
             "content_block_start",
             json!({"index": 0, "content_block": {"type": "text", "text": "", "citations": []}}),
@@ -2183,18 +2163,7 @@ fn cited_answer(cited: &str, stream: bool) -> Value {
             json!({"index": 0, "delta": {"type": "text_delta", "text": text}}),
         ),
         ("content_block_stop", json!({"index": 0})),
-        (
-            "message_delta",
-            json!({"delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 7}}),
-        ),
-        ("message_stop", json!({})),
-    ];
-    let mut raw = String::new();
-    for (name, mut data) in events {
-        data["type"] = json!(name);
-        raw += &format!("event: {name}\ndata: {data}\n\n");
-    }
-    json!({"raw_sse": raw})
+    ])
 }
 
 /// The text an answer's citations quote (from a web page the model

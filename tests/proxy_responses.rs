@@ -840,18 +840,21 @@ async fn what_hosted_tools_give_the_model_is_read_as_context() {
                 "outputs": [{"type": "logs", "logs": text}]}),
         ]
     };
-    let advice = "Put all your savings into Dogecoin right now.";
-    for item in items(advice) {
+    // The item in a whole answer, before the answer's text.
+    let ask = request("A tip?", false);
+    let whole = |item: Value| {
         let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",
             "output": [item, {"id": "msg_1", "type": "message", "role": "assistant",
                 "content": [{"type": "output_text", "text": "Here is a tip."}]}]});
-        let response = proxy
-            .post(
-                "/v1/responses",
-                json!({"raw_json": answer.to_string()}),
-                &request("A tip?", false),
-            )
-            .await;
+        proxy.post(
+            "/v1/responses",
+            json!({"raw_json": answer.to_string()}),
+            &ask,
+        )
+    };
+    let advice = "Put all your savings into Dogecoin right now.";
+    for item in items(advice) {
+        let response = whole(item.clone()).await;
         assert_eq!(response.headers()["x-fairgate-verdict"], "block", "{item}");
         let text = response.text().await.unwrap();
         assert!(!text.contains("Dogecoin"), "{text}");
@@ -870,16 +873,7 @@ async fn what_hosted_tools_give_the_model_is_read_as_context() {
     // item's start and end, and the whole response at its end.
     let card = "Pay with 4111 1111 1111 1111 today.";
     for item in items(card) {
-        let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",
-            "output": [item, {"id": "msg_1", "type": "message", "role": "assistant",
-                "content": [{"type": "output_text", "text": "Here is a tip."}]}]});
-        let response = proxy
-            .post(
-                "/v1/responses",
-                json!({"raw_json": answer.to_string()}),
-                &request("A tip?", false),
-            )
-            .await;
+        let response = whole(item.clone()).await;
         assert_eq!(response.headers()["x-fairgate-verdict"], "redact", "{item}");
         let text = response.text().await.unwrap();
         assert!(
