@@ -99,10 +99,10 @@
 //! `mcp_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result`
 //! and the like), as does the text that an Anthropic citation quotes from
 //! a document or a web page (its `citations_delta`). It is scanned as
-//! context when that event arrives; in
-//! `holdback` and `buffer` a `redact` hit rewrites the text in the event
-//! (and where `response.completed` repeats it), and if a hit blocks the
-//! event does not go out and the stream ends blocked.
+//! context when that event arrives. In `holdback` and `buffer` a `redact`
+//! hit rewrites the text in the event (and where `response.completed`
+//! repeats it); if a hit blocks, the event does not go out and the stream
+//! ends blocked.
 
 mod event;
 
