@@ -2227,6 +2227,65 @@ async fn the_text_an_answer_cites_is_read_as_context() {
     proxy.stop().await;
 }
 
+/// In `buffer` mode what a server tool gave the model, and the text a
+/// citation quotes, are redacted or blocked as in `holdback`; in `monitor`
+/// mode they go out as they came.
+#[tokio::test]
+async fn tools_results_and_citations_in_buffer_and_monitor_modes() {
+    use fairgate::config::StreamMode;
+    let ask = json!({"model": "claude-x", "max_tokens": 100, "stream": true,
+        "messages": [{"role": "user", "content": "A tip?"}]});
+    let fetched = |text: &str| {
+        json!({"type": "web_fetch_tool_result", "tool_use_id": "t", "content": {"type": "web_fetch_result",
+            "url": "https://example.com/tips", "content": {"type": "document",
+                "source": {"type": "text", "media_type": "text/plain", "data": text}}}})
+    };
+    let (card, advice) = (
+        "Pay with 4111 1111 1111 1111 today.",
+        "Put all your savings into Dogecoin now.",
+    );
+    for mode in [StreamMode::Buffer, StreamMode::Monitor] {
+        let (_mock, proxy) = start_with(|c| c.guard.stream_mode = mode).await;
+        let monitored = mode == StreamMode::Monitor;
+        let answers = [
+            (server_tool_answer(&fetched(card), true), "Here is a tip."),
+            (cited_answer(card, true), "Savings come first."),
+        ];
+        for (answer, text) in answers {
+            let response = proxy.post("/v1/messages", answer, &ask).await;
+            let body = response.text().await.unwrap();
+            assert_eq!(
+                body.contains("4111 1111 1111 1111"),
+                monitored,
+                "{mode:?}: {body}"
+            );
+            assert_eq!(
+                body.contains("Pay with [REDACTED:card] today."),
+                !monitored,
+                "{body}"
+            );
+            let (sent, stop, _) = support::anthropic_stream_text(&body);
+            assert_eq!((sent.as_str(), stop.as_deref()), (text, Some("end_turn")));
+        }
+        let answers = [
+            (server_tool_answer(&fetched(advice), true), "Here is a tip."),
+            (cited_answer(advice, true), "Savings come first."),
+        ];
+        for (answer, text) in answers {
+            let response = proxy.post("/v1/messages", answer, &ask).await;
+            let body = response.text().await.unwrap();
+            assert_eq!(body.contains("Dogecoin"), monitored, "{mode:?}: {body}");
+            let (sent, stop, _) = support::anthropic_stream_text(&body);
+            let expected = match monitored {
+                true => (text, Some("end_turn")),
+                false => ("", Some("refusal")),
+            };
+            assert_eq!((sent.as_str(), stop.as_deref()), expected, "{body}");
+        }
+        proxy.stop().await;
+    }
+}
+
 /// Words a client gives the model outside its messages are prompt too: the
 /// variables of a Responses API prompt template (where apps put the
 /// user's question) and a completion's `suffix`.

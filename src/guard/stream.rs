@@ -913,10 +913,8 @@ impl Guard {
         }
         let kind = self.classify(&event);
         let event = match self.redacted_data.take() {
-            Some(data) if self.setup.mode != StreamMode::Monitor => {
-                parse_event(sse_text(event.event.as_deref(), &data)).unwrap_or(event)
-            }
-            _ => event,
+            Some(data) => parse_event(sse_text(event.event.as_deref(), &data)).unwrap_or(event),
+            None => event,
         };
         self.final_seen |= matches!(kind, Kind::Final);
         let frames = match kind {
@@ -1909,7 +1907,7 @@ impl Guard {
     /// Scans, as context, what a hosted or server tool gave the model and
     /// event `data` carries whole (see [`exchange::streamed_tool_results`]).
     /// A `redact` hit rewrites the text in the event's data, which goes
-    /// on in its place (`redacted_data`).
+    /// on in its place (`redacted_data`), but in monitor mode.
     fn scan_tool_results(&mut self, data: &str) {
         let Ok(texts) = exchange::streamed_tool_results(self.dialect, data) else {
             return;
@@ -1930,7 +1928,7 @@ impl Guard {
             self.context_hits.extend(hits);
             self.context_texts.push(kept);
         }
-        if !edits.is_empty() {
+        if !edits.is_empty() && self.setup.mode != StreamMode::Monitor {
             let data = crate::json::splice(data.as_bytes(), &edits);
             self.redacted_data = String::from_utf8(data.into()).ok();
         }
