@@ -1914,6 +1914,19 @@ impl Guard {
         };
         let mut edits = Vec::new();
         for text in texts {
+            // A Responses API item's start and end may both carry it: read
+            // once, and redacted alike in both.
+            let redacted = self
+                .context_redactions
+                .iter()
+                .find(|(from, _)| *from == text.text);
+            if let Some((_, redacted)) = redacted {
+                edits.push((text.span, redacted.clone()));
+                continue;
+            }
+            if self.context_texts.iter().any(|seen| *seen == text.text) {
+                continue;
+            }
             let hits = self.setup.rules.scan(Scope::Context, &text.text);
             let kept = match hits.iter().any(|h| h.action == Action::Redact) {
                 true => {

@@ -926,7 +926,8 @@ pub async fn wait_for_count(client: &tokio_postgres::Client, sql: &str, n: i64) 
 }
 
 /// How many exchange records among `rows` (the sink's results) hold
-/// `text` as context, each checked not to hold it as the answer.
+/// `text` as context, each checked to hold it there once and not as the
+/// answer.
 pub fn records_with_context(rows: &[Value], text: &str) -> usize {
     let texts = rows
         .iter()
@@ -935,6 +936,8 @@ pub fn records_with_context(rows: &[Value], text: &str) -> usize {
     let mut count = 0;
     for texts in texts {
         assert!(!texts["response"].to_string().contains(text), "{texts}");
+        let times = texts["context"].to_string().matches(text).count();
+        assert_eq!(times, 1, "read once: {texts}");
         count += 1;
     }
     count
