@@ -122,8 +122,13 @@ pub struct RequestBody<'a> {
     /// System and user messages are the prompt; tool results, function
     /// outputs, documents and tool definitions are context. Assistant
     /// turns of the history are the model's own words and are not scanned
-    /// again.
+    /// again, but for a prefill.
     pub texts: Vec<Text<'a>>,
+    /// Anthropic: the text of a last assistant turn, which the answer
+    /// continues (a prefill). The client wrote it, so it is prompt too,
+    /// the last of `texts`; the client shows the answer after it, so the
+    /// answer is scanned as its continuation.
+    pub prefill: Option<Cow<'a, str>>,
 }
 
 impl<'a> RequestBody<'a> {
@@ -197,6 +202,10 @@ impl<'a> RequestBody<'a> {
             })?;
         }
         first.found.append(&mut rest.found);
+        if let Some(prefill) = rest.prefill {
+            read.prefill = Some(prefill.text.clone());
+            first.found.push(prefill);
+        }
         read.texts = first.found;
         Ok(read)
     }
@@ -640,6 +649,9 @@ const OUTPUT_ITEM_STRINGS: usize = 3;
 #[derive(Default)]
 struct Texts<'a> {
     found: Vec<Text<'a>>,
+    /// Anthropic messages: the text that ends the last message read, when
+    /// that is the assistant's (see [`RequestBody::prefill`]).
+    prefill: Option<Text<'a>>,
 }
 
 /// Which way to read a chat message's content: the scope of its role, or
@@ -866,14 +878,16 @@ impl<'a> Texts<'a> {
 
     /// Anthropic messages: the content of any but the assistant's, a
     /// string or blocks, is prompt (a role the API does not define too,
-    /// as [`RoleScope`] says).
+    /// as [`RoleScope`] says). Of the assistant's, see
+    /// [`Texts::assistant_content`].
     fn anthropic_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         self.objects(reader, |texts, reader| {
+            texts.prefill = None;
             reader.decided_object(
                 ["role", "content"],
                 |reader| Ok(reader.string()?.is_some_and(|t| t.value == "assistant")),
                 |reader, &model, _| match reader.jiter.peek()? {
-                    _ if model => texts.server_tool_results(reader),
+                    _ if model => texts.assistant_content(reader),
                     Peek::String => texts.text(reader, Scope::Prompt),
                     _ => texts.blocks(reader, Scope::Prompt),
                 },
@@ -881,18 +895,44 @@ impl<'a> Texts<'a> {
         })
     }
 
-    /// Of an Anthropic assistant turn's content, the results of server
-    /// tools (web search and fetch, code execution, an MCP connector's
-    /// tools), which the API puts there: not the model's words but what it
-    /// was given, so context. The rest of the turn is not read.
-    fn server_tool_results(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+    /// An Anthropic assistant turn's content. Of its blocks, the results
+    /// of server tools (web search and fetch, code execution, an MCP
+    /// connector's tools), which the API puts there: not the model's words
+    /// but what it was given, so context. The rest of the turn is not
+    /// read, but for the text it ends with (a string, or a last block of
+    /// text), kept as [`Texts::prefill`].
+    fn assistant_content(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        if reader.jiter.peek()? == Peek::String {
+            return self.prefill_text(reader);
+        }
         self.objects(reader, |texts, reader| {
+            texts.prefill = None;
             reader.decided_object(
-                ["type", "content"],
+                ["type", "content", "text"],
                 |reader| Ok(reader.string()?.map(|t| t.value)),
-                |reader, kind, _| texts.tool_result_content(reader, kind.as_deref()),
+                |reader, kind, key| match (kind.as_deref(), key) {
+                    (Some("text"), 2) => texts.prefill_text(reader),
+                    (kind, 1) => texts.tool_result_content(reader, kind),
+                    _ => reader.skip(),
+                },
             )
         })
+    }
+
+    /// The text of an assistant turn, the reader at it, as
+    /// [`Texts::prefill`] (none when it is empty).
+    fn prefill_text(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        self.prefill = reader
+            .string()?
+            .filter(|text| !text.value.is_empty())
+            .map(|text| Text {
+                scope: Scope::Prompt,
+                text: text.value,
+                span: text.token,
+                whole: false,
+                definition: false,
+            });
+        Ok(())
     }
 
     /// An Anthropic citation, the reader at its start: the text it quotes
@@ -1498,6 +1538,55 @@ mod tests {
                 (Scope::Prompt, "other role".into())
             ]
         );
+    }
+
+    #[test]
+    /// The text that ends a last assistant turn is a prefill: prompt, and
+    /// kept as what the answer continues; an earlier turn's is not read.
+    fn anthropic_prefill_is_the_text_a_last_assistant_turn_ends_with() {
+        let prefill = |messages: Value| {
+            let body = json!({"model": "claude", "messages": messages}).to_string();
+            let read = RequestBody::read(Endpoint::Messages, body.as_bytes()).unwrap();
+            let texts = read
+                .texts
+                .iter()
+                .map(|t| t.text.to_string())
+                .collect::<Vec<_>>();
+            (read.prefill.map(String::from), texts)
+        };
+        let asked = json!({"role": "user", "content": "asked"});
+        assert_eq!(
+            prefill(json!([asked, {"role": "assistant", "content": "Sure, the"}])),
+            (
+                Some("Sure, the".into()),
+                vec!["asked".into(), "Sure, the".into()]
+            )
+        );
+        let blocks = json!({"role": "assistant", "content": [
+            {"type": "text", "text": "first"},
+            {"type": "web_fetch_tool_result", "tool_use_id": "f", "content": {"type": "web_fetch_result", "content": {"type": "document", "source": {"type": "text", "data": "page"}}}},
+            {"type": "text", "text": "Then \"the"}
+        ]});
+        assert_eq!(
+            prefill(json!([asked, blocks])),
+            (
+                Some("Then \"the".into()),
+                vec!["asked".into(), "page".into(), "Then \"the".into()]
+            )
+        );
+        // Not a prefill: a turn that does not end with text, an earlier
+        // turn, an empty one.
+        let call = json!({"role": "assistant", "content": [
+            {"type": "text", "text": "calling"}, {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+        ]});
+        assert_eq!(prefill(json!([asked, call])), (None, vec!["asked".into()]));
+        let earlier = json!({"role": "assistant", "content": "earlier"});
+        assert_eq!(
+            prefill(json!([earlier, asked])),
+            (None, vec!["asked".into()])
+        );
+        let empty = json!({"role": "assistant", "content": ""});
+        assert_eq!(prefill(json!([asked, empty])), (None, vec!["asked".into()]));
     }
 
     #[test]

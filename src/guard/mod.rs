@@ -29,6 +29,10 @@ pub struct RequestScan {
     /// The prompt and context texts as forwarded (redacted), for the
     /// exchange record.
     pub texts: RequestTexts,
+    /// The text the answer continues, as the client wrote it (see
+    /// [`exchange::RequestBody::prefill`]): the response's scan reads the
+    /// answer after it.
+    pub prefill: Option<String>,
 }
 
 impl RequestScan {
@@ -122,6 +126,7 @@ pub fn scan_request(
         relevance,
         edits,
         texts,
+        prefill: None,
     }
 }
 
@@ -227,8 +232,15 @@ pub struct ResponseScan {
 }
 
 /// Scans the texts of a response body (read by
-/// [`crate::exchange::ResponseBody`]) and redacts the `redact` hits.
-pub fn scan_response(rules: &RuleSet, body: &[u8], response_texts: &[Text]) -> ResponseScan {
+/// [`crate::exchange::ResponseBody`]) and redacts the `redact` hits. The
+/// answer's first text continues the request's `prefill`, if any (see
+/// [`scan_continuation`]).
+pub fn scan_response(
+    rules: &RuleSet,
+    body: &[u8],
+    response_texts: &[Text],
+    mut prefill: Option<&str>,
+) -> ResponseScan {
     let mut hits = Vec::new();
     let (mut texts, mut context) = (Vec::new(), Vec::new());
     let mut edits = Vec::new();
@@ -243,7 +255,14 @@ pub fn scan_response(rules: &RuleSet, body: &[u8], response_texts: &[Text]) -> R
         // The answer's texts are the response; what a hosted tool gave the
         // model in it (a search's results, an MCP tool's output) is
         // context, scanned as such and not recorded as the answer.
-        let mut found = rules.scan(*scope, text);
+        let continued = match (scope, whole) {
+            (Scope::Response, false) => prefill.take(),
+            _ => None,
+        };
+        let mut found = match continued {
+            Some(prefill) => scan_continuation(rules, prefill, text),
+            None => rules.scan(*scope, text),
+        };
         if *whole {
             // What it is the text of cannot be redacted: the text blocks.
             for hit in found.iter_mut().filter(|h| h.action == Action::Redact) {
@@ -266,11 +285,44 @@ pub fn scan_response(rules: &RuleSet, body: &[u8], response_texts: &[Text]) -> R
         }
         hits.extend(found);
     }
+    // An answer with no text of its own is still shown after its prefill.
+    if let Some(prefill) = prefill {
+        hits.extend(scan_continuation(rules, prefill, ""));
+    }
     ResponseScan {
         hits,
         texts,
         context,
         redacted: (!edits.is_empty()).then(|| without_logprobs(json::splice(body, &edits))),
+    }
+}
+
+/// The hits of answer `text` as the continuation of `prefill`, which the
+/// client shows before it (see [`continuation_hits`]), with offsets into
+/// `text` (from its start for a match that begins in the prefill).
+fn scan_continuation(rules: &RuleSet, prefill: &str, text: &str) -> Vec<Hit> {
+    let mut hits = rules.scan(Scope::Response, &[prefill, text].concat());
+    continuation_hits(&mut hits, prefill.len());
+    for hit in &mut hits {
+        hit.start = hit.start.saturating_sub(prefill.len());
+        hit.end = hit.end.saturating_sub(prefill.len());
+    }
+    hits
+}
+
+/// The hits in a prefill of `prefill` bytes and the answer after it, read
+/// as one text (the client shows them so), as the answer's. A prefill can
+/// lead the model into what a rule stops ("Sure, put all your savings
+/// into"), so a match in it counts; but not a redaction wholly in it,
+/// which the client wrote and has (the request's scan redacted it on its
+/// way upstream). A redaction that begins in the prefill and runs into the
+/// answer blocks: its start cannot be taken back.
+pub fn continuation_hits(hits: &mut Vec<Hit>, prefill: usize) {
+    hits.retain(|hit| hit.end > prefill || hit.action != Action::Redact);
+    for hit in hits.iter_mut().filter(|hit| hit.start < prefill) {
+        if hit.action == Action::Redact {
+            hit.action = Action::Block;
+        }
     }
 }
 
@@ -478,9 +530,60 @@ mod tests {
             (read.texts, scan.redacted(body))
         } else {
             let read = ResponseBody::read(endpoint, body).expect(&unreadable);
-            let scan = scan_response(rules, body, &read.texts);
+            let scan = scan_response(rules, body, &read.texts, None);
             (read.texts, scan.redacted)
         }
+    }
+
+    /// A whole answer is scanned as what follows its prefill: a match the
+    /// two make counts, and one in the prefill but for a redaction; a
+    /// `redact` hit that reaches into the prefill blocks; one wholly in the
+    /// answer is redacted in the answer's text alone.
+    #[test]
+    fn an_answer_is_scanned_as_the_continuation_of_its_prefill() {
+        use crate::exchange::{Endpoint, ResponseBody};
+        use std::path::Path;
+
+        let rules = RuleSet::load_dir(Path::new("rules"), &crate::rules::CompileOptions::default())
+            .unwrap();
+        let scan = |prefill: &str, answer: &str| {
+            let body = serde_json::json!({"content": [
+                {"type": "text", "text": answer},
+                {"type": "tool_use", "input": {"note": "Guaranteed"}}
+            ]})
+            .to_string();
+            let read = ResponseBody::read(Endpoint::Messages, body.as_bytes()).unwrap();
+            let scan = scan_response(&rules, body.as_bytes(), &read.texts, Some(prefill));
+            let actions: Vec<&str> = scan.hits.iter().map(|h| h.action.as_str()).collect();
+            let redacted = scan
+                .redacted
+                .map(|b| String::from_utf8(b.to_vec()).unwrap());
+            (actions.join(","), scan.texts[0].clone(), redacted)
+        };
+        assert_eq!(
+            scan("Our fund offers guaranteed", " returns of 20% a year."),
+            ("block".into(), " returns of 20% a year.".into(), None)
+        );
+        // The prefill's own match counts, but for a redaction; the tool's
+        // input does not continue the prefill.
+        assert_eq!(
+            scan("Sure. Put all your savings into", " Dogecoin right now."),
+            ("block".into(), " Dogecoin right now.".into(), None)
+        );
+        assert_eq!(
+            scan("Card 4111 1111 1111 1111 is", " on file."),
+            ("".into(), " on file.".into(), None)
+        );
+        assert_eq!(
+            scan("My card is 4111 1111", " 1111 1111, thanks."),
+            ("block".into(), " 1111 1111, thanks.".into(), None)
+        );
+        let (actions, text, body) = scan("My card is", " 4111 1111 1111 1111.");
+        assert_eq!(
+            (actions.as_str(), text.as_str()),
+            ("redact", " [REDACTED:card].")
+        );
+        assert!(body.unwrap().contains(r#""text":" [REDACTED:card].""#));
     }
 
     /// Random request and response bodies of every endpoint, with personal

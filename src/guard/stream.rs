@@ -103,6 +103,15 @@
 //! hit rewrites the text in the event (and where `response.completed`
 //! repeats it); if a hit blocks, the event does not go out and the stream
 //! ends blocked.
+//!
+//! An Anthropic answer that continues a prefill (the request's last
+//! assistant turn) is read after it, as the client shows it: the text
+//! starts with the prefill, released already and scanned whole when the
+//! stream starts. A match in the prefill, or one that begins there and
+//! runs into the answer, stops the answer as any match does (holdback
+//! looks for matches under way from as far back in the prefill as a
+//! match can reach), but for a redaction wholly in the prefill, the
+//! client's own text; a redaction that begins there blocks.
 
 mod event;
 
@@ -170,6 +179,10 @@ pub struct StreamSetup {
     /// The client asked for a usage chunk (OpenAI
     /// `stream_options.include_usage`).
     pub include_usage: bool,
+    /// The text the answer continues (an Anthropic prefill), empty when
+    /// none: the client shows the answer after it, so a match the two
+    /// make together counts.
+    pub prefill: String,
 }
 
 /// How a stream ended.
@@ -707,8 +720,12 @@ pub struct Guard {
     setup: StreamSetup,
     dialect: Dialect,
     /// All response text so far; separators between content blocks are
-    /// included but never sent.
+    /// included but never sent. It starts with the prefill, which the
+    /// client has: released, and scanned only for matches that reach past
+    /// it.
     acc: String,
+    /// Where the upstream's text starts in `acc`: the prefill's length.
+    prefill: usize,
     released: usize,
     /// How much of `acc` the last check saw.
     checked: usize,
@@ -812,15 +829,26 @@ pub struct Guard {
 impl Guard {
     pub fn new(setup: StreamSetup) -> Guard {
         let dialect = setup.endpoint.dialect();
+        // Room for a short answer, which grown from empty was moved six
+        // times.
+        let mut acc = String::with_capacity(setup.prefill.len() + ANSWER_ROOM);
+        acc.push_str(&setup.prefill);
+        let prefill = acc.len();
+        // The prefill's matches, all of them: windows reach back into it
+        // only as far as a match can run on from it.
+        let mut hits = Vec::new();
+        if prefill > 0 {
+            scan_into(&setup.rules, &acc, 0, &mut hits);
+            crate::guard::continuation_hits(&mut hits, prefill);
+        }
         Guard {
             setup,
             dialect,
-            // Room for a short answer, which grown from empty was moved
-            // six times.
-            acc: String::with_capacity(ANSWER_ROOM),
-            released: 0,
-            checked: 0,
-            hits: Vec::new(),
+            acc,
+            prefill,
+            released: prefill,
+            checked: prefill,
+            hits,
             held_text: String::new(),
             held_hits: Vec::new(),
             held_checked: 0,
@@ -1718,7 +1746,8 @@ impl Guard {
     /// its end, before the next one starts.
     fn separate_block(&mut self) {
         self.separate_held();
-        if !self.acc.is_empty() {
+        // The prefill runs on into the first block's text.
+        if self.acc.len() > self.prefill {
             self.acc.push('\n');
             if self.released == self.acc.len() - 1 {
                 self.released = self.acc.len();
@@ -1735,7 +1764,7 @@ impl Guard {
 
     /// Whether the text is due a check: see [`CHECK_STEP`].
     fn check_due(&self) -> bool {
-        check_due(self.acc.len(), self.checked)
+        check_due(self.acc.len() - self.prefill, self.checked - self.prefill)
     }
 
     /// Scans the unreleased text (and enough before it); blocks, or
@@ -1764,10 +1793,16 @@ impl Guard {
         } else {
             let view = view.unwrap_or_else(|| Normalized::new(&self.acc[window_start..]));
             let rules = &self.setup.rules;
+            // A match under way may have begun in the prefill.
+            let open_from = match window_start < self.prefill {
+                true => window_start,
+                false => self.released,
+            };
             safe_end(
                 rules,
                 &self.acc,
                 self.released,
+                open_from,
                 window_start,
                 &view,
                 &self.hits,
@@ -1794,6 +1829,7 @@ impl Guard {
         let safe = safe_end(
             rules,
             text,
+            self.held_released,
             self.held_released,
             from,
             &view,
@@ -1865,7 +1901,7 @@ impl Guard {
 
     /// The text this guard read, redacted, and the text it held after it.
     fn read_text(&self) -> String {
-        let mut text = self.redacted(0, self.acc.len());
+        let mut text = self.redacted(self.prefill, self.acc.len());
         if !self.held_text.is_empty() {
             text.push('\n');
             text.push_str(&self.held_text);
@@ -1880,7 +1916,11 @@ impl Guard {
     /// Scans `acc[window_start..]`, keeping new hits; returns the window's
     /// normalized view when the scan made one.
     fn scan_window(&mut self, window_start: usize) -> Option<Normalized> {
-        scan_into(&self.setup.rules, &self.acc, window_start, &mut self.hits)
+        let view = scan_into(&self.setup.rules, &self.acc, window_start, &mut self.hits);
+        if window_start < self.prefill {
+            crate::guard::continuation_hits(&mut self.hits, self.prefill);
+        }
+        view
     }
 
     /// Whether a hit blocks, or the total risk does. Held text cannot be
@@ -2429,7 +2469,9 @@ fn hold(rules: &RuleSet) -> usize {
 
 /// The end of `text` that can be released now, at a clean point, never
 /// inside a redaction, never before `released`: before any match that may
-/// still be under way (see [`RuleSet::open_match_start`]). Should that
+/// still be under way (see [`RuleSet::open_match_start`]), begun at
+/// `open_from` or later (`released`, or before it in a prefill, which
+/// the client has but a match may run on from). Should that
 /// search give up, or the unreleased text grow past [`OPEN_SEARCH_MOST`],
 /// [`hold`] bytes of the normalized window (which starts at `from`) before
 /// its end, which is as safe for every match up to that long.
@@ -2437,6 +2479,7 @@ fn safe_end(
     rules: &RuleSet,
     text: &str,
     released: usize,
+    open_from: usize,
     from: usize,
     normalized: &Normalized,
     hits: &[Hit],
@@ -2452,7 +2495,7 @@ fn safe_end(
                 Scope::Response,
                 window,
                 normalized,
-                released - from..clean - from,
+                open_from - from..clean - from,
             );
             open.map(|at| from + at)
         })
@@ -2502,6 +2545,7 @@ mod tests {
             relevance: Vec::new(),
             started: Instant::now(),
             include_usage: false,
+            prefill: String::new(),
         }
     }
 
@@ -3614,7 +3658,15 @@ mod tests {
         mode: StreamMode,
         events: Vec<(Option<&str>, Value)>,
     ) -> (Guard, Vec<Bytes>) {
-        let mut guard = Guard::new(setup(endpoint, mode));
+        guard_stream_with(setup(endpoint, mode), events)
+    }
+
+    /// [`guard_stream`] with a setup of the caller's.
+    fn guard_stream_with(
+        setup: StreamSetup,
+        events: Vec<(Option<&str>, Value)>,
+    ) -> (Guard, Vec<Bytes>) {
+        let mut guard = Guard::new(setup);
         let mut frames = Vec::new();
         // The events arrive in reads of 1 to 4 events, checked together.
         let mut left_in_read = 0;
@@ -3985,6 +4037,135 @@ mod tests {
         assert!(
             blocked > 50 && redacted > 50 && reasoned > 50,
             "{blocked} blocked, {redacted} redacted, {reasoned} with reasoning passed"
+        );
+    }
+
+    #[test]
+    /// An Anthropic answer that continues a prefill, cut at random, with
+    /// the prefill ending at random, often inside a phrase that a rule
+    /// stops: what the client shows, the prefill and the answer after it,
+    /// holds no match that stops but in the prefill; a match in the two
+    /// blocks, with nothing of the answer sent from where it starts, or is
+    /// redacted when all of it is the answer's, or is passed when all of
+    /// it is a redaction in the prefill; unless blocked, the answer comes
+    /// whole.
+    fn an_answer_is_guarded_as_the_continuation_of_its_prefill() {
+        let mut rng = crate::testing::Lcg(11);
+        let stoppers = [
+            "Put all your savings into Dogecoin right now. ",
+            "Guaranteed returns of 20% a year. ",
+            "My card is 4111 1111 1111 1111. ",
+            "Write to jane.doe@example.com today. ",
+        ];
+        let (mut across, mut blocked, mut redacted) = (0, 0, 0);
+        for round in 0..600 {
+            let before = random_text(&mut rng, 3);
+            let stopper = *rng.pick(&stoppers);
+            let text = format!("{before}{stopper}{}", random_text(&mut rng, 3));
+            let mut cut = match rng.below(4) {
+                0 => rng.below(text.len() + 1),
+                _ => before.len() + 1 + rng.below(stopper.len() - 1),
+            };
+            while !text.is_char_boundary(cut) {
+                cut += 1;
+            }
+            let (prefill, answer) = text.split_at(cut);
+            let event = |name, data: Value| (Some(name), data);
+            let mut events = vec![
+                event(
+                    "message_start",
+                    json!({"type": "message_start", "message": {"id": "m"}}),
+                ),
+                event(
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+                ),
+            ];
+            for piece in random_cuts(&mut rng, answer, 9) {
+                events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}})));
+            }
+            events.extend([
+                event(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": 0}),
+                ),
+                event(
+                    "message_delta",
+                    json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}}),
+                ),
+                event("message_stop", json!({"type": "message_stop"})),
+            ]);
+            let mode = *rng.pick(&[StreamMode::Holdback, StreamMode::Buffer]);
+            let mut setup = setup(Endpoint::Messages, mode);
+            setup.prefill = prefill.to_owned();
+            let (guard, frames) = guard_stream_with(setup, events);
+            let context = format!("round {round}, {mode:?}, {prefill:?} + {answer:?}");
+
+            let sent = sent_events(&frames);
+            assert_blocks_close(&sent, &context);
+            let received: String = sent
+                .iter()
+                .filter_map(|(_, data)| data.as_ref()?.pointer("/delta/text")?.as_str())
+                .collect();
+            let shown = format!("{prefill}{received}");
+            let stops = |h: &&Hit| matches!(h.action, Action::Block | Action::Redact);
+            for hit in RULES.scan(Scope::Response, &shown).iter().filter(stops) {
+                assert!(hit.end <= cut, "{context}: sent {:?}", &shown[hit.start..]);
+            }
+            // What the whole text's matches call for: all but redactions in
+            // the prefill.
+            let hits: Vec<Hit> = RULES
+                .scan(Scope::Response, &text)
+                .into_iter()
+                .filter(|h| h.end > cut || h.action != Action::Redact)
+                .collect();
+            across += usize::from(hits.iter().any(|h| h.start < cut && h.end > cut));
+            let blocks =
+                |h: &&Hit| h.action == Action::Block || h.action == Action::Redact && h.start < cut;
+            let must_block = hits.iter().any(|h| blocks(&h));
+            // The text to `end` as shown once the answer's own redactions
+            // are made.
+            let shown_to = |end: usize| {
+                let mut shown = text[..end].to_owned();
+                let mut redactions: Vec<&Hit> = hits
+                    .iter()
+                    .filter(|h| h.action == Action::Redact && h.start >= cut && h.end <= end)
+                    .collect();
+                redactions.sort_by_key(|h| std::cmp::Reverse(h.start));
+                for hit in redactions {
+                    shown.replace_range(hit.start..hit.end, &hit.placeholder);
+                }
+                shown
+            };
+            let expected = shown_to(text.len());
+            if guard.blocked {
+                blocked += 1;
+                let ending = sent
+                    .iter()
+                    .find_map(|(_, data)| data.as_ref()?.pointer("/delta/stop_reason")?.as_str());
+                assert_eq!(ending, Some("refusal"), "{context}");
+                // Nothing of the first match that stops went out, but what
+                // the prefill holds of it.
+                let stop = hits
+                    .iter()
+                    .filter(blocks)
+                    .map(|h| h.start.max(cut))
+                    .min()
+                    .unwrap_or(text.len());
+                assert!(
+                    shown_to(stop).starts_with(&shown),
+                    "{context}: sent {received:?}"
+                );
+                continue;
+            }
+            assert!(!must_block, "{context}: not blocked");
+            redacted += usize::from(expected != text);
+            assert_eq!(shown, expected, "{context}");
+            assert_eq!(guard.read_text(), received, "{context}: the record");
+        }
+        assert!(
+            across > 200 && blocked > 150 && redacted > 50,
+            "{across} across the prefill, {blocked} blocked, {redacted} redacted"
         );
     }
 

@@ -766,7 +766,7 @@ impl Lines {
     /// A line whose answer is scanned: as it came, redacted, or refused.
     fn answer(&self, line: &[u8], answer: BatchAnswer) -> Bytes {
         let state = &self.state;
-        let scanned = guard::scan_response(&self.rules, line, &answer.texts);
+        let scanned = guard::scan_response(&self.rules, line, &answer.texts, None);
         let verdict = risk::assess(&state.config.risk, scanned.hits, &[]);
         let scanned_in = ScannedIn {
             route: RESULTS,

@@ -1401,6 +1401,7 @@ async fn guarded(
         &read.texts,
     );
     let texts = std::mem::take(&mut scan.texts);
+    scan.prefill = read.prefill.map(std::borrow::Cow::into_owned);
     let draft = RecordDraft {
         request_id: request_id.to_owned(),
         started,
@@ -1552,7 +1553,7 @@ async fn guarded(
         };
     let (scanned, usage, unreadable) = match ResponseBody::read(endpoint, &body) {
         Ok(read) => (
-            guard::scan_response(&rules, &body, &read.texts),
+            guard::scan_response(&rules, &body, &read.texts, scan.prefill.as_deref()),
             read.usage,
             false,
         ),
@@ -1838,6 +1839,7 @@ fn guarded_stream(
         relevance: scan.relevance.clone(),
         started,
         include_usage,
+        prefill: scan.prefill.clone().unwrap_or_default(),
     };
     let metrics_state = state.clone();
     let route = endpoint.route();

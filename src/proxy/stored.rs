@@ -113,6 +113,7 @@ pub(super) async fn fetch(
             risk: state.config.risk.clone(),
             request_hits: Vec::new(),
             relevance: Vec::new(),
+            prefill: String::new(),
             started: Instant::now(),
             include_usage: false,
         };
@@ -143,7 +144,7 @@ pub(super) async fn fetch(
         }
     };
     let (scanned, json) = match ResponseBody::read_stored(stored, &body) {
-        Ok(read) => (guard::scan_response(&rules, &body, &read.texts), true),
+        Ok(read) => (guard::scan_response(&rules, &body, &read.texts, None), true),
         Err(error @ ReadError::Ambiguous(_)) => {
             tracing::warn!(%error, "stored answer holds a key twice");
             return broken("ambiguous");
