@@ -2289,15 +2289,15 @@ async fn an_answer_is_guarded_as_the_continuation_of_its_prefill() {
             " on file now.",
         ),
     ];
+    let post = async |prefill: &str, chunks: &[&str], stream: bool| {
+        let script = answered(chunks, stream);
+        proxy
+            .post("/v1/messages", script, &ask(prefill, stream))
+            .await
+    };
     for stream in [false, true] {
         for (prefill, chunks) in refused {
-            let response = proxy
-                .post(
-                    "/v1/messages",
-                    answered(&chunks, stream),
-                    &ask(prefill, stream),
-                )
-                .await;
+            let response = post(prefill, &chunks, stream).await;
             assert_eq!(response.status(), 200);
             // A stream's head goes out before its answer is read.
             let verdict = response.headers()["x-fairgate-verdict"].clone();
@@ -2310,24 +2310,12 @@ async fn an_answer_is_guarded_as_the_continuation_of_its_prefill() {
                 assert_eq!(text, "", "{prefill:?}: {body}");
             }
             // The answer alone goes through.
-            let response = proxy
-                .post(
-                    "/v1/messages",
-                    answered(&chunks, stream),
-                    &ask("Well,", stream),
-                )
-                .await;
-            let body = response.text().await.unwrap();
+            let body = post("Well,", &chunks, stream).await.text().await;
+            let body = body.unwrap();
             assert_eq!(shown(&body, stream), (chunks.concat(), "end_turn".into()));
         }
         for (prefill, chunks, expected) in passed {
-            let response = proxy
-                .post(
-                    "/v1/messages",
-                    answered(&chunks, stream),
-                    &ask(prefill, stream),
-                )
-                .await;
+            let response = post(prefill, &chunks, stream).await;
             assert_eq!(response.status(), 200);
             let body = response.text().await.unwrap();
             assert_eq!(shown(&body, stream), (expected.into(), "end_turn".into()));
