@@ -110,6 +110,19 @@ pub struct Text<'a> {
     pub definition: bool,
 }
 
+impl<'a> Text<'a> {
+    /// A string read from a body, as a text in `scope`.
+    fn read(string: crate::json::Text<'a>, scope: Scope) -> Text<'a> {
+        Text {
+            scope,
+            text: string.value,
+            span: string.token,
+            whole: false,
+            definition: false,
+        }
+    }
+}
+
 /// What the guard reads of a request body.
 #[derive(Debug, Default)]
 pub struct RequestBody<'a> {
@@ -681,13 +694,7 @@ impl<'a> Texts<'a> {
     /// A string value, if the next value is one.
     fn text(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
         if let Some(text) = reader.string()? {
-            self.found.push(Text {
-                scope,
-                text: text.value,
-                span: text.token,
-                whole: false,
-                definition: false,
-            });
+            self.found.push(Text::read(text, scope));
         }
         Ok(())
     }
@@ -925,13 +932,7 @@ impl<'a> Texts<'a> {
         self.prefill = reader
             .string()?
             .filter(|text| !text.value.is_empty())
-            .map(|text| Text {
-                scope: Scope::Prompt,
-                text: text.value,
-                span: text.token,
-                whole: false,
-                definition: false,
-            });
+            .map(|text| Text::read(text, Scope::Prompt));
         Ok(())
     }
 
