@@ -2331,20 +2331,24 @@ async fn an_answer_is_guarded_as_the_continuation_of_its_prefill() {
     assert_eq!(response.status(), 400);
     assert_eq!(mock.requests().len(), sent);
 
+    // The whole answer's record and the stream's.
     let rows = proxy.wait_for_results(17).await;
-    let record = rows
+    let records: Vec<_> = rows
         .iter()
         .map(|row| &row["exchange"]["texts"])
-        .find(|texts| texts["prompt"].to_string().contains("is\""))
-        .unwrap_or_else(|| panic!("no record of the prefill in {rows:#?}"));
-    assert_eq!(
-        (&record["prompt"], &record["response"]),
-        (
-            &json!(["A tip?", "Card [REDACTED:card] is"]),
-            &json!([" on file now."])
-        ),
-        "{record}"
-    );
+        .filter(|texts| texts["prompt"].to_string().contains("is\""))
+        .collect();
+    assert_eq!(records.len(), 2, "{rows:#?}");
+    for record in records {
+        assert_eq!(
+            (&record["prompt"], &record["response"]),
+            (
+                &json!(["A tip?", "Card [REDACTED:card] is"]),
+                &json!([" on file now."])
+            ),
+            "{record}"
+        );
+    }
     proxy.stop().await;
 }
 

@@ -839,7 +839,7 @@ impl Guard {
         let mut hits = Vec::new();
         if prefill > 0 {
             scan_into(&setup.rules, &acc, 0, &mut hits);
-            crate::guard::continuation_hits(&mut hits, prefill);
+            super::continuation_hits(&mut hits, prefill);
         }
         Guard {
             setup,
@@ -1918,7 +1918,7 @@ impl Guard {
     fn scan_window(&mut self, window_start: usize) -> Option<Normalized> {
         let view = scan_into(&self.setup.rules, &self.acc, window_start, &mut self.hits);
         if window_start < self.prefill {
-            crate::guard::continuation_hits(&mut self.hits, self.prefill);
+            super::continuation_hits(&mut self.hits, self.prefill);
         }
         view
     }
@@ -4124,19 +4124,9 @@ mod tests {
                 |h: &&Hit| h.action == Action::Block || h.action == Action::Redact && h.start < cut;
             let must_block = hits.iter().any(|h| blocks(&h));
             // The text to `end` as shown once the answer's own redactions
-            // are made.
-            let shown_to = |end: usize| {
-                let mut shown = text[..end].to_owned();
-                let mut redactions: Vec<&Hit> = hits
-                    .iter()
-                    .filter(|h| h.action == Action::Redact && h.start >= cut && h.end <= end)
-                    .collect();
-                redactions.sort_by_key(|h| std::cmp::Reverse(h.start));
-                for hit in redactions {
-                    shown.replace_range(hit.start..hit.end, &hit.placeholder);
-                }
-                shown
-            };
+            // (those that end by `end`) are made.
+            let own: Vec<Hit> = hits.iter().filter(|h| h.start >= cut).cloned().collect();
+            let shown_to = |end: usize| crate::rules::redact(&text[..end], &own);
             let expected = shown_to(text.len());
             if guard.blocked {
                 blocked += 1;
