@@ -108,6 +108,11 @@ pub struct Text<'a> {
     /// new. Not the exchange's context: not recorded, not weighed for
     /// relevance.
     pub definition: bool,
+    /// An answer's text that a request's prefill runs on into, as the
+    /// client shows it (see [`RequestBody::prefill`]): Anthropic, the
+    /// first content block when it is text; a chat completion, each
+    /// choice's first text of its message's `content`.
+    pub continues: bool,
 }
 
 impl<'a> Text<'a> {
@@ -119,6 +124,7 @@ impl<'a> Text<'a> {
             span: string.token,
             whole: false,
             definition: false,
+            continues: false,
         }
     }
 }
@@ -137,10 +143,13 @@ pub struct RequestBody<'a> {
     /// turns of the history are the model's own words and are not scanned
     /// again, but for a prefill.
     pub texts: Vec<Text<'a>>,
-    /// Anthropic: the text of a last assistant turn, which the answer
-    /// continues (a prefill). The client wrote it, so it is prompt too,
-    /// the last of `texts`; the client shows the answer after it, so the
-    /// answer is scanned as its continuation.
+    /// The text of a last assistant turn, which the answer continues (a
+    /// prefill): Anthropic's Messages API, and the chat completions of
+    /// OpenAI-compatible servers that continue one (Mistral's and
+    /// DeepSeek's `prefix`, vLLM's `continue_final_message`, llama.cpp,
+    /// OpenRouter). The client wrote it, so it is prompt too, the last of
+    /// `texts`; the client shows the answer after it, so the answer is
+    /// scanned as its continuation.
     pub prefill: Option<Cow<'a, str>>,
 }
 
@@ -662,9 +671,25 @@ const OUTPUT_ITEM_STRINGS: usize = 3;
 #[derive(Default)]
 struct Texts<'a> {
     found: Vec<Text<'a>>,
-    /// Anthropic messages: the text that ends the last message read, when
-    /// that is the assistant's (see [`RequestBody::prefill`]).
+    /// Anthropic and chat messages: the text that ends the last message
+    /// read, when that is the assistant's (see [`RequestBody::prefill`]).
     prefill: Option<Text<'a>>,
+}
+
+/// Whether a chat message's `tool_calls` or `function_call`, the reader
+/// at it, calls something: any value but `null` and an empty array.
+fn calls_a_tool(reader: &mut Reader) -> Result<bool, ReadError> {
+    match reader.jiter.peek()? {
+        Peek::Array => {
+            let mut calls = false;
+            reader.array(|reader| {
+                calls = true;
+                reader.skip()
+            })?;
+            Ok(calls)
+        }
+        peek => reader.skip().map(|()| peek != Peek::Null),
+    }
 }
 
 /// Which way to read a chat message's content: the scope of its role, or
@@ -691,6 +716,20 @@ impl RoleScope {
 }
 
 impl<'a> Texts<'a> {
+    /// What `read` finds, the first text of it marked as what a prefill
+    /// runs on into ([`Text::continues`]).
+    fn continuing(
+        &mut self,
+        read: impl FnOnce(&mut Self) -> Result<(), ReadError>,
+    ) -> Result<(), ReadError> {
+        let first = self.found.len();
+        read(self)?;
+        if let Some(text) = self.found.get_mut(first) {
+            text.continues = true;
+        }
+        Ok(())
+    }
+
     /// A string value, if the next value is one.
     fn text(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
         if let Some(text) = reader.string()? {
@@ -756,6 +795,7 @@ impl<'a> Texts<'a> {
                 span,
                 whole: false,
                 definition: true,
+                continues: false,
             });
         }
         Ok(())
@@ -863,23 +903,35 @@ impl<'a> Texts<'a> {
     }
 
     /// OpenAI chat messages: the content of tool and function messages is
-    /// context, of the assistant's nothing, of any other (system,
-    /// developer, user) prompt ([`RoleScope`]).
+    /// context, of any but the assistant's (system, developer, user)
+    /// prompt ([`RoleScope`]). Of the assistant's, the text it ends with,
+    /// as [`Texts::prefill`], unless the turn calls a tool.
     fn chat_messages(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         self.objects(reader, |texts, reader| {
+            texts.prefill = None;
+            let mut calls = false;
             reader.decided_object(
-                ["role", "content"],
+                ["role", "content", "tool_calls", "function_call"],
                 |reader| {
                     Ok(reader
                         .string()?
                         .map(|t| RoleScope::of(&t.value))
                         .unwrap_or_default())
                 },
-                |reader, scope, _| match scope.0 {
-                    Some(scope) => texts.content(reader, scope),
-                    None => reader.skip(),
+                |reader, scope, key| match (scope.0, key) {
+                    (Some(scope), 1) => texts.content(reader, scope),
+                    (None, 1) => texts.assistant_content(reader),
+                    (None, _) => {
+                        calls |= calls_a_tool(reader)?;
+                        Ok(())
+                    }
+                    _ => reader.skip(),
                 },
-            )
+            )?;
+            if calls {
+                texts.prefill = None;
+            }
+            Ok(())
         })
     }
 
@@ -902,12 +954,13 @@ impl<'a> Texts<'a> {
         })
     }
 
-    /// An Anthropic assistant turn's content. Of its blocks, the results
-    /// of server tools (web search and fetch, code execution, an MCP
-    /// connector's tools), which the API puts there: not the model's words
-    /// but what it was given, so context. The rest of the turn is not
-    /// read, but for the text it ends with (a string, or a last block of
-    /// text), kept as [`Texts::prefill`].
+    /// An assistant turn's content (Anthropic, or a chat message's). Of
+    /// its blocks, the results of server tools (Anthropic's web search and
+    /// fetch, code execution, an MCP connector's tools), which the API
+    /// puts there: not the model's words but what it was given, so
+    /// context. The rest of the turn is not read, but for the text it ends
+    /// with (a string, or a last block of text), kept as
+    /// [`Texts::prefill`].
     fn assistant_content(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         if reader.jiter.peek()? == Peek::String {
             return self.prefill_text(reader);
@@ -1043,18 +1096,25 @@ impl<'a> Texts<'a> {
                 }
                 // The model's text, tool input and thinking; what a server
                 // tool gave it, and the text its citations quote, context.
-                (3, Endpoint::Messages) => self.objects(reader, |texts, reader| {
-                    reader.decided_object(
-                        ["type", "text", "input", "thinking", "content", "citations"],
-                        |reader| Ok(reader.string()?.map(|t| t.value)),
-                        |reader, kind, key| match key {
-                            2 => texts.strings(reader, scope),
-                            4 => texts.tool_result_content(reader, kind.as_deref()),
-                            5 => texts.objects(reader, |texts, reader| texts.citation(reader)),
-                            _ => texts.text(reader, scope),
-                        },
-                    )
-                })?,
+                (3, Endpoint::Messages) => {
+                    let mut first = true;
+                    self.objects(reader, |texts, reader| {
+                        let first = std::mem::take(&mut first);
+                        reader.decided_object(
+                            ["type", "text", "input", "thinking", "content", "citations"],
+                            |reader| Ok(reader.string()?.map(|t| t.value)),
+                            |reader, kind, key| match key {
+                                1 if first && kind.as_deref() == Some("text") => {
+                                    texts.continuing(|texts| texts.text(reader, scope))
+                                }
+                                2 => texts.strings(reader, scope),
+                                4 => texts.tool_result_content(reader, kind.as_deref()),
+                                5 => texts.objects(reader, |texts, reader| texts.citation(reader)),
+                                _ => texts.text(reader, scope),
+                            },
+                        )
+                    })?
+                }
                 _ => reader.skip()?,
             }
             Ok(())
@@ -1181,7 +1241,7 @@ impl<'a> Texts<'a> {
                     false => Ok(()),
                 },
                 // A string, or parts as some OpenAI-compatible servers send.
-                2 => self.content(reader, scope),
+                2 => self.continuing(|texts| texts.content(reader, scope)),
                 3.. => self.text(reader, scope),
                 1 => self.transcript(reader),
                 _ => self.objects(reader, |texts, reader| {
@@ -1588,6 +1648,118 @@ mod tests {
         );
         let empty = json!({"role": "assistant", "content": ""});
         assert_eq!(prefill(json!([asked, empty])), (None, vec!["asked".into()]));
+    }
+
+    #[test]
+    /// A chat completion's last assistant message is a prefill too, for
+    /// the servers that continue one, unless it calls a tool.
+    fn chat_prefill_is_the_text_a_last_assistant_message_ends_with() {
+        let prefill = |messages: Value| {
+            let body = json!({"model": "mistral-large", "messages": messages});
+            let [sorted, kind_first] = [body.to_string(), kind_first(&body)].map(|body| {
+                let read = RequestBody::read(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
+                let texts = read.texts.iter().map(|t| t.text.to_string());
+                (read.prefill.map(String::from), texts.collect::<Vec<_>>())
+            });
+            assert_eq!(sorted, kind_first, "{messages}");
+            sorted
+        };
+        let some = |prefill: &str| {
+            (
+                Some(prefill.to_owned()),
+                vec!["asked".into(), prefill.into()],
+            )
+        };
+        let none = (None, vec!["asked".to_owned()]);
+        let asked = json!({"role": "user", "content": "asked"});
+        let said = |turn: Value| json!([asked, turn]);
+        let parts =
+            json!([{"type": "text", "text": "first"}, {"type": "text", "text": "Then the"}]);
+        let call =
+            json!([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]);
+        let refused = json!([{"type": "text", "text": "x"}, {"type": "refusal", "refusal": "no"}]);
+        let cases = [
+            (
+                json!({"role": "assistant", "content": "Sure, the", "prefix": true}),
+                some("Sure, the"),
+            ),
+            (
+                json!({"role": "assistant", "content": parts}),
+                some("Then the"),
+            ),
+            (
+                json!({"role": "assistant", "content": "So", "tool_calls": []}),
+                some("So"),
+            ),
+            (
+                json!({"role": "assistant", "content": "So", "tool_calls": null}),
+                some("So"),
+            ),
+            // Not a prefill: a message that calls a tool (or a function),
+            // one that ends with a refusal, an empty one.
+            (
+                json!({"role": "assistant", "content": "calling", "tool_calls": call}),
+                none.clone(),
+            ),
+            (
+                json!({"role": "assistant", "content": "calling", "function_call": {"name": "f", "arguments": "{}"}}),
+                none.clone(),
+            ),
+            (
+                json!({"role": "assistant", "content": refused}),
+                none.clone(),
+            ),
+            (json!({"role": "assistant", "content": ""}), none.clone()),
+        ];
+        for (turn, expected) in cases {
+            assert_eq!(prefill(said(turn.clone())), expected, "{turn}");
+        }
+        // Nor an earlier message.
+        let earlier = json!({"role": "assistant", "content": "earlier"});
+        assert_eq!(prefill(json!([earlier, asked])), none);
+    }
+
+    #[test]
+    /// What a prefill runs on into: each choice's first text of its
+    /// message's content (not its reasoning, nor a call's arguments), and
+    /// an Anthropic answer's first block when that is text.
+    fn the_texts_a_prefill_continues() {
+        let continued = |endpoint, body: Value| {
+            let body = body.to_string();
+            let read = ResponseBody::read(endpoint, body.as_bytes()).unwrap();
+            let texts = read.texts.iter().map(|t| (t.text.to_string(), t.continues));
+            texts.collect::<Vec<_>>()
+        };
+        let text = |text: &str, continues| (text.to_owned(), continues);
+        let call = json!([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}}]);
+        let chat = json!({"choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "one", "reasoning_content": "think"}},
+            {"index": 1, "message": {"role": "assistant", "tool_calls": call, "content": [
+                {"type": "text", "text": "two"}, {"type": "text", "text": "more"}
+            ]}},
+        ]});
+        assert_eq!(
+            continued(Endpoint::ChatCompletions, chat),
+            [
+                text("one", true),
+                text("think", false),
+                text("two", true),
+                text("more", false),
+                text("{\"a\":1}", false)
+            ]
+        );
+        let blocks = |first: Value| json!({"content": [first, {"type": "text", "text": "after"}], "stop_reason": "end_turn"});
+        let first_text = blocks(json!({"type": "text", "text": "runs on"}));
+        assert_eq!(
+            continued(Endpoint::Messages, first_text),
+            [text("runs on", true), text("after", false)]
+        );
+        let first_call =
+            blocks(json!({"type": "tool_use", "id": "t", "name": "f", "input": {"q": "x"}}));
+        assert_eq!(
+            continued(Endpoint::Messages, first_call),
+            [text("x", false), text("after", false)]
+        );
     }
 
     #[test]

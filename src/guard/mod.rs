@@ -233,34 +233,41 @@ pub struct ResponseScan {
 
 /// Scans the texts of a response body (read by
 /// [`crate::exchange::ResponseBody`]) and redacts the `redact` hits. The
-/// answer's first text continues the request's `prefill`, if any (see
-/// [`scan_continuation`]).
+/// texts that continue the request's `prefill`, if any, are scanned after
+/// it ([`Text::continues`], [`scan_continuation`]).
 pub fn scan_response(
     rules: &RuleSet,
     body: &[u8],
     response_texts: &[Text],
-    mut prefill: Option<&str>,
+    prefill: Option<&str>,
 ) -> ResponseScan {
     let mut hits = Vec::new();
     let (mut texts, mut context) = (Vec::new(), Vec::new());
     let mut edits = Vec::new();
+    let mut continued = false;
     for Text {
         scope,
         text,
         span,
         whole,
+        continues,
         ..
     } in response_texts
     {
         // The answer's texts are the response; what a hosted tool gave the
         // model in it (a search's results, an MCP tool's output) is
         // context, scanned as such and not recorded as the answer.
-        let continued = match (scope, whole) {
-            (Scope::Response, false) => prefill.take(),
-            _ => None,
-        };
-        let mut found = match continued {
-            Some(prefill) => scan_continuation(rules, prefill, text),
+        let mut found = match prefill.filter(|_| *continues) {
+            Some(prefill) => {
+                let mut found = scan_continuation(rules, prefill, text);
+                // Each choice continues the prefill; the matches wholly in
+                // it (ending at 0 of the text) are counted once.
+                if continued {
+                    found.retain(|hit| hit.end > 0);
+                }
+                continued = true;
+                found
+            }
             None => rules.scan(*scope, text),
         };
         if *whole {
@@ -286,7 +293,7 @@ pub fn scan_response(
         hits.extend(found);
     }
     // An answer with no text of its own is still shown after its prefill.
-    if let Some(prefill) = prefill {
+    if let Some(prefill) = prefill.filter(|_| !continued) {
         hits.extend(scan_continuation(rules, prefill, ""));
     }
     ResponseScan {
@@ -535,24 +542,21 @@ mod tests {
         }
     }
 
-    /// A whole answer is scanned as what follows its prefill: a match the
-    /// two make counts, and one in the prefill but for a redaction; a
-    /// `redact` hit that reaches into the prefill blocks; one wholly in the
-    /// answer is redacted in the answer's text alone.
+    /// A whole answer is scanned as what follows its prefill, in both
+    /// dialects: a match the two make counts, and one in the prefill but
+    /// for a redaction; a `redact` hit that reaches into the prefill
+    /// blocks; one wholly in the answer is redacted in the answer's text
+    /// alone. Each choice of a chat completion continues the prefill.
     #[test]
     fn an_answer_is_scanned_as_the_continuation_of_its_prefill() {
         use crate::exchange::{Endpoint, ResponseBody};
+        use serde_json::json;
         use std::path::Path;
 
         let rules = RuleSet::load_dir(Path::new("rules"), &crate::rules::CompileOptions::default())
             .unwrap();
-        let scan = |prefill: &str, answer: &str| {
-            let body = serde_json::json!({"content": [
-                {"type": "text", "text": answer},
-                {"type": "tool_use", "input": {"note": "Guaranteed"}}
-            ]})
-            .to_string();
-            let read = ResponseBody::read(Endpoint::Messages, body.as_bytes()).unwrap();
+        let scan_body = |endpoint, prefill: &str, body: String| {
+            let read = ResponseBody::read(endpoint, body.as_bytes()).unwrap();
             let scan = scan_response(&rules, body.as_bytes(), &read.texts, Some(prefill));
             let actions: Vec<&str> = scan.hits.iter().map(|h| h.action.as_str()).collect();
             let redacted = scan
@@ -560,30 +564,69 @@ mod tests {
                 .map(|b| String::from_utf8(b.to_vec()).unwrap());
             (actions.join(","), scan.texts[0].clone(), redacted)
         };
+        // The answer's text, then a call whose input does not continue the
+        // prefill.
+        let answer = |endpoint, answer: &str| match endpoint {
+            Endpoint::Messages => json!({"content": [
+                {"type": "text", "text": answer},
+                {"type": "tool_use", "input": {"note": "Guaranteed"}}
+            ]}),
+            _ => json!({"choices": [{"index": 0, "message": {
+                "content": answer,
+                "tool_calls": [{"function": {"name": "note", "arguments": "Guaranteed"}}]
+            }}]}),
+        };
+        for endpoint in [Endpoint::Messages, Endpoint::ChatCompletions] {
+            let scan = |prefill: &str, text: &str| {
+                scan_body(endpoint, prefill, answer(endpoint, text).to_string())
+            };
+            assert_eq!(
+                scan("Our fund offers guaranteed", " returns of 20% a year."),
+                ("block".into(), " returns of 20% a year.".into(), None)
+            );
+            // The prefill's own match counts, but for a redaction.
+            assert_eq!(
+                scan("Sure. Put all your savings into", " Dogecoin right now."),
+                ("block".into(), " Dogecoin right now.".into(), None)
+            );
+            assert_eq!(
+                scan("Card 4111 1111 1111 1111 is", " on file."),
+                ("".into(), " on file.".into(), None)
+            );
+            assert_eq!(
+                scan("My card is 4111 1111", " 1111 1111, thanks."),
+                ("block".into(), " 1111 1111, thanks.".into(), None)
+            );
+            let (actions, text, body) = scan("My card is", " 4111 1111 1111 1111.");
+            assert_eq!(
+                (actions.as_str(), text.as_str()),
+                ("redact", " [REDACTED:card].")
+            );
+            assert!(body.unwrap().contains(r#"" [REDACTED:card].""#));
+        }
+        // Each choice continues the prefill; a match wholly in the prefill
+        // is counted once.
+        let choices = |texts: [&str; 2]| {
+            json!({"choices": [
+                {"index": 0, "message": {"content": texts[0]}},
+                {"index": 1, "message": {"content": [{"type": "text", "text": texts[1]}]}}
+            ]})
+            .to_string()
+        };
+        let chat = |prefill, texts| scan_body(Endpoint::ChatCompletions, prefill, choices(texts));
         assert_eq!(
-            scan("Our fund offers guaranteed", " returns of 20% a year."),
-            ("block".into(), " returns of 20% a year.".into(), None)
-        );
-        // The prefill's own match counts, but for a redaction; the tool's
-        // input does not continue the prefill.
-        assert_eq!(
-            scan("Sure. Put all your savings into", " Dogecoin right now."),
-            ("block".into(), " Dogecoin right now.".into(), None)
+            chat(
+                "Our fund offers guaranteed",
+                [" safety.", " returns of 20% a year."]
+            )
+            .0,
+            "block"
         );
         assert_eq!(
-            scan("Card 4111 1111 1111 1111 is", " on file."),
-            ("".into(), " on file.".into(), None)
+            chat("Sure. Put all your savings into", [" a fund.", " bonds."]).0,
+            "block"
         );
-        assert_eq!(
-            scan("My card is 4111 1111", " 1111 1111, thanks."),
-            ("block".into(), " 1111 1111, thanks.".into(), None)
-        );
-        let (actions, text, body) = scan("My card is", " 4111 1111 1111 1111.");
-        assert_eq!(
-            (actions.as_str(), text.as_str()),
-            ("redact", " [REDACTED:card].")
-        );
-        assert!(body.unwrap().contains(r#""text":" [REDACTED:card].""#));
+        assert_eq!(chat("Our fund offers", [" safety.", " a plan."]).0, "");
     }
 
     /// Random request and response bodies of every endpoint, with personal

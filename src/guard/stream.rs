@@ -104,14 +104,18 @@
 //! repeats it); if a hit blocks, the event does not go out and the stream
 //! ends blocked.
 //!
-//! An Anthropic answer that continues a prefill (the request's last
-//! assistant turn) is read after it, as the client shows it: the text
+//! An answer that continues a prefill (the request's last assistant
+//! turn: Anthropic, or a chat completion of an OpenAI-compatible server
+//! that continues one) is read after it, as the client shows it: the text
 //! starts with the prefill, released already and scanned whole when the
 //! stream starts. A match in the prefill, or one that begins there and
 //! runs into the answer, stops the answer as any match does (holdback
 //! looks for matches under way from as far back in the prefill as a
 //! match can reach), but for a redaction wholly in the prefill, the
-//! client's own text; a redaction that begins there blocks.
+//! client's own text; a redaction that begins there blocks. Each choice
+//! of a chat completion continues the prefill; a chat completion's
+//! reasoning, held text that comes before the answer's, is what follows
+//! the prefill in the guard's text then.
 
 mod event;
 
@@ -179,7 +183,7 @@ pub struct StreamSetup {
     /// The client asked for a usage chunk (OpenAI
     /// `stream_options.include_usage`).
     pub include_usage: bool,
-    /// The text the answer continues (an Anthropic prefill), empty when
+    /// The text the answer continues (a prefill), empty when
     /// none: the client shows the answer after it, so a match the two
     /// make together counts.
     pub prefill: String,
@@ -3662,6 +3666,57 @@ mod tests {
     }
 
     /// [`guard_stream`] with a setup of the caller's.
+    /// An Anthropic stream of one text block, in `pieces`.
+    fn anthropic_text_events(pieces: &[&str]) -> Vec<(Option<&'static str>, Value)> {
+        let event = |name, data: Value| (Some(name), data);
+        let mut events = vec![
+            event(
+                "message_start",
+                json!({"type": "message_start", "message": {"id": "m"}}),
+            ),
+            event(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            ),
+        ];
+        for piece in pieces {
+            events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}})));
+        }
+        events.extend([
+            event(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": 0}),
+            ),
+            event(
+                "message_delta",
+                json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}}),
+            ),
+            event("message_stop", json!({"type": "message_stop"})),
+        ]);
+        events
+    }
+
+    /// A chat completion stream of one choice's text, in `pieces`.
+    fn chat_text_events(pieces: &[&str]) -> Vec<(Option<&'static str>, Value)> {
+        let chunk = |delta: Value, finish: Value| {
+            let choice = json!({"index": 0, "delta": delta, "finish_reason": finish});
+            (
+                None,
+                json!({"id": "c", "object": "chat.completion.chunk", "choices": [choice]}),
+            )
+        };
+        let mut events = vec![chunk(
+            json!({"role": "assistant", "content": ""}),
+            Value::Null,
+        )];
+        for piece in pieces {
+            events.push(chunk(json!({"content": piece}), Value::Null));
+        }
+        events.push(chunk(json!({}), json!("stop")));
+        events.push((None, json!("[DONE]")));
+        events
+    }
+
     fn guard_stream_with(
         setup: StreamSetup,
         events: Vec<(Option<&str>, Value)>,
@@ -4041,7 +4096,8 @@ mod tests {
     }
 
     #[test]
-    /// An Anthropic answer that continues a prefill, cut at random, with
+    /// An answer that continues a prefill (Anthropic's, or a chat
+    /// completion's), cut at random, with
     /// the prefill ending at random, often inside a phrase that a rule
     /// stops: what the client shows, the prefill and the answer after it,
     /// holds no match that stops but in the prefill; a match in the two
@@ -4070,42 +4126,28 @@ mod tests {
                 cut += 1;
             }
             let (prefill, answer) = text.split_at(cut);
-            let event = |name, data: Value| (Some(name), data);
-            let mut events = vec![
-                event(
-                    "message_start",
-                    json!({"type": "message_start", "message": {"id": "m"}}),
-                ),
-                event(
-                    "content_block_start",
-                    json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-                ),
-            ];
-            for piece in random_cuts(&mut rng, answer, 9) {
-                events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}})));
-            }
-            events.extend([
-                event(
-                    "content_block_stop",
-                    json!({"type": "content_block_stop", "index": 0}),
-                ),
-                event(
-                    "message_delta",
-                    json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}}),
-                ),
-                event("message_stop", json!({"type": "message_stop"})),
-            ]);
+            let pieces = random_cuts(&mut rng, answer, 9);
+            let endpoint = *rng.pick(&[Endpoint::Messages, Endpoint::ChatCompletions]);
+            let events = match endpoint {
+                Endpoint::Messages => anthropic_text_events(&pieces),
+                _ => chat_text_events(&pieces),
+            };
             let mode = *rng.pick(&[StreamMode::Holdback, StreamMode::Buffer]);
-            let mut setup = setup(Endpoint::Messages, mode);
+            let mut setup = setup(endpoint, mode);
             setup.prefill = prefill.to_owned();
             let (guard, frames) = guard_stream_with(setup, events);
-            let context = format!("round {round}, {mode:?}, {prefill:?} + {answer:?}");
+            let context =
+                format!("round {round}, {endpoint:?}, {mode:?}, {prefill:?} + {answer:?}");
 
             let sent = sent_events(&frames);
             assert_blocks_close(&sent, &context);
+            let text_at = ["/delta/text", "/choices/0/delta/content"];
             let received: String = sent
                 .iter()
-                .filter_map(|(_, data)| data.as_ref()?.pointer("/delta/text")?.as_str())
+                .filter_map(|(_, data)| {
+                    let data = data.as_ref()?;
+                    text_at.iter().find_map(|at| data.pointer(at)?.as_str())
+                })
                 .collect();
             let shown = format!("{prefill}{received}");
             let stops = |h: &&Hit| matches!(h.action, Action::Block | Action::Redact);
@@ -4130,10 +4172,16 @@ mod tests {
             let expected = shown_to(text.len());
             if guard.blocked {
                 blocked += 1;
-                let ending = sent
-                    .iter()
-                    .find_map(|(_, data)| data.as_ref()?.pointer("/delta/stop_reason")?.as_str());
-                assert_eq!(ending, Some("refusal"), "{context}");
+                let ending = sent.iter().find_map(|(_, data)| {
+                    let data = data.as_ref()?;
+                    let at = ["/delta/stop_reason", "/choices/0/finish_reason"];
+                    at.iter().find_map(|at| data.pointer(at)?.as_str())
+                });
+                let refusal = match endpoint {
+                    Endpoint::Messages => "refusal",
+                    _ => "content_filter",
+                };
+                assert_eq!(ending, Some(refusal), "{context}");
                 // Nothing of the first match that stops went out, but what
                 // the prefill holds of it.
                 let stop = hits

@@ -411,6 +411,22 @@ routes:
             assert finish == "content_filter", finish
             assert "savings" not in text, text
 
+        def openai_prefilled_answers_refused():
+            # A prefix, as OpenAI-compatible servers (Mistral, DeepSeek) take it.
+            asked = [{"role": "user", "content": "a tip?"},
+                     {"role": "assistant", "content": PREFILL, "prefix": True}]
+            completion = oa.chat.completions.create(model="mistral-large", messages=asked)
+            assert completion.choices[0].finish_reason == "content_filter", completion
+            assert "Dogecoin" not in str(completion), completion
+            text, finish = "", None
+            for chunk in oa.chat.completions.create(model="mistral-large", messages=asked, stream=True):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+            assert finish == "content_filter", finish
+            assert text == "", text
+
         def openai_broken_stream():
             text = ""
             try:
@@ -676,6 +692,8 @@ routes:
         check("openai chat completion stream", openai_stream_ok)
         check("openai blocked prompt raises BadRequestError without retries", openai_blocked_prompt)
         check("openai blocked stream ends with content_filter", openai_blocked_stream)
+        check("openai-compatible answers that make risky advice of their prefix end with content_filter",
+              openai_prefilled_answers_refused)
         check("openai stream the upstream breaks off raises APIError", openai_broken_stream)
         check("openai response", openai_response)
         check("openai response stream", openai_response_stream)
