@@ -1214,11 +1214,41 @@ impl<'a> Texts<'a> {
         )
     }
 
+    /// A chat answer's `content`: a string, or parts as some
+    /// OpenAI-compatible servers send, of text and of Mistral's reasoning
+    /// (`thinking`, a list of text parts). Its first text that is not
+    /// reasoning is what a prefill runs on into.
+    fn answer_content(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        let scope = Scope::Response;
+        if reader.jiter.peek()? != Peek::Array {
+            return self.continuing(|texts| texts.text(reader, scope));
+        }
+        let mut answer = None;
+        reader.array(|reader| match reader.jiter.peek()? {
+            Peek::Object => reader.object(["text", "thinking"], |reader, key| match key {
+                0 => {
+                    answer.get_or_insert(self.found.len());
+                    self.text(reader, scope)
+                }
+                _ => self.content(reader, scope),
+            }),
+            Peek::String => {
+                answer.get_or_insert(self.found.len());
+                self.text(reader, scope)
+            }
+            _ => reader.skip(),
+        })?;
+        if let Some(text) = answer.and_then(|at| self.found.get_mut(at)) {
+            text.continues = true;
+        }
+        Ok(())
+    }
+
     /// An OpenAI chat completion's message: its content, its refusal, the
     /// arguments (or custom input) of its tool calls (or of the deprecated
     /// `function_call`), the transcript of its audio, and the
     /// reasoning of OpenAI-compatible servers (`reasoning_content`,
-    /// `reasoning`).
+    /// `reasoning`, Mistral's `thinking` parts of the content).
     fn message(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         let scope = Scope::Response;
         if !reader.is_object()? {
@@ -1240,8 +1270,7 @@ impl<'a> Texts<'a> {
                     true => reader.object(["arguments"], |reader, _| self.text(reader, scope)),
                     false => Ok(()),
                 },
-                // A string, or parts as some OpenAI-compatible servers send.
-                2 => self.continuing(|texts| texts.content(reader, scope)),
+                2 => self.answer_content(reader),
                 3.. => self.text(reader, scope),
                 1 => self.transcript(reader),
                 _ => self.objects(reader, |texts, reader| {
@@ -1747,6 +1776,13 @@ mod tests {
                 text("more", false),
                 text("{\"a\":1}", false)
             ]
+        );
+        // Mistral's reasoning comes first, in parts of its own.
+        let thought = json!({"type": "thinking", "thinking": [{"type": "text", "text": "weigh"}]});
+        let mistral = json!({"choices": [{"message": {"content": [thought, {"type": "text", "text": "answer"}]}}]});
+        assert_eq!(
+            continued(Endpoint::ChatCompletions, mistral),
+            [text("weigh", false), text("answer", true)]
         );
         let blocks = |first: Value| json!({"content": [first, {"type": "text", "text": "after"}], "stop_reason": "end_turn"});
         let first_text = blocks(json!({"type": "text", "text": "runs on"}));

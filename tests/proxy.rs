@@ -1461,6 +1461,95 @@ async fn reasoning_in_whole_answers_is_guarded() {
     proxy.stop().await;
 }
 
+/// Mistral's reasoning (`thinking` parts of a chat answer's content, each
+/// a list of text parts) is read as the answer is, whole and streamed: risky
+/// advice in it ends the answer with `content_filter`, with none of it
+/// sent; harmless reasoning goes out as the upstream wrote it.
+#[tokio::test]
+async fn mistral_thinking_is_guarded() {
+    let (_mock, proxy) = start().await;
+    let harmful = [
+        "They could put all their ",
+        "savings into Dogecoin right now.",
+    ];
+    let harmless = ["A budget ", "comes first."];
+    let thinking = |pieces: &[&str]| {
+        let parts: Vec<Value> = pieces
+            .iter()
+            .map(|p| json!({"type": "text", "text": p}))
+            .collect();
+        json!({"type": "thinking", "thinking": parts})
+    };
+    let whole = |pieces: &[&str]| {
+        json!({"id": "chatcmpl-m", "object": "chat.completion", "created": 1, "model": "magistral-medium",
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant",
+                "content": [thinking(pieces), {"type": "text", "text": "Budget first."}]}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}})
+        .to_string()
+    };
+    let streamed = |pieces: &[&str]| {
+        let chunk = |delta: Value, finish: Value| {
+            let chunk = json!({"id": "chatcmpl-m", "object": "chat.completion.chunk", "created": 1,
+                "model": "magistral-medium", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+            format!("data: {chunk}\n\n")
+        };
+        let mut raw = chunk(json!({"role": "assistant", "content": ""}), Value::Null);
+        for piece in pieces {
+            raw += &chunk(json!({"content": [thinking(&[piece])]}), Value::Null);
+        }
+        raw += &chunk(
+            json!({"content": [{"type": "text", "text": "Budget first."}]}),
+            Value::Null,
+        );
+        raw + &chunk(json!({}), json!("stop")) + "data: [DONE]\n\n"
+    };
+    let ask = |stream| chat("Should I invest?", stream);
+
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_json": whole(&[&harmful.concat()])}),
+            &ask(false),
+        )
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "block");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["choices"][0]["finish_reason"], "content_filter");
+    assert!(!body.to_string().contains("Dogecoin"), "{body}");
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_json": whole(&harmless)}),
+            &ask(false),
+        )
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(
+        body,
+        serde_json::from_str::<Value>(&whole(&harmless)).unwrap()
+    );
+
+    let raw = streamed(&harmful);
+    let response = proxy
+        .post("/v1/chat/completions", json!({"raw_sse": raw}), &ask(true))
+        .await;
+    let body = response.text().await.unwrap();
+    let (_, finishes, done) = support::openai_stream_text(&body);
+    assert_eq!(
+        (finishes, done),
+        (vec!["content_filter".to_owned()], true),
+        "{body}"
+    );
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let raw = streamed(&harmless);
+    let response = proxy
+        .post("/v1/chat/completions", json!({"raw_sse": raw}), &ask(true))
+        .await;
+    assert_eq!(response.text().await.unwrap(), raw);
+    proxy.stop().await;
+}
+
 /// An OpenAI stream of two choices (`n: 2`) whose chunks alternate, one
 /// piece of each in turn, as raw SSE for the mock.
 fn two_choice_stream(first: &[&str], second: &[&str]) -> String {

@@ -54,7 +54,8 @@
 //! OpenAI; a tool's `input_json_delta`, Anthropic; reasoning: Anthropic
 //! `thinking` blocks, whose signature covers their text, the Responses
 //! API's reasoning summaries and text, the `reasoning_content` or
-//! `reasoning` of OpenAI-compatible servers; the transcript of a chat
+//! `reasoning` of OpenAI-compatible servers, Mistral's `thinking` parts of
+//! a chat completion's content; the transcript of a chat
 //! completion's audio, with the audio that says it) is response text too. In
 //! `holdback` its events are held back as text is, but whole: an event
 //! goes out unchanged, as it came, once all of its text lies before any

@@ -71,7 +71,8 @@ pub struct Event<'a> {
 /// A delta object: Anthropic's `type`, `text`, `partial_json` (a tool's
 /// input) and `thinking`, OpenAI's `content`, `refusal` and the
 /// `arguments` (or custom `input`) of each of its `tool_calls`, and the reasoning of
-/// OpenAI-compatible servers (`reasoning_content`, `reasoning`).
+/// OpenAI-compatible servers (`reasoning_content`, `reasoning`, Mistral's
+/// `thinking` parts of `content`).
 #[derive(Debug, Default)]
 pub struct Delta<'a> {
     pub kind: Option<Cow<'a, str>>,
@@ -84,7 +85,8 @@ pub struct Delta<'a> {
     /// objects with a `text`), as some OpenAI-compatible servers send it:
     /// held whole, not re-framed.
     pub content_parts: Vec<Text<'a>>,
-    /// `thinking`, `reasoning_content` and `reasoning`, in order.
+    /// `thinking` (Anthropic's, or the text parts of Mistral's),
+    /// `reasoning_content` and `reasoning`, in order.
     pub reasoning: Vec<Text<'a>>,
     /// Whether it carries `audio` (OpenAI), and the audio's `transcript`.
     pub audio: bool,
@@ -225,16 +227,30 @@ impl<'a> Delta<'a> {
                 if key == 5 {
                     return delta.read_tool_calls(reader);
                 }
-                // Content as parts, as some OpenAI-compatible servers send it.
+                // Content as parts, as some OpenAI-compatible servers send
+                // it: text, and Mistral's reasoning (`thinking`, a list of
+                // text parts).
                 if key == 2 && reader.jiter.peek()? == Peek::Array {
                     return reader.array(|reader| match reader.jiter.peek()? {
                         Peek::String => {
                             delta.content_parts.extend(reader.string()?);
                             Ok(())
                         }
-                        Peek::Object => reader.object(["text"], |reader, _| {
-                            delta.content_parts.extend(reader.string()?);
-                            Ok(())
+                        Peek::Object => reader.object(["text", "thinking"], |reader, key| {
+                            if key == 0 {
+                                delta.content_parts.extend(reader.string()?);
+                                return Ok(());
+                            }
+                            if !reader.is(Peek::Array)? {
+                                return Ok(());
+                            }
+                            reader.array(|reader| match reader.is_object()? {
+                                true => reader.object(["text"], |reader, _| {
+                                    delta.reasoning.extend(reader.string()?);
+                                    Ok(())
+                                }),
+                                false => Ok(()),
+                            })
                         }),
                         _ => reader.skip(),
                     });
