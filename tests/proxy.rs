@@ -1167,6 +1167,86 @@ fn anthropic_end(stop_reason: &str) -> String {
     ) + &event("message_stop", json!({"type": "message_stop"}))
 }
 
+/// An answer in several text blocks (Anthropic splits its text where a
+/// citation starts and ends) is shown as one text: a phrase that runs from
+/// one block into the next is stopped, whole and streamed.
+#[tokio::test]
+async fn a_match_across_text_blocks_is_stopped() {
+    let (_mock, proxy) = start().await;
+    let cited = json!([{"type": "char_location", "cited_text": "The fund holds bonds.",
+        "document_index": 0, "document_title": "Prospectus", "start_char_index": 0, "end_char_index": 21}]);
+    let blocks = |first: &str, second: &str| {
+        vec![
+            json!({"type": "text", "text": first, "citations": cited}),
+            json!({"type": "text", "text": second}),
+        ]
+    };
+    let whole = |content: Vec<Value>| {
+        json!({"id": "msg_t", "type": "message", "role": "assistant", "model": "c", "content": content,
+            "stop_reason": "end_turn", "stop_sequence": null, "usage": {"input_tokens": 3, "output_tokens": 9}})
+        .to_string()
+    };
+    let streamed = |content: Vec<Value>| {
+        let mut raw = anthropic_start();
+        for (index, block) in content.iter().enumerate() {
+            let text = block["text"].as_str().unwrap();
+            let mut start = block.clone();
+            start["text"] = json!("");
+            raw += &event(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": index, "content_block": start}),
+            );
+            raw += &event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": index,
+                "delta": {"type": "text_delta", "text": text}}),
+            );
+            raw += &event(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": index}),
+            );
+        }
+        raw + &anthropic_end("end_turn")
+    };
+    let ask = |stream| messages("What does the fund offer?", stream);
+    let risky = blocks("Our fund offers guaranteed", " returns of 20% a year.");
+    let response = proxy
+        .post(
+            "/v1/messages",
+            json!({"raw_json": whole(risky.clone())}),
+            &ask(false),
+        )
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "block");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["stop_reason"], "refusal", "{body}");
+    assert!(!body.to_string().contains("20%"), "{body}");
+    let response = proxy
+        .post(
+            "/v1/messages",
+            json!({"raw_sse": streamed(risky)}),
+            &ask(true),
+        )
+        .await;
+    let body = response.text().await.unwrap();
+    let (_, stop, _) = support::anthropic_stream_text(&body);
+    assert_eq!(stop.as_deref(), Some("refusal"), "{body}");
+    assert!(!body.contains("20%"), "{body}");
+
+    let safe = blocks("Our fund offers", " steady income from bonds.");
+    let response = proxy
+        .post(
+            "/v1/messages",
+            json!({"raw_json": whole(safe.clone())}),
+            &ask(false),
+        )
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["content"], json!(safe));
+    proxy.stop().await;
+}
+
 /// Extended thinking reaches the client too, so it is response text: a
 /// short thinking block is held until its end (its signature covers its
 /// text, so it can be neither re-framed nor redacted), then sent as it

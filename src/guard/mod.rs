@@ -296,12 +296,54 @@ pub fn scan_response(
     if let Some(prefill) = prefill.filter(|_| !continued) {
         hits.extend(scan_continuation(rules, prefill, ""));
     }
+    hits.extend(scan_across(rules, response_texts));
     ResponseScan {
         hits,
         texts,
         context,
         redacted: (!edits.is_empty()).then(|| without_logprobs(json::splice(body, &edits))),
     }
+}
+
+/// The matches that run from one of an answer's texts into the next:
+/// the client shows an answer's texts as one (Anthropic splits its text
+/// into blocks where a citation starts and ends), so they are read as one,
+/// a line break between each two, as the stream guard reads them; each
+/// choice of a chat completion apart (its content [`Text::continues`] a
+/// prefill). A redaction there blocks: no one text holds it to redact.
+/// Only an answer of two texts or more is read again.
+fn scan_across(rules: &RuleSet, response_texts: &[Text]) -> Vec<Hit> {
+    let mut hits = Vec::new();
+    let (mut joined, mut breaks) = (String::new(), Vec::new());
+    let answer = response_texts
+        .iter()
+        .filter(|t| t.scope == Scope::Response && !t.whole);
+    for (at, text) in answer.enumerate() {
+        if at > 0 && text.continues {
+            hits.append(&mut scan_joined(rules, &joined, &breaks));
+            (joined, breaks) = (String::new(), Vec::new());
+        } else if at > 0 {
+            breaks.push(joined.len());
+            joined.push('\n');
+        }
+        joined.push_str(&text.text);
+    }
+    hits.append(&mut scan_joined(rules, &joined, &breaks));
+    hits
+}
+
+/// The matches in `joined` texts that run across one of the `breaks`
+/// between them (none to look for when there is none).
+fn scan_joined(rules: &RuleSet, joined: &str, breaks: &[usize]) -> Vec<Hit> {
+    if breaks.is_empty() {
+        return Vec::new();
+    }
+    let mut hits = rules.scan(Scope::Response, joined);
+    hits.retain(|hit| breaks.iter().any(|at| (hit.start..hit.end).contains(at)));
+    for hit in hits.iter_mut().filter(|h| h.action == Action::Redact) {
+        hit.action = Action::Block;
+    }
+    hits
 }
 
 /// The hits of answer `text` as the continuation of `prefill`, which the
@@ -627,6 +669,46 @@ mod tests {
             "block"
         );
         assert_eq!(chat("Our fund offers", [" safety.", " a plan."]).0, "");
+    }
+
+    /// An answer's texts are read as one, the way the client shows them
+    /// (with a line break between, as the stream guard reads them): a match
+    /// that runs from one text block into the next blocks; one within a
+    /// block is redacted there; each choice of a chat completion apart.
+    #[test]
+    fn a_match_across_an_answers_texts_blocks() {
+        use crate::exchange::{Endpoint, ResponseBody};
+        use serde_json::json;
+        use std::path::Path;
+
+        let rules = RuleSet::load_dir(Path::new("rules"), &crate::rules::CompileOptions::default())
+            .unwrap();
+        let scan = |endpoint, body: serde_json::Value| {
+            let body = body.to_string();
+            let read = ResponseBody::read(endpoint, body.as_bytes()).unwrap();
+            let scan = scan_response(&rules, body.as_bytes(), &read.texts, None);
+            let actions: Vec<&str> = scan.hits.iter().map(|h| h.action.as_str()).collect();
+            (actions.join(","), scan.redacted.is_some())
+        };
+        let blocks = |texts: [&str; 2]| json!({"content": [{"type": "text", "text": texts[0]}, {"type": "text", "text": texts[1]}]});
+        let anthropic = |texts| scan(Endpoint::Messages, blocks(texts));
+        assert_eq!(
+            anthropic(["Our fund offers guaranteed", " returns of 20% a year."]),
+            ("block".into(), false)
+        );
+        assert_eq!(
+            anthropic(["Pay with card", " 4111 1111 1111 1111 today."]),
+            ("redact".into(), true)
+        );
+        assert_eq!(
+            anthropic(["Our fund offers", " bonds."]),
+            ("".into(), false)
+        );
+        let choices = json!({"choices": [
+            {"index": 0, "message": {"content": "Our fund offers guaranteed"}},
+            {"index": 1, "message": {"content": " returns of 20% a year."}}
+        ]});
+        assert_eq!(scan(Endpoint::ChatCompletions, choices), ("".into(), false));
     }
 
     /// Random request and response bodies of every endpoint, with personal
