@@ -1208,42 +1208,36 @@ async fn a_match_across_text_blocks_is_stopped() {
         }
         raw + &anthropic_end("end_turn")
     };
-    let ask = |stream| messages("What does the fund offer?", stream);
+    let post = async |script: Value, stream: bool| {
+        let ask = messages("What does the fund offer?", stream);
+        proxy.post("/v1/messages", script, &ask).await
+    };
     let risky = blocks("Our fund offers guaranteed", " returns of 20% a year.");
-    let response = proxy
-        .post(
-            "/v1/messages",
-            json!({"raw_json": whole(risky.clone())}),
-            &ask(false),
-        )
-        .await;
+    let response = post(json!({"raw_json": whole(risky.clone())}), false).await;
     assert_eq!(response.headers()["x-fairgate-verdict"], "block");
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["stop_reason"], "refusal", "{body}");
     assert!(!body.to_string().contains("20%"), "{body}");
-    let response = proxy
-        .post(
-            "/v1/messages",
-            json!({"raw_sse": streamed(risky)}),
-            &ask(true),
-        )
-        .await;
+    let response = post(json!({"raw_sse": streamed(risky)}), true).await;
     let body = response.text().await.unwrap();
     let (_, stop, _) = support::anthropic_stream_text(&body);
     assert_eq!(stop.as_deref(), Some("refusal"), "{body}");
     assert!(!body.contains("20%"), "{body}");
 
+    // Blocks that make nothing together go out whole.
     let safe = blocks("Our fund offers", " steady income from bonds.");
-    let response = proxy
-        .post(
-            "/v1/messages",
-            json!({"raw_json": whole(safe.clone())}),
-            &ask(false),
-        )
-        .await;
+    let response = post(json!({"raw_json": whole(safe.clone())}), false).await;
     assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["content"], json!(safe));
+    let response = post(json!({"raw_sse": streamed(safe)}), true).await;
+    let body = response.text().await.unwrap();
+    let (text, stop, _) = support::anthropic_stream_text(&body);
+    let expected = "Our fund offers steady income from bonds.";
+    assert_eq!(
+        (text.as_str(), stop.as_deref()),
+        (expected, Some("end_turn"))
+    );
     proxy.stop().await;
 }
 
