@@ -717,17 +717,18 @@ impl RoleScope {
 
 impl<'a> Texts<'a> {
     /// What `read` finds, the first text of it marked as what a prefill
-    /// runs on into ([`Text::continues`]).
+    /// runs on into ([`Text::continues`]); whether it found one.
     fn continuing(
         &mut self,
         read: impl FnOnce(&mut Self) -> Result<(), ReadError>,
-    ) -> Result<(), ReadError> {
+    ) -> Result<bool, ReadError> {
         let first = self.found.len();
         read(self)?;
-        if let Some(text) = self.found.get_mut(first) {
-            text.continues = true;
-        }
-        Ok(())
+        let Some(text) = self.found.get_mut(first) else {
+            return Ok(false);
+        };
+        text.continues = true;
+        Ok(true)
     }
 
     /// A string value, if the next value is one.
@@ -1104,9 +1105,9 @@ impl<'a> Texts<'a> {
                             ["type", "text", "input", "thinking", "content", "citations"],
                             |reader| Ok(reader.string()?.map(|t| t.value)),
                             |reader, kind, key| match key {
-                                1 if first && kind.as_deref() == Some("text") => {
-                                    texts.continuing(|texts| texts.text(reader, scope))
-                                }
+                                1 if first && kind.as_deref() == Some("text") => texts
+                                    .continuing(|texts| texts.text(reader, scope))
+                                    .map(drop),
                                 2 => texts.strings(reader, scope),
                                 4 => texts.tool_result_content(reader, kind.as_deref()),
                                 5 => texts.objects(reader, |texts, reader| texts.citation(reader)),
@@ -1220,28 +1221,25 @@ impl<'a> Texts<'a> {
     /// reasoning is what a prefill runs on into.
     fn answer_content(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         let scope = Scope::Response;
+        let mut continued = false;
+        let mut answer = |texts: &mut Self, reader: &mut Reader<'a>| match continued {
+            true => texts.text(reader, scope),
+            false => {
+                continued = texts.continuing(|texts| texts.text(reader, scope))?;
+                Ok(())
+            }
+        };
         if reader.jiter.peek()? != Peek::Array {
-            return self.continuing(|texts| texts.text(reader, scope));
+            return answer(self, reader);
         }
-        let mut answer = None;
         reader.array(|reader| match reader.jiter.peek()? {
             Peek::Object => reader.object(["text", "thinking"], |reader, key| match key {
-                0 => {
-                    answer.get_or_insert(self.found.len());
-                    self.text(reader, scope)
-                }
+                0 => answer(self, reader),
                 _ => self.content(reader, scope),
             }),
-            Peek::String => {
-                answer.get_or_insert(self.found.len());
-                self.text(reader, scope)
-            }
+            Peek::String => answer(self, reader),
             _ => reader.skip(),
-        })?;
-        if let Some(text) = answer.and_then(|at| self.found.get_mut(at)) {
-            text.continues = true;
-        }
-        Ok(())
+        })
     }
 
     /// An OpenAI chat completion's message: its content, its refusal, the
@@ -1780,6 +1778,13 @@ mod tests {
         // Mistral's reasoning comes first, in parts of its own.
         let thought = json!({"type": "thinking", "thinking": [{"type": "text", "text": "weigh"}]});
         let mistral = json!({"choices": [{"message": {"content": [thought, {"type": "text", "text": "answer"}]}}]});
+        assert_eq!(
+            continued(Endpoint::ChatCompletions, mistral),
+            [text("weigh", false), text("answer", true)]
+        );
+        // A part of no text continues nothing.
+        let empty = json!({"type": "text", "text": null});
+        let mistral = json!({"choices": [{"message": {"content": [empty, thought, {"type": "text", "text": "answer"}]}}]});
         assert_eq!(
             continued(Endpoint::ChatCompletions, mistral),
             [text("weigh", false), text("answer", true)]

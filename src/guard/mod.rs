@@ -171,9 +171,7 @@ fn scan_definition_texts(
     for text in texts {
         let mut found = rules.scan(Scope::Context, &text.text);
         if whole {
-            for hit in found.iter_mut().filter(|h| h.action == Action::Redact) {
-                hit.action = Action::Block;
-            }
+            redactions_block(&mut found);
         }
         if found.iter().any(|h| h.action == Action::Redact) {
             edits.push((text.span.clone(), redact(&text.text, &found)));
@@ -272,9 +270,7 @@ pub fn scan_response(
         };
         if *whole {
             // What it is the text of cannot be redacted: the text blocks.
-            for hit in found.iter_mut().filter(|h| h.action == Action::Redact) {
-                hit.action = Action::Block;
-            }
+            redactions_block(&mut found);
         }
         let redacted = found
             .iter()
@@ -340,10 +336,19 @@ fn scan_joined(rules: &RuleSet, joined: &str, breaks: &[usize]) -> Vec<Hit> {
     }
     let mut hits = rules.scan(Scope::Response, joined);
     hits.retain(|hit| breaks.iter().any(|at| (hit.start..hit.end).contains(at)));
-    for hit in hits.iter_mut().filter(|h| h.action == Action::Redact) {
-        hit.action = Action::Block;
-    }
+    redactions_block(&mut hits);
     hits
+}
+
+/// Makes each `redact` hit of `hits` a `block`: where its text cannot be
+/// rewritten (the transcript of audio, a match across texts, one begun in
+/// a prefill the client has).
+fn redactions_block<'h>(hits: impl IntoIterator<Item = &'h mut Hit>) {
+    for hit in hits {
+        if hit.action == Action::Redact {
+            hit.action = Action::Block;
+        }
+    }
 }
 
 /// The hits of answer `text` as the continuation of `prefill`, which the
@@ -368,11 +373,7 @@ fn scan_continuation(rules: &RuleSet, prefill: &str, text: &str) -> Vec<Hit> {
 /// answer blocks: its start cannot be taken back.
 pub fn continuation_hits(hits: &mut Vec<Hit>, prefill: usize) {
     hits.retain(|hit| hit.end > prefill || hit.action != Action::Redact);
-    for hit in hits.iter_mut().filter(|hit| hit.start < prefill) {
-        if hit.action == Action::Redact {
-            hit.action = Action::Block;
-        }
-    }
+    redactions_block(hits.iter_mut().filter(|hit| hit.start < prefill));
 }
 
 /// A redacted answer without its `logprobs` (see [`strip_logprobs`]);

@@ -3666,7 +3666,6 @@ mod tests {
         guard_stream_with(setup(endpoint, mode), events)
     }
 
-    /// [`guard_stream`] with a setup of the caller's.
     /// An Anthropic stream of one text block, in `pieces`.
     fn anthropic_text_events(pieces: &[&str]) -> Vec<(Option<&'static str>, Value)> {
         let event = |name, data: Value| (Some(name), data);
@@ -3718,6 +3717,7 @@ mod tests {
         events
     }
 
+    /// [`guard_stream`] with a setup of the caller's.
     fn guard_stream_with(
         setup: StreamSetup,
         events: Vec<(Option<&str>, Value)>,
