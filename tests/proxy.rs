@@ -1562,11 +1562,7 @@ async fn mistral_thinking_is_guarded() {
         .to_string()
     };
     let streamed = |pieces: &[&str]| {
-        let chunk = |delta: Value, finish: Value| {
-            let chunk = json!({"id": "chatcmpl-m", "object": "chat.completion.chunk", "created": 1,
-                "model": "magistral-medium", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
-            format!("data: {chunk}\n\n")
-        };
+        let chunk = |delta, finish| choice_chunk(0, delta, finish);
         let mut raw = chunk(json!({"role": "assistant", "content": ""}), Value::Null);
         for piece in pieces {
             raw += &chunk(json!({"content": [thinking(&[piece])]}), Value::Null);
@@ -1577,26 +1573,18 @@ async fn mistral_thinking_is_guarded() {
         );
         raw + &chunk(json!({}), json!("stop")) + "data: [DONE]\n\n"
     };
-    let ask = |stream| chat("Should I invest?", stream);
+    let post = async |script: Value, stream: bool| {
+        let ask = chat("Should I invest?", stream);
+        proxy.post("/v1/chat/completions", script, &ask).await
+    };
 
-    let response = proxy
-        .post(
-            "/v1/chat/completions",
-            json!({"raw_json": whole(&[&harmful.concat()])}),
-            &ask(false),
-        )
-        .await;
+    // The reasoning's parts are read as one text, as the client shows them.
+    let response = post(json!({"raw_json": whole(&harmful)}), false).await;
     assert_eq!(response.headers()["x-fairgate-verdict"], "block");
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["choices"][0]["finish_reason"], "content_filter");
     assert!(!body.to_string().contains("Dogecoin"), "{body}");
-    let response = proxy
-        .post(
-            "/v1/chat/completions",
-            json!({"raw_json": whole(&harmless)}),
-            &ask(false),
-        )
-        .await;
+    let response = post(json!({"raw_json": whole(&harmless)}), false).await;
     assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
     let body: Value = response.json().await.unwrap();
     assert_eq!(
@@ -1604,10 +1592,7 @@ async fn mistral_thinking_is_guarded() {
         serde_json::from_str::<Value>(&whole(&harmless)).unwrap()
     );
 
-    let raw = streamed(&harmful);
-    let response = proxy
-        .post("/v1/chat/completions", json!({"raw_sse": raw}), &ask(true))
-        .await;
+    let response = post(json!({"raw_sse": streamed(&harmful)}), true).await;
     let body = response.text().await.unwrap();
     let (_, finishes, done) = support::openai_stream_text(&body);
     assert_eq!(
@@ -1617,9 +1602,7 @@ async fn mistral_thinking_is_guarded() {
     );
     assert!(!body.contains("Dogecoin"), "{body}");
     let raw = streamed(&harmless);
-    let response = proxy
-        .post("/v1/chat/completions", json!({"raw_sse": raw}), &ask(true))
-        .await;
+    let response = post(json!({"raw_sse": raw.clone()}), true).await;
     assert_eq!(response.text().await.unwrap(), raw);
     proxy.stop().await;
 }
@@ -2558,11 +2541,14 @@ async fn tools_results_and_citations_in_buffer_and_monitor_modes() {
     for mode in [StreamMode::Buffer, StreamMode::Monitor] {
         let (_mock, proxy) = start_with(|c| c.guard.stream_mode = mode).await;
         let monitored = mode == StreamMode::Monitor;
-        let answers = [
-            (server_tool_answer(&fetched(card), true), "Here is a tip."),
-            (cited_answer(card, true), "Savings come first."),
-        ];
-        for (answer, text) in answers {
+        // What a server tool fetched, and what a citation quotes.
+        let answers = |given: &str| {
+            [
+                (server_tool_answer(&fetched(given), true), "Here is a tip."),
+                (cited_answer(given, true), "Savings come first."),
+            ]
+        };
+        for (answer, text) in answers(card) {
             let response = proxy.post("/v1/messages", answer, &ask).await;
             let body = response.text().await.unwrap();
             assert_eq!(
@@ -2578,11 +2564,7 @@ async fn tools_results_and_citations_in_buffer_and_monitor_modes() {
             let (sent, stop, _) = support::anthropic_stream_text(&body);
             assert_eq!((sent.as_str(), stop.as_deref()), (text, Some("end_turn")));
         }
-        let answers = [
-            (server_tool_answer(&fetched(advice), true), "Here is a tip."),
-            (cited_answer(advice, true), "Savings come first."),
-        ];
-        for (answer, text) in answers {
+        for (answer, text) in answers(advice) {
             let response = proxy.post("/v1/messages", answer, &ask).await;
             let body = response.text().await.unwrap();
             assert_eq!(body.contains("Dogecoin"), monitored, "{mode:?}: {body}");
