@@ -114,9 +114,8 @@
 //! looks for matches under way from as far back in the prefill as a
 //! match can reach), but for a redaction wholly in the prefill, the
 //! client's own text; a redaction that begins there blocks. Each choice
-//! of a chat completion continues the prefill; a chat completion's
-//! reasoning, held text that comes before the answer's, is what follows
-//! the prefill in the guard's text then.
+//! of a chat completion continues the prefill, with its text, not with
+//! the reasoning held before it.
 
 mod event;
 
@@ -739,6 +738,9 @@ pub struct Guard {
     /// The text of the [`Kind::Held`] events so far; a line break between
     /// content blocks.
     held_text: String,
+    /// A content block ended after held text: the next held text starts
+    /// after a line break (put then, so that the text ends with its own).
+    held_break: bool,
     /// The hits found in `held_text`, and how much of it the last scan
     /// saw.
     held_hits: Vec<Hit>,
@@ -855,6 +857,7 @@ impl Guard {
             checked: prefill,
             hits,
             held_text: String::new(),
+            held_break: false,
             held_hits: Vec::new(),
             held_checked: 0,
             held_frames: Vec::new(),
@@ -1595,7 +1598,7 @@ impl Guard {
     fn monitor(&mut self, event: SseEvent, kind: Kind) -> Vec<Bytes> {
         match kind {
             Kind::Text { text, .. } => self.acc.push_str(text.of_event(&event)),
-            Kind::Held { text, .. } => self.held_text.push_str(&text),
+            Kind::Held { text, .. } => self.push_held(&text),
             Kind::BlockStart { .. } => self.separate_held(),
             Kind::Malformed => self.malformed = true,
             Kind::Done => {
@@ -1623,7 +1626,7 @@ impl Guard {
                 Vec::new()
             }
             Kind::Held { text, .. } => {
-                self.held_text.push_str(&text);
+                self.push_held(&text);
                 self.held.push((event, None));
                 Vec::new()
             }
@@ -1687,7 +1690,7 @@ impl Guard {
                 opens,
                 whole,
             } => {
-                self.held_text.push_str(&text);
+                self.push_held(&text);
                 self.held_whole |= whole;
                 self.held_frames.push(HeldFrame {
                     raw: event.raw,
@@ -1762,9 +1765,15 @@ impl Guard {
 
     /// The held text of two content blocks never runs together.
     fn separate_held(&mut self) {
-        if !self.held_text.is_empty() && !self.held_text.ends_with('\n') {
+        self.held_break |= !self.held_text.is_empty() && !self.held_text.ends_with('\n');
+    }
+
+    fn push_held(&mut self, text: &str) {
+        if self.held_break && !text.is_empty() {
             self.held_text.push('\n');
+            self.held_break = false;
         }
+        self.held_text.push_str(text);
     }
 
     /// Whether the text is due a check: see [`CHECK_STEP`].
@@ -4129,16 +4138,26 @@ mod tests {
             let (prefill, answer) = text.split_at(cut);
             let pieces = random_cuts(&mut rng, answer, 9);
             let endpoint = *rng.pick(&[Endpoint::Messages, Endpoint::ChatCompletions]);
-            let events = match endpoint {
+            let mut events = match endpoint {
                 Endpoint::Messages => anthropic_text_events(&pieces),
                 _ => chat_text_events(&pieces),
             };
+            // A chat completion's reasoning comes before its text, held
+            // apart: the text still continues the prefill.
+            let reasoning = endpoint == Endpoint::ChatCompletions && rng.below(3) == 0;
+            if reasoning {
+                let thought = json!({"content": null, "reasoning_content": "Weighing it."});
+                let chunk = json!({"id": "c", "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": thought, "finish_reason": null}]});
+                events.insert(1, (None, chunk));
+            }
             let mode = *rng.pick(&[StreamMode::Holdback, StreamMode::Buffer]);
             let mut setup = setup(endpoint, mode);
             setup.prefill = prefill.to_owned();
             let (guard, frames) = guard_stream_with(setup, events);
-            let context =
-                format!("round {round}, {endpoint:?}, {mode:?}, {prefill:?} + {answer:?}");
+            let context = format!(
+                "round {round}, {endpoint:?} (reasoning {reasoning}), {mode:?}, {prefill:?} + {answer:?}"
+            );
 
             let sent = sent_events(&frames);
             assert_blocks_close(&sent, &context);
@@ -4200,7 +4219,12 @@ mod tests {
             assert!(!must_block, "{context}: not blocked");
             redacted += usize::from(expected != text);
             assert_eq!(shown, expected, "{context}");
-            assert_eq!(guard.read_text(), received, "{context}: the record");
+            // The record holds the text, then the reasoning.
+            let read = match reasoning {
+                true => format!("{received}\nWeighing it."),
+                false => received,
+            };
+            assert_eq!(guard.read_text(), read, "{context}: the record");
         }
         assert!(
             across > 200 && blocked > 150 && redacted > 50,
