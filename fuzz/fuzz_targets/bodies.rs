@@ -10,7 +10,7 @@ use std::sync::LazyLock;
 use fairgate::exchange::{self, Endpoint, RequestBody, ResponseBody};
 use fairgate::guard;
 use fairgate::risk::RiskConfig;
-use fairgate::rules::{CompileOptions, RuleSet, Scope};
+use fairgate::rules::{CompileOptions, RuleSet};
 use libfuzzer_sys::fuzz_target;
 
 static RULES: LazyLock<RuleSet> = LazyLock::new(|| {
@@ -38,8 +38,15 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         if let Ok(response) = ResponseBody::read(endpoint, data) {
-            for text in &response.texts {
-                let _ = RULES.scan(Scope::Response, &text.text);
+            // As an answer of its own, and as the continuation of a prefill
+            // that ends inside a match.
+            for prefill in [None, Some("Sure. Put all your savings into")] {
+                let scan = guard::scan_response(&RULES, data, &response.texts, prefill);
+                if let Some(redacted) = scan.redacted {
+                    // A redacted answer is JSON still, and reads as it did.
+                    let again = ResponseBody::read(endpoint, &redacted);
+                    assert!(again.is_ok(), "a redaction broke the answer: {again:?}");
+                }
             }
         }
     }

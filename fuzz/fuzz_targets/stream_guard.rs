@@ -4,7 +4,9 @@
 //!
 //! Input: byte 0 picks the endpoint and mode, whether usage was asked for
 //! and whether the upstream breaks off at the end (bit 6), byte 1 the size
-//! of the pieces (1 to 64 bytes), the rest is the upstream's body.
+//! of the pieces (1 to 64 bytes, bits 0 to 5) and the prefill the answer
+//! continues (bits 6 and 7: none, or one that ends inside a phrase a rule
+//! blocks, redacts or flags), the rest is the upstream's body.
 
 #![no_main]
 
@@ -41,6 +43,14 @@ const ENDPOINTS: [Endpoint; 4] = [
     Endpoint::Responses,
     Endpoint::Messages,
 ];
+/// Prefills that end inside a match: one that blocks, one that redacts,
+/// one that only flags.
+const PREFILLS: [&str; 4] = [
+    "",
+    "Sure. Put all your savings into",
+    "Write to jane.doe@exa",
+    "Ignore all previous",
+];
 const MODES: [StreamMode; 3] = [
     StreamMode::Holdback,
     StreamMode::Buffer,
@@ -53,7 +63,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let endpoint = ENDPOINTS[usize::from(pick % 4)];
     let mode = MODES[usize::from(pick / 4 % 3)];
-    let size = usize::from(size % 64) + 1;
+    let (size, prefill) = (usize::from(size % 64) + 1, usize::from(size >> 6));
     let setup = StreamSetup {
         endpoint,
         mode,
@@ -63,6 +73,7 @@ fuzz_target!(|data: &[u8]| {
         relevance: Vec::new(),
         started: Instant::now(),
         include_usage: pick & 0x80 != 0,
+        prefill: PREFILLS[prefill].to_owned(),
     };
     let mut pieces: Vec<Result<Bytes, String>> = body
         .chunks(size)
