@@ -44,10 +44,16 @@ pub enum Endpoint {
 
 impl Endpoint {
     /// The guarded endpoint a path names, if any: `/v1/chat/completions`
-    /// and the others, after any prefix (Azure OpenAI's `/openai/v1/...`,
-    /// gateways' `/api/v1/...`), or an Azure OpenAI deployment's
-    /// `/openai/deployments/{name}/chat/completions` and `/completions`.
-    /// A route that a client reaches by another path would pass unguarded.
+    /// and the others, after any base path, for a client reaches an API
+    /// by the base URL its provider gives: `/v1`, none (DeepSeek's,
+    /// Perplexity's `/chat/completions`), Gemini's `/v1beta/openai`,
+    /// Azure OpenAI's `/openai/v1`, `/openai` and
+    /// `/openai/deployments/{name}`, GitHub Models' `/inference`, a
+    /// gateway's `/api/v1`. A guarded route reached by a path this missed
+    /// would pass unguarded, so the base is not checked; only the
+    /// Assistants API's messages of a thread (`/v1/threads/{id}/messages`)
+    /// and the messages of a stored chat completion
+    /// (`/v1/chat/completions/{id}/messages`) are other objects' parts.
     pub fn from_path(path: &str) -> Option<Endpoint> {
         // Suffixes rather than a substring search: this runs on every
         // request, and a `str` searcher costs some 500 instructions to set
@@ -62,12 +68,8 @@ impl Endpoint {
         } else {
             (path.strip_suffix("/messages")?, Endpoint::Messages)
         };
-        if rest.ends_with("/v1") {
-            return Some(endpoint);
-        }
-        let (deployments, _name) = rest.rsplit_once('/')?;
-        let azure = matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions);
-        (azure && deployments.ends_with("/openai/deployments")).then_some(endpoint)
+        let parent = rest.rsplit('/').nth(1);
+        (!matches!(parent, Some("threads" | "completions"))).then_some(endpoint)
     }
 
     pub fn dialect(self) -> Dialect {
@@ -233,7 +235,7 @@ impl<'a> RequestBody<'a> {
     }
 }
 
-/// Whether `path` (after any prefix, as for [`Endpoint::from_path`]) adds
+/// Whether `path` (after any prefix that ends with `/v1`) adds
 /// items to a stored conversation, which a later response reads as its
 /// input: `/v1/conversations` (a new one, with its first `items`) or
 /// `/v1/conversations/{id}/items`.
@@ -245,7 +247,7 @@ pub fn adds_conversation_items(path: &str) -> bool {
 }
 
 /// The segments of `path` after its last `v1` (whatever prefix comes
-/// before it, as for [`Endpoint::from_path`]), less a trailing slash;
+/// before it), less a trailing slash;
 /// `None` when it has no `v1`.
 fn after_v1(path: &str) -> Option<Vec<&str>> {
     let mut segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
@@ -574,7 +576,7 @@ pub enum Stored {
 
 impl Stored {
     /// What a `GET` of `path` fetches, if it is a stored answer (after
-    /// any prefix, as for [`Endpoint::from_path`]).
+    /// any prefix that ends with `/v1`).
     pub fn from_path(path: &str) -> Option<Stored> {
         match after_v1(path)?.as_slice() {
             ["responses", _] => Some(Stored::Response),
@@ -622,7 +624,7 @@ pub enum PartsStep {
 
 impl Batch {
     /// What a request of `method` to `path` is about, if batches (after
-    /// any prefix, as for [`Endpoint::from_path`]).
+    /// any prefix that ends with `/v1`).
     pub fn from_request(method: &http::Method, path: &str) -> Option<Batch> {
         let segments = after_v1(path)?;
         let post = *method == http::Method::POST;
@@ -2077,12 +2079,31 @@ mod tests {
                 "/openai/deployments/davinci/completions",
                 Some(Endpoint::Completions),
             ),
+            // The base URLs providers give.
+            ("/chat/completions", Some(Endpoint::ChatCompletions)),
+            (
+                "/v1beta/openai/chat/completions",
+                Some(Endpoint::ChatCompletions),
+            ),
+            ("/openai/responses", Some(Endpoint::Responses)),
+            (
+                "/inference/chat/completions/",
+                Some(Endpoint::ChatCompletions),
+            ),
+            (
+                "/v1/projects/p/locations/us-central1/endpoints/openapi/chat/completions",
+                Some(Endpoint::ChatCompletions),
+            ),
+            ("/anthropic/v1/messages", Some(Endpoint::Messages)),
             ("/openai/deployments/gpt-4o/embeddings", None),
             ("/v1/threads/thread_1/messages", None),
+            ("/openai/threads/thread_1/messages", None),
+            ("/v1/chat/completions/chatcmpl-1/messages", None),
             ("/v1/responses/resp_1", None),
+            ("/v1/responses/resp_1/input_items", None),
+            ("/v1/messages/batches", None),
+            ("/v1/messages/count_tokens", None),
             ("/v1/embeddings", None),
-            ("/v2/chat/completions", None),
-            ("/chat/completions", None),
         ] {
             assert_eq!(Endpoint::from_path(path), endpoint, "{path}");
         }

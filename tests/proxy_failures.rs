@@ -943,10 +943,12 @@ async fn an_http2_client_that_stops_taking_an_answer_is_dropped() {
 }
 
 /// A path that an API could read as a guarded one once decoded or
-/// normalized (`/v1//chat/completions`, `/v1/./messages`,
-/// `/v1/chat%2Fcompletions`, ...) would otherwise pass through unread: it
-/// is refused with 400 `ambiguous_path` in the dialect of its plain form.
-/// A path whose plain form fairgate reads the same way goes on as before.
+/// normalized (`/v1/chat%2Fcompletions`, `/v1/messages;v=2`,
+/// `/v1/threads/../chat/completions`, ...) would otherwise pass through
+/// unread: it is refused with 400 `ambiguous_path` in the dialect of its
+/// plain form. A path whose plain form fairgate reads the same way
+/// (`/v1//chat/completions`: a guarded path after any base) goes on as
+/// before.
 #[tokio::test]
 async fn a_path_that_reads_as_a_guarded_one_once_normalized_is_refused() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -971,13 +973,11 @@ async fn a_path_that_reads_as_a_guarded_one_once_normalized_is_refused() {
         }
     };
     for path in [
-        "/v1//chat/completions",
-        "/v1/./chat/completions",
-        "/v1/files/../chat/completions",
         "/v1/chat%2Fcompletions",
         "/v1/%63hat/completions",
         "/v1/chat/completions;v=2",
-        "/v1/./responses",
+        "/v1/threads/../chat/completions",
+        "/v1/responses;v=2",
     ] {
         let answer = send("POST", path).await;
         assert!(answer.starts_with("HTTP/1.1 400"), "{path}: {answer}");
@@ -991,7 +991,7 @@ async fn a_path_that_reads_as_a_guarded_one_once_normalized_is_refused() {
         );
     }
     // The Anthropic envelope for a path that is the Messages API's.
-    let answer = send("POST", "/v1/./messages").await;
+    let answer = send("POST", "/v1/messages;v=2").await;
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(answer.contains(r#""type":"error""#), "{answer}");
     assert!(
@@ -1011,8 +1011,18 @@ async fn a_path_that_reads_as_a_guarded_one_once_normalized_is_refused() {
     );
 
     // Read the same way: guarded as before, or passed through as sent.
-    let answer = send("POST", "//v1/chat/completions").await;
-    assert!(answer.contains(r#""code":"content_filter""#), "{answer}");
+    for path in [
+        "//v1/chat/completions",
+        "/v1//chat/completions",
+        "/v1/./chat/completions",
+        "/v1/files/../chat/completions",
+    ] {
+        let answer = send("POST", path).await;
+        assert!(
+            answer.contains(r#""code":"content_filter""#),
+            "{path}: {answer}"
+        );
+    }
     let answer = send("GET", "/v1/files/file%2Dabc/content").await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     let sent = mock.requests();
