@@ -44,7 +44,7 @@ pub enum Endpoint {
 
 impl Endpoint {
     /// The guarded endpoint a path names, if any: `/v1/chat/completions`
-    /// and the others, after any base path, for a client reaches an API
+    /// and the others, after any base path, since a client reaches an API
     /// by the base URL its provider gives: `/v1`, none (DeepSeek's,
     /// Perplexity's `/chat/completions`), Gemini's `/v1beta/openai`,
     /// Azure OpenAI's `/openai/v1`, `/openai` and
