@@ -944,7 +944,8 @@ async fn an_http2_client_that_stops_taking_an_answer_is_dropped() {
 
 /// A path that an API could read as a guarded one once decoded or
 /// normalized (`/v1/chat%2Fcompletions`, `/v1/messages;v=2`,
-/// `/v1/threads/../chat/completions`, ...) would otherwise pass through
+/// `/v1/threads/../chat/completions`, `/v1/Chat/Completions`, ...) would
+/// otherwise pass through
 /// unread: it is refused with 400 `ambiguous_path` in the dialect of its
 /// plain form. A path whose plain form fairgate reads the same way
 /// (`/v1//chat/completions`: a guarded path after any base) goes on as
@@ -978,6 +979,7 @@ async fn a_path_that_reads_as_a_guarded_one_once_normalized_is_refused() {
         "/v1/chat/completions;v=2",
         "/v1/threads/../chat/completions",
         "/v1/responses;v=2",
+        "/v1/Chat/Completions",
     ] {
         let answer = send("POST", path).await;
         assert!(answer.starts_with("HTTP/1.1 400"), "{path}: {answer}");
@@ -1016,6 +1018,7 @@ async fn a_path_that_reads_as_a_guarded_one_once_normalized_is_refused() {
         "/v1//chat/completions",
         "/v1/./chat/completions",
         "/v1/files/../chat/completions",
+        "/openai/deployments/GPT-4o/chat/completions",
     ] {
         let answer = send("POST", path).await;
         assert!(

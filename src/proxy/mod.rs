@@ -829,21 +829,26 @@ impl Reading {
 /// another path: percent-decoded (as Starlette and Go's `net/http` route),
 /// `;` parameters taken off each segment (as Java servers do), empty and
 /// `.` segments dropped and `..` taking off the segment before it (as URL
-/// normalization does). `None` for a path with none of these, as nearly
-/// every path is: two quick passes over its bytes. A request whose path's
+/// normalization does), in lower case (as Express and ASP.NET route by
+/// default). `None` for a path with none of these, as nearly every path
+/// is: two quick passes over its bytes. A request whose path's
 /// plain form [`Reading`] reads otherwise is refused: the upstream might
 /// serve the plain form, and the guard would have read the wrong thing
 /// (or nothing).
 fn plain_path(path: &str) -> Option<String> {
     let bytes = path.as_bytes();
-    let unusual = bytes.iter().any(|&b| b == b'%' || b == b';')
+    let unusual = bytes
+        .iter()
+        .any(|&b| b == b'%' || b == b';' || b.is_ascii_uppercase())
         || bytes
             .windows(2)
             .any(|pair| pair[0] == b'/' && matches!(pair[1], b'/' | b'.'));
     if !unusual {
         return None;
     }
-    let decoded = percent_encoding::percent_decode_str(path).decode_utf8_lossy();
+    let decoded = percent_encoding::percent_decode_str(path)
+        .decode_utf8_lossy()
+        .to_lowercase();
     let mut segments: Vec<&str> = Vec::new();
     for segment in decoded.split('/') {
         match segment.split(';').next().unwrap_or_default() {
@@ -1950,6 +1955,8 @@ mod tests {
             ("/v1/%2e%2e/v1/messages", "/v1/messages"),
             ("/v1/chat;x=1/completions;y", "/v1/chat/completions"),
             ("/v1/files/%ff", "/v1/files/\u{fffd}"),
+            ("/V1/Chat/Completions", "/v1/chat/completions"),
+            ("/v1/files/file-AbC/content", "/v1/files/file-abc/content"),
         ] {
             assert_eq!(plain_path(path).as_deref(), Some(plain), "{path}");
         }
