@@ -307,13 +307,17 @@ pub fn scan_response(
 /// a line break between each two, as the stream guard reads them; each
 /// choice of a chat completion apart (its content [`Text::continues`] a
 /// prefill). A redaction there blocks: no one text holds it to redact.
-/// Only an answer of two texts or more is read again.
+/// Only an answer of two texts or more is joined and read again.
 fn scan_across(rules: &RuleSet, response_texts: &[Text]) -> Vec<Hit> {
-    let mut hits = Vec::new();
-    let (mut joined, mut breaks) = (String::new(), Vec::new());
     let answer = response_texts
         .iter()
         .filter(|t| t.scope == Scope::Response && !t.whole);
+    // No text but the first of each choice: nothing to join (nor to copy).
+    if answer.clone().skip(1).all(|text| text.continues) {
+        return Vec::new();
+    }
+    let mut hits = Vec::new();
+    let (mut joined, mut breaks) = (String::new(), Vec::new());
     for (at, text) in answer.enumerate() {
         if at > 0 && text.continues {
             hits.append(&mut scan_joined(rules, &joined, &breaks));
