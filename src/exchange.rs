@@ -275,6 +275,61 @@ pub fn read_conversation_items(body: &[u8]) -> Result<BatchRequest<'_>, ReadErro
     })
 }
 
+/// What the guard reads of a client event of a Realtime API session (a
+/// WebSocket text message, see `proxy::realtime`).
+#[derive(Debug, Default)]
+pub struct RealtimeEvent<'a> {
+    /// Its `type`.
+    pub kind: Option<Cow<'a, str>>,
+    /// Its `event_id`, which an error about it names.
+    pub event_id: Option<Cow<'a, str>>,
+    /// The instructions of a `session.update` or `response.create` and
+    /// the user's items of a `conversation.item.create` (`item`) or a
+    /// `response.create` (`response.input`) are prompt, read as the
+    /// Responses API's input items (the Realtime API's have their
+    /// shape): a function call's output is context; the tools of either
+    /// are definitions.
+    pub texts: Vec<Text<'a>>,
+}
+
+/// Reads a Realtime API client event; an error when it is not JSON, or
+/// when an object the guard reads holds one of the keys it reads twice.
+/// The members are read whatever the event's type says: the API rejects
+/// an event whose members its type does not have, and a member read for
+/// nothing costs nothing.
+pub fn read_realtime_event(body: &[u8]) -> Result<RealtimeEvent<'_>, ReadError> {
+    let mut reader = Reader::bytes(body)?;
+    let mut event = RealtimeEvent::default();
+    let (mut first, mut rest) = (Texts::default(), Texts::default());
+    if reader.is_object()? {
+        let keys = ["type", "event_id", "item", "session", "response"];
+        reader.object(keys, |reader, key| match key {
+            0 => {
+                event.kind = reader.string()?.map(|t| t.value);
+                Ok(())
+            }
+            1 => {
+                event.event_id = reader.string()?.map(|t| t.value);
+                Ok(())
+            }
+            2 if reader.is_object()? => rest.input_item(reader),
+            3 | 4 if reader.is_object()? => reader.object(
+                ["instructions", "input", "tools"],
+                |reader, key| match key {
+                    0 => first.text(reader, Scope::Prompt),
+                    1 => rest.responses_input(reader),
+                    _ => first.definitions(reader),
+                },
+            ),
+            _ => Ok(()),
+        })?;
+    }
+    reader.finish()?;
+    first.found.append(&mut rest.found);
+    event.texts = first.found;
+    Ok(event)
+}
+
 /// The texts of a request's tool definitions: their JSON text `json`
 /// (of a [`Text::definition`]), which lies at `at` of the body. They are
 /// the description of each tool (of a chat tool's `function` or `custom`,
@@ -1050,30 +1105,36 @@ impl<'a> Texts<'a> {
         if reader.jiter.peek()? == Peek::String {
             return self.text(reader, Scope::Prompt);
         }
-        self.objects(reader, |texts, reader| {
-            let (mut kind, mut role) = (None, None);
-            let (mut content, mut found) = (None, ToolResults::default());
-            let [output, results, outputs, tools] = TOOL_RESULTS;
-            let keys = ["type", "role", "content", output, results, outputs, tools];
-            reader.object(keys, |reader, key| {
-                match key {
-                    0 => kind = reader.string()?.map(|t| t.value),
-                    1 => role = reader.string()?.map(|t| t.value),
-                    2 => content = Some(reader.span()?),
-                    _ => found[key - 3] = Some(reader.span()?),
-                }
-                Ok(())
-            })?;
-            // What a tool gave the model, given back; the tools an MCP
-            // server listed are definitions.
-            texts.tool_results(reader, kind.as_deref(), &found, true)?;
-            match content {
-                Some(span) if role.as_deref() != Some("assistant") => {
-                    texts.content(&mut reader.part(span), Scope::Prompt)
-                }
-                _ => Ok(()),
+        self.objects(reader, Texts::input_item)
+    }
+
+    /// One input item of the Responses API (or a Realtime API
+    /// conversation's item, of the same shape), the reader at its start:
+    /// a message's content but the assistant's, and what a tool gave the
+    /// model.
+    fn input_item(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        let (mut kind, mut role) = (None, None);
+        let (mut content, mut found) = (None, ToolResults::default());
+        let [output, results, outputs, tools] = TOOL_RESULTS;
+        let keys = ["type", "role", "content", output, results, outputs, tools];
+        reader.object(keys, |reader, key| {
+            match key {
+                0 => kind = reader.string()?.map(|t| t.value),
+                1 => role = reader.string()?.map(|t| t.value),
+                2 => content = Some(reader.span()?),
+                _ => found[key - 3] = Some(reader.span()?),
             }
-        })
+            Ok(())
+        })?;
+        // What a tool gave the model, given back; the tools an MCP
+        // server listed are definitions.
+        self.tool_results(reader, kind.as_deref(), &found, true)?;
+        match content {
+            Some(span) if role.as_deref() != Some("assistant") => {
+                self.content(&mut reader.part(span), Scope::Prompt)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The members of a response object (the reader inside it) that hold
@@ -2056,6 +2117,86 @@ mod tests {
         let other = read_batch_line(Dialect::OpenAi, br#"{"text": "x"}"#).unwrap();
         assert!(!other.batch);
         assert!(read_batch_line(Dialect::OpenAi, b"{\"custom_id\": ").is_err());
+    }
+
+    /// The texts of a Realtime client event, each with its scope, and its
+    /// type and id; each span is the text's JSON string in the event.
+    fn realtime_texts(event: &Value) -> (Option<String>, Option<String>, Vec<(Scope, String)>) {
+        let body = event.to_string();
+        let read = read_realtime_event(body.as_bytes()).unwrap();
+        let texts = read
+            .texts
+            .iter()
+            .map(|t| {
+                if !t.definition {
+                    let quoted: String = serde_json::from_str(&body[t.span.clone()]).unwrap();
+                    assert_eq!(quoted, t.text);
+                }
+                (t.scope, t.text.to_string())
+            })
+            .collect();
+        let owned = |text: Option<Cow<str>>| text.map(Cow::into_owned);
+        (owned(read.kind), owned(read.event_id), texts)
+    }
+
+    #[test]
+    fn realtime_client_events_are_read_as_responses_input() {
+        let item = json!({"type": "conversation.item.create", "event_id": "evt_1", "item": {
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Hello"}, {"type": "input_audio", "audio": "AAAA"}]}});
+        let (kind, id, texts) = realtime_texts(&item);
+        assert_eq!(kind.as_deref(), Some("conversation.item.create"));
+        assert_eq!(id.as_deref(), Some("evt_1"));
+        assert_eq!(texts, [(Scope::Prompt, "Hello".to_owned())]);
+
+        // A tool's output given back is context; the model's own turn is
+        // not read.
+        let output = json!({"type": "conversation.item.create", "item": {
+            "type": "function_call_output", "call_id": "c1", "output": "{\"balance\": 12}"}});
+        assert_eq!(
+            realtime_texts(&output).2,
+            [(Scope::Context, "{\"balance\": 12}".to_owned())]
+        );
+        let assistant = json!({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "Earlier answer"}]}});
+        assert!(realtime_texts(&assistant).2.is_empty());
+
+        // Instructions and input of a response, instructions and tools of a
+        // session (the tools as one definition).
+        let response = json!({"type": "response.create", "response": {
+            "instructions": "Be brief.",
+            "input": [{"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "Out of band"}]}]}});
+        assert_eq!(
+            realtime_texts(&response).2,
+            [
+                (Scope::Prompt, "Be brief.".to_owned()),
+                (Scope::Prompt, "Out of band".to_owned())
+            ]
+        );
+        let session = json!({"type": "session.update", "session": {
+            "instructions": "You are a coach.",
+            "tools": [{"type": "function", "name": "f", "description": "Looks up rates."}]}});
+        let texts = realtime_texts(&session).2;
+        assert_eq!(texts[0], (Scope::Prompt, "You are a coach.".to_owned()));
+        assert_eq!(texts[1].0, Scope::Context);
+        assert!(texts[1].1.contains("Looks up rates."));
+
+        // Audio and other events carry nothing to read.
+        let append = json!({"type": "input_audio_buffer.append", "audio": "AAAA"});
+        assert!(realtime_texts(&append).2.is_empty());
+        // A key read twice is ambiguous; what is not JSON is not read.
+        let twice =
+            br#"{"type":"session.update","session":{"instructions":"a","instructions":"b"}}"#;
+        assert!(matches!(
+            read_realtime_event(twice),
+            Err(ReadError::Ambiguous(_))
+        ));
+        assert!(matches!(
+            read_realtime_event(b"hello"),
+            Err(ReadError::Invalid(_))
+        ));
     }
 
     #[test]

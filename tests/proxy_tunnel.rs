@@ -1,5 +1,8 @@
-//! Connection upgrades: a WebSocket session (OpenAI's Realtime API) goes
-//! through fairgate as a tunnel, with real WebSocket peers on both sides.
+//! Connection upgrades: a WebSocket session on a path fairgate does not
+//! read (`/v1/live` here) goes through as a tunnel, with real WebSocket
+//! peers on both sides; the handshake of any session, a Realtime API
+//! one's too (`proxy_realtime.rs` reads those), is relayed as the
+//! upstream answers it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -107,7 +110,7 @@ async fn a_websocket_session_goes_through_both_ways() {
     let (upstream, handshakes) = start_ws_upstream().await;
     let proxy = start_proxy(config(&format!("http://{upstream}"), Path::new("rules"))).await;
     let url = proxy
-        .url("/v1/realtime?model=gpt-realtime")
+        .url("/v1/live?model=gpt-realtime")
         .replace("http://", "ws://");
     let mut request = url.into_client_request().unwrap();
     request
@@ -136,7 +139,7 @@ async fn a_websocket_session_goes_through_both_ways() {
 
     let seen = handshakes.lock().unwrap().clone();
     assert_eq!(seen.len(), 1);
-    assert_eq!(seen[0].uri, "/v1/realtime?model=gpt-realtime");
+    assert_eq!(seen[0].uri, "/v1/live?model=gpt-realtime");
     assert_eq!(seen[0].authorization.as_deref(), Some("Bearer sk-client"));
     let metrics = proxy.metrics().await;
     assert_eq!(
@@ -230,7 +233,7 @@ async fn an_unreachable_upstream_fails_the_upgrade_with_502() {
 async fn shutdown_lets_an_open_session_finish() {
     let (upstream, _) = start_ws_upstream().await;
     let mut proxy = start_proxy(config(&format!("http://{upstream}"), Path::new("rules"))).await;
-    let url = proxy.url("/v1/realtime").replace("http://", "ws://");
+    let url = proxy.url("/v1/live").replace("http://", "ws://");
     let (mut ws, _) = tokio_tungstenite::connect_async(url.clone()).await.unwrap();
     assert_eq!(next_text(&mut ws).await, r#"{"type":"session.created"}"#);
 
@@ -342,7 +345,7 @@ async fn a_tunnel_keeps_its_connection_slot() {
     let mut config = config(&format!("http://{upstream}"), Path::new("rules"));
     config.max_connections = 1;
     let proxy = start_proxy(config).await;
-    let url = proxy.url("/v1/realtime").replace("http://", "ws://");
+    let url = proxy.url("/v1/live").replace("http://", "ws://");
     let (mut ws, _) = tokio_tungstenite::connect_async(url).await.unwrap();
     assert_eq!(next_text(&mut ws).await, r#"{"type":"session.created"}"#);
     // Taken by the kernel, not by the proxy while the tunnel is open.

@@ -347,7 +347,7 @@ fn scan_joined(rules: &RuleSet, joined: &str, breaks: &[usize]) -> Vec<Hit> {
 /// Makes each `redact` hit of `hits` a `block`: where its text cannot be
 /// rewritten (the transcript of audio, a match across texts, one begun in
 /// a prefill the client has).
-fn redactions_block<'h>(hits: impl IntoIterator<Item = &'h mut Hit>) {
+pub(crate) fn redactions_block<'h>(hits: impl IntoIterator<Item = &'h mut Hit>) {
     for hit in hits {
         if hit.action == Action::Redact {
             hit.action = Action::Block;

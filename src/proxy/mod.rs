@@ -11,6 +11,7 @@
 mod batch;
 mod lines;
 mod parts;
+mod realtime;
 pub mod respond;
 mod stall;
 mod stored;
@@ -1051,7 +1052,9 @@ struct RecordDraft {
     request_id: String,
     started: Instant,
     started_ms: i64,
-    endpoint: Endpoint,
+    /// The record's `route` (the endpoint's, or `realtime`) and dialect.
+    route: &'static str,
+    dialect: Dialect,
     upstream: String,
     /// The upstream's id of the request, once it has answered.
     upstream_request_id: Option<String>,
@@ -1092,8 +1095,8 @@ impl RecordDraft {
             request_id: self.request_id,
             started_ms: self.started_ms,
             finished_ms: now_ms(),
-            route: self.endpoint.route().to_owned(),
-            dialect: match self.endpoint.dialect() {
+            route: self.route.to_owned(),
+            dialect: match self.dialect {
                 Dialect::OpenAi => "openai",
                 Dialect::Anthropic => "anthropic",
             }
@@ -1207,7 +1210,7 @@ impl Drop for Pending<'_> {
             .metrics
             .requests
             .with_label_values(&[
-                draft.endpoint.route(),
+                draft.route,
                 &draft.upstream,
                 self.state
                     .config
@@ -1411,7 +1414,8 @@ async fn guarded(
         request_id: request_id.to_owned(),
         started,
         started_ms: now_ms() - started.elapsed().as_millis() as i64,
-        endpoint,
+        route: route_label,
+        dialect,
         upstream: upstream.clone(),
         upstream_request_id: None,
         client: ClientMeta::read(&parts.headers, read.metadata),
@@ -1518,6 +1522,7 @@ async fn guarded(
         // write without a yield first.
         return guarded_stream(
             state,
+            endpoint,
             response,
             deadline,
             stream_mode,
@@ -1816,6 +1821,7 @@ fn is_json(headers: &HeaderMap) -> bool {
 #[allow(clippy::too_many_arguments)]
 fn guarded_stream(
     state: &Arc<State>,
+    endpoint: Endpoint,
     response: Response<upstream::Answer>,
     deadline: tokio::time::Instant,
     mode: StreamMode,
@@ -1831,7 +1837,6 @@ fn guarded_stream(
     let Some(draft) = &pending.draft else {
         unreachable!("a pending record's draft is taken once, with the Pending")
     };
-    let endpoint = draft.endpoint;
     let started = draft.started;
     let request_id = draft.request_id.clone();
     let upstream = draft.upstream.clone();
@@ -2052,7 +2057,8 @@ mod tests {
             request_id: id.to_owned(),
             started: Instant::now(),
             started_ms: now_ms(),
-            endpoint: Endpoint::Messages,
+            route: Endpoint::Messages.route(),
+            dialect: Dialect::Anthropic,
             upstream: "anthropic".to_owned(),
             upstream_request_id: None,
             model: Some("claude-test".to_owned()),

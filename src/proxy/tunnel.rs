@@ -13,11 +13,12 @@
 //! `shutdown_grace_ms`, then closes them. A tunnel keeps its client
 //! connection's slot of `max_connections` until it closes.
 //!
-//! What goes through a tunnel is not scanned: fairgate reads HTTP messages,
-//! not WebSocket frames. So a WebSocket on a path the guard reads (a
-//! Responses API session at `/v1/responses`, say) is refused with 403
-//! `upgrade_refused`, and `guard.upgrades: refuse` refuses every one, for
-//! deployments where no session may go around the rules.
+//! A Realtime API session (a path whose last segment is `realtime`) is
+//! read event by event by [`realtime`]; what goes through any other
+//! tunnel is not scanned. So a WebSocket on a path the guard reads as
+//! HTTP (a Responses API session at `/v1/responses`, say) is refused with
+//! 403 `upgrade_refused`, and `guard.upgrades: refuse` refuses every one,
+//! for deployments where no session may go around the rules.
 
 use std::sync::Arc;
 
@@ -28,10 +29,12 @@ use hyper_util::rt::TokioIo;
 
 use super::respond::{self, Failure};
 use super::{
-    ProxyBody, State, dialect_of_path, forward_on, response_headers, stream_back, upstream_headers,
+    ProxyBody, State, dialect_of_path, forward_on, plain_path, realtime, response_headers,
+    stream_back, upstream_headers,
 };
-use crate::config::Upgrades;
+use crate::config::{StreamMode, Upgrades};
 use crate::exchange::{Batch, Endpoint, Stored};
+use crate::record::ClientMeta;
 
 /// Whether a request asks to upgrade its connection to a WebSocket:
 /// `websocket` among its `Upgrade` protocols and `upgrade` among its
@@ -59,16 +62,20 @@ fn is_guarded(method: &http::Method, path: &str) -> bool {
 
 /// Relays an upgrade request, and the tunnel after it (see the module doc).
 pub async fn relay(
-    state: &State,
+    state: &Arc<State>,
     mut req: Request<Incoming>,
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let dialect = dialect_of_path(req.uri().path());
-    if state.config.guard.upgrades == Upgrades::Refuse || is_guarded(req.method(), req.uri().path())
-    {
+    let path = req.uri().path();
+    let dialect = dialect_of_path(path);
+    if state.config.guard.upgrades == Upgrades::Refuse || is_guarded(req.method(), path) {
         return respond::failure(dialect, Failure::UpgradeRefused, request_id);
     }
-    let Some(route) = state.config.route(req.uri().path(), None) else {
+    // A path that reads as a Realtime session's once normalized is read
+    // as one: the upstream may serve it so.
+    let realtime =
+        realtime::is_realtime(path) || plain_path(path).is_some_and(|p| realtime::is_realtime(&p));
+    let Some(route) = state.config.route(path, None) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
     let mut headers = upstream_headers(state, &route.upstream, dialect, req.headers().clone());
@@ -76,6 +83,17 @@ pub async fn relay(
         headers.insert(header::UPGRADE, protocol.clone());
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
+    // The guard reads frames as they are: no compression.
+    if realtime {
+        headers.remove(header::SEC_WEBSOCKET_EXTENSIONS);
+    }
+    let handshake = realtime.then(|| realtime::Handshake {
+        request_id: request_id.to_owned(),
+        upstream: route.upstream.clone(),
+        model: realtime::Handshake::model_of(req.uri().query()),
+        client: ClientMeta::read(req.headers(), None),
+        monitor: route.stream_mode.unwrap_or(state.config.guard.stream_mode) == StreamMode::Monitor,
+    });
     let from_client = hyper::upgrade::on(&mut req);
     let connection = req.extensions_mut().remove::<Arc<super::Connection>>();
     let (method, body) = (req.method().clone(), Either::Left(Full::default()));
@@ -95,6 +113,14 @@ pub async fn relay(
     if response.status() != StatusCode::SWITCHING_PROTOCOLS {
         return stream_back(response, deadline, request_id, None);
     }
+    if handshake.is_some()
+        && response
+            .headers()
+            .contains_key(header::SEC_WEBSOCKET_EXTENSIONS)
+    {
+        tracing::warn!("the upstream took a WebSocket extension that was not offered");
+        return respond::failure(dialect, Failure::UpstreamBroken, request_id);
+    }
     let mut out = Response::new(Empty::new().map_err(|never| match never {}).boxed_unsync());
     *out.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
     *out.headers_mut() = response_headers(response.headers().clone());
@@ -108,6 +134,7 @@ pub async fn relay(
     // Counted from here, so that a shutdown from now on waits for it.
     let open = OpenTunnel::new(state);
     let (metrics, upstream_name) = (state.metrics.clone(), route.upstream.clone());
+    let state = state.clone();
     tokio::spawn(async move {
         let (_open, _connection) = (open, connection);
         let (client, upstream) = match tokio::join!(from_client, from_upstream) {
@@ -117,6 +144,9 @@ pub async fn relay(
                 return;
             }
         };
+        if let Some(handshake) = handshake {
+            return realtime::run(state, handshake, client, upstream).await;
+        }
         metrics
             .tunnels
             .with_label_values(&[upstream_name.as_str()])

@@ -1,0 +1,1109 @@
+//! The guard of Realtime API sessions: the WebSocket that OpenAI's SDKs
+//! open at the base URL's `/realtime` (`/v1/realtime`; Azure OpenAI's
+//! `/openai/realtime` and `/openai/v1/realtime`), read event by event.
+//!
+//! **What the client sends.** A `session.update` (its instructions and
+//! tools), a `conversation.item.create` (the item it adds) and a
+//! `response.create` (its instructions, input items and tools) are
+//! scanned as a request is, before they go upstream
+//! ([`exchange::read_realtime_event`]). A block keeps the event from the
+//! upstream and answers the client with the API's `error` event, of
+//! `code: "content_filter"`, naming the event; a redaction rewrites it. An
+//! event that is not JSON, or gives a key the guard reads twice, is not
+//! sent on either: the client gets an `error` event (`invalid_json`,
+//! `ambiguous_json`). Audio the client appends is not read; the
+//! transcript the API makes of it (`...input_audio_transcription.completed`)
+//! is scanned as prompt when it comes, and a block there stops the
+//! response that follows it.
+//!
+//! **What the upstream answers.** A response's events, from its
+//! `response.created` to its `response.done` (every event that names the
+//! response, or an item of it, as the conversation's `conversation.item.*`
+//! events do), are held until its `response.done`; then its texts are
+//! scanned: each part's text, transcript and function call arguments
+//! (its deltas joined) and every text the `.done` events, items and
+//! `response.done` repeat, with the hits of the prompt it answers. If it
+//! passes, the events go out as they came. A `redact` hit in a text part
+//! rewrites it: its first delta carries the part's redacted text, its
+//! other deltas are dropped, and the redacted text replaces the original
+//! wherever an event repeats it; one in a transcript (the audio says the
+//! words) or in a call's arguments blocks. A blocked response reaches the
+//! client as its `response.created` and a `response.done` of `status:
+//! "incomplete"` with `status_details: {"type": "incomplete", "reason":
+//! "content_filter"}` (the API's own shape for a filtered response, with
+//! fairgate's rule ids beside it), its output emptied and its usage kept;
+//! no text, audio or call of it goes out. Its items are then deleted from
+//! the conversation upstream (`conversation.item.delete`), so that no
+//! later response reads them, and the acknowledgements of the deletions
+//! are not relayed. *Guarantees*: nothing a rule blocks reaches the
+//! client, whatever the deltas. *Cost*: a response reaches the client
+//! once the model has finished it, as a stream does in `buffer` mode;
+//! audio could not go sooner in any mode, since a piece of audio may say
+//! words its transcript has not sent yet. A route in `monitor` mode passes
+//! every event on as it comes, and scans and records only. Held events
+//! are bounded by `guard.max_response_bytes`: a response beyond it is
+//! cancelled upstream and ends, for the client, `failed` with
+//! `response_too_large`.
+//!
+//! Everything else passes as it comes: binary messages, events of no
+//! response (the session's, the input audio buffer's, rate limits,
+//! errors). Each side's pings are answered by fairgate; a close is passed
+//! on. An upstream event that is not a JSON object with a `type` is
+//! dropped and counted (`fairgate_upstream_errors_total{kind="malformed"}`).
+//!
+//! Each response is an exchange record (route `realtime`, with the
+//! prompt the client sent since the response before it), as is each
+//! blocked client event; a response the session's end cuts off is
+//! recorded with what had come of it.
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use hyper::upgrade::Upgraded;
+use hyper_util::rt::TokioIo;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
+
+use super::respond::{self, Failure};
+use super::{Ending, RecordDraft, State};
+use crate::exchange::{self, Dialect};
+use crate::guard::{self, block_message, rule_ids};
+use crate::json::ReadError;
+use crate::record::{ClientMeta, StreamEnd, Usage, now_ms};
+use crate::risk::{self, Decision, RiskConfig, Verdict};
+use crate::rules::{Action, Hit, RuleSet, Scope, redact};
+
+/// The route label of Realtime sessions, in metrics and records.
+const ROUTE: &str = "realtime";
+
+/// The prefix of the ids of events fairgate itself sends upstream, whose
+/// answers it keeps from the client.
+const OWN_EVENT: &str = "fairgate_";
+
+/// Whether `path` is a Realtime API session's: its last segment is
+/// `realtime`.
+pub fn is_realtime(path: &str) -> bool {
+    path.trim_end_matches('/').rsplit('/').next() == Some("realtime")
+}
+
+/// What a session knows from its handshake.
+pub struct Handshake {
+    pub request_id: String,
+    pub upstream: String,
+    /// The `model` (or Azure's `deployment`) of the handshake's query.
+    pub model: Option<String>,
+    pub client: ClientMeta,
+    pub monitor: bool,
+}
+
+impl Handshake {
+    /// The model a session's query names.
+    pub fn model_of(query: Option<&str>) -> Option<String> {
+        let query = query?;
+        let pairs = query.split('&').filter_map(|pair| pair.split_once('='));
+        let mut model = None;
+        for (key, value) in pairs {
+            if key == "model" || (key == "deployment" && model.is_none()) {
+                let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
+                model = Some(value.into_owned());
+            }
+        }
+        model
+    }
+}
+
+type Socket = WebSocketStream<TokioIo<Upgraded>>;
+
+/// Guards a session whose handshake both sides completed, until either
+/// side closes.
+pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upstream: Upgraded) {
+    // No extension was let through the handshake (see `tunnel`), so
+    // frames come uncompressed; messages as large as the API takes.
+    let config = WebSocketConfig::default()
+        .max_message_size(Some(64 << 20))
+        .max_frame_size(Some(16 << 20));
+    let client = Socket::from_raw_socket(TokioIo::new(client), Role::Server, Some(config)).await;
+    let upstream =
+        Socket::from_raw_socket(TokioIo::new(upstream), Role::Client, Some(config)).await;
+    let (mut to_client, mut from_client) = client.split();
+    let (mut to_upstream, mut from_upstream) = upstream.split();
+    let mut session = Session::new(state, handshake);
+    let mut closing: Option<tokio::time::Instant> = None;
+    let mut end = StreamEnd::ClientClosed;
+    loop {
+        // After a close, the other side has a while to answer it.
+        let closed = async {
+            match closing {
+                Some(deadline) => tokio::time::sleep_until(deadline).await,
+                None => std::future::pending().await,
+            }
+        };
+        let sends = tokio::select! {
+            message = from_client.next() => match message {
+                Some(Ok(message)) => {
+                    if matches!(message, Message::Close(_)) {
+                        closing.get_or_insert_with(close_deadline);
+                    }
+                    session.client_message(message)
+                }
+                _ => break,
+            },
+            message = from_upstream.next() => match message {
+                Some(Ok(message)) => {
+                    if matches!(message, Message::Close(_)) {
+                        closing.get_or_insert_with(close_deadline);
+                        end = StreamEnd::UpstreamFailed;
+                    }
+                    session.upstream_message(message)
+                }
+                _ => {
+                    end = StreamEnd::UpstreamFailed;
+                    break;
+                }
+            },
+            () = closed => break,
+        };
+        for send in sends {
+            // A side that went away ends the session at its next read.
+            let _ = match send {
+                Send::Client(message) => to_client.send(message).await,
+                Send::Upstream(message) => to_upstream.send(message).await,
+            };
+        }
+    }
+    let _ = tokio::join!(to_client.close(), to_upstream.close());
+    session.end(end);
+}
+
+fn close_deadline() -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_secs(5)
+}
+
+/// A message for one side.
+enum Send {
+    Client(Message),
+    Upstream(Message),
+}
+
+/// The prompt a response answers: what the client's events said since
+/// the response before it.
+#[derive(Default)]
+struct Turn {
+    prompt: Vec<String>,
+    context: Vec<String>,
+    hits: Vec<Hit>,
+    relevance: Vec<f64>,
+}
+
+impl Turn {
+    fn add(&mut self, scan: guard::RequestScan) {
+        self.prompt.extend(scan.texts.prompt);
+        self.context.extend(scan.texts.context);
+        self.hits.extend(scan.verdict.hits);
+        self.relevance.extend(scan.relevance);
+    }
+}
+
+/// What is read of a text of a response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kind {
+    /// A text part's: redacted in place.
+    Text,
+    /// A transcript of audio, a call's arguments, a tool's output: a
+    /// redaction there blocks.
+    Whole,
+}
+
+/// One part of a response's output, by its item and index, and what its
+/// deltas said.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct PartKey {
+    item: String,
+    index: u64,
+    kind: Kind,
+}
+
+/// An event held back until its response is decided.
+struct Held {
+    response: String,
+    text: Utf8Bytes,
+    /// Whether it is the response's `response.created`.
+    created: bool,
+    /// The part whose delta the event carries.
+    part: Option<PartKey>,
+}
+
+/// A response from its `response.created` on.
+struct Answer {
+    rules: Arc<RuleSet>,
+    started: Instant,
+    started_ms: i64,
+    turn: Turn,
+    /// Each part's text, its deltas joined, in the order they began.
+    parts: Vec<(PartKey, String)>,
+    /// The texts that events repeat whole.
+    repeats: Vec<(Kind, String)>,
+    /// The ids of its output items.
+    items: Vec<String>,
+    held_bytes: usize,
+    /// fairgate's own time on it.
+    spent: Duration,
+}
+
+/// What the scan of a response found.
+struct Scanned {
+    /// With the hits of the prompt it answers.
+    verdict: Verdict,
+    /// Its texts as the client gets them, for the record.
+    shown: Vec<String>,
+    /// The texts a redaction rewrote, and what it made of each.
+    redactions: Vec<(String, String)>,
+}
+
+impl Answer {
+    /// Scans each text of the response once: each part's joined deltas,
+    /// and every text the events repeated that differs from them.
+    fn scan(&mut self, risk: &RiskConfig) -> Scanned {
+        let mut texts: Vec<(Kind, &str)> = Vec::new();
+        let parts = self
+            .parts
+            .iter()
+            .map(|(key, text)| (key.kind, text.as_str()));
+        let repeats = self
+            .repeats
+            .iter()
+            .map(|(kind, text)| (*kind, text.as_str()));
+        for (kind, text) in parts.chain(repeats) {
+            if !text.is_empty() && !texts.iter().any(|(_, seen)| *seen == text) {
+                texts.push((kind, text));
+            }
+        }
+        let mut hits = std::mem::take(&mut self.turn.hits);
+        let mut redactions: Vec<(String, String)> = Vec::new();
+        for (kind, text) in &texts {
+            let mut found = self.rules.scan(Scope::Response, text);
+            if *kind == Kind::Whole {
+                guard::redactions_block(&mut found);
+            }
+            if found.iter().any(|h| h.action == Action::Redact) {
+                redactions.push(((*text).to_owned(), redact(text, &found)));
+            }
+            hits.extend(found);
+        }
+        let shown = texts
+            .iter()
+            .map(|(_, text)| redacted_of(&redactions, text).unwrap_or(text).to_owned())
+            .collect();
+        Scanned {
+            verdict: risk::assess(risk, hits, &self.turn.relevance),
+            shown,
+            redactions,
+        }
+    }
+}
+
+/// The start of an upstream event: what tells which response it is of.
+#[derive(Deserialize)]
+struct Head<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    #[serde(default, borrow)]
+    response_id: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    item_id: Option<Cow<'a, str>>,
+    #[serde(default)]
+    content_index: Option<u64>,
+    #[serde(default, borrow)]
+    delta: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    transcript: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    response: Option<Named<'a>>,
+    #[serde(default, borrow)]
+    item: Option<Named<'a>>,
+    #[serde(default, borrow)]
+    error: Option<ErrorHead<'a>>,
+}
+
+#[derive(Deserialize)]
+struct Named<'a> {
+    #[serde(default, borrow)]
+    id: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct ErrorHead<'a> {
+    #[serde(default, borrow)]
+    event_id: Option<Cow<'a, str>>,
+}
+
+/// The deltas of a part's text, by the API's event names (the GA API's
+/// and the beta's).
+fn delta_kind(event: &str) -> Option<Kind> {
+    match event {
+        "response.output_text.delta" | "response.text.delta" => Some(Kind::Text),
+        "response.output_audio_transcript.delta"
+        | "response.audio_transcript.delta"
+        | "response.function_call_arguments.delta" => Some(Kind::Whole),
+        _ => None,
+    }
+}
+
+/// Deltas of audio: nothing to read.
+fn is_audio_delta(event: &str) -> bool {
+    matches!(
+        event,
+        "response.output_audio.delta" | "response.audio.delta"
+    )
+}
+
+/// The keys under which events repeat a response's texts whole, and how
+/// each is read.
+fn repeat_kind(key: &str) -> Option<Kind> {
+    match key {
+        "text" => Some(Kind::Text),
+        "transcript" | "arguments" | "output" => Some(Kind::Whole),
+        _ => None,
+    }
+}
+
+struct Session {
+    state: Arc<State>,
+    handshake: Handshake,
+    turn: Turn,
+    /// Responses from their `response.created` to their `response.done`.
+    answers: HashMap<String, Answer>,
+    /// Which response each output item is of.
+    items: HashMap<String, String>,
+    /// Events held back, in order.
+    held: Vec<Held>,
+    /// Responses decided or cut off: the API sends nothing of a response
+    /// after its `response.done`, and what comes anyway is dropped (passed
+    /// on, in monitor mode).
+    closed: HashSet<String>,
+    /// Items fairgate deleted upstream: their acknowledgements are not
+    /// relayed.
+    deleted: HashSet<String>,
+    records: u64,
+    own_events: u64,
+}
+
+impl Session {
+    fn new(state: Arc<State>, handshake: Handshake) -> Session {
+        Session {
+            state,
+            handshake,
+            turn: Turn::default(),
+            answers: HashMap::new(),
+            items: HashMap::new(),
+            held: Vec::new(),
+            closed: HashSet::new(),
+            deleted: HashSet::new(),
+            records: 0,
+            own_events: 0,
+        }
+    }
+
+    fn client_message(&mut self, message: Message) -> Vec<Send> {
+        match message {
+            Message::Text(text) => self.client_event(text),
+            Message::Binary(_) | Message::Close(_) => vec![Send::Upstream(message)],
+            // Answered by the socket itself.
+            Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Vec::new(),
+        }
+    }
+
+    fn client_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
+        let started = Instant::now();
+        let event = match exchange::read_realtime_event(text.as_bytes()) {
+            Ok(event) => event,
+            Err(error) => {
+                let (failure, message) = match &error {
+                    ReadError::Invalid(reason) => (
+                        Failure::InvalidJson,
+                        format!("The event could not be read as JSON: {reason}."),
+                    ),
+                    ReadError::Ambiguous(key) => (
+                        Failure::AmbiguousJson,
+                        format!(
+                            "The event gives the key {key:?} twice in one object; which value counts is ambiguous."
+                        ),
+                    ),
+                };
+                let error = respond::failure_body(Dialect::OpenAi, failure, Some(&message));
+                return vec![self.error_event(error, None)];
+            }
+        };
+        if event.texts.is_empty() {
+            return vec![Send::Upstream(Message::Text(text))];
+        }
+        let state = self.state.clone();
+        let rules = state.rules.snapshot();
+        let scan = guard::scan_request(
+            &rules,
+            &state.config.risk,
+            &state.config.guard.context_tags,
+            &event.texts,
+        );
+        if scan.verdict.decision == Decision::Block {
+            let event_id = event.event_id.map(Cow::into_owned);
+            return vec![self.block_event(scan, event_id, started)];
+        }
+        let forwarded = match scan.redacted(text.as_bytes()) {
+            Some(body) => match Utf8Bytes::try_from(body) {
+                Ok(body) => body,
+                Err(_) => unreachable!("a splice of JSON strings into UTF-8 is UTF-8"),
+            },
+            None => text,
+        };
+        // For the next response: one in flight was asked for before.
+        self.turn.add(scan);
+        vec![Send::Upstream(Message::Text(forwarded))]
+    }
+
+    /// Answers a blocked client event, and records it.
+    fn block_event(
+        &mut self,
+        scan: guard::RequestScan,
+        event_id: Option<String>,
+        started: Instant,
+    ) -> Send {
+        let verdict = scan.verdict;
+        let request_id = self.next_record_id();
+        let scope = guard::block_scope(&verdict.hits, Scope::Prompt);
+        let message = block_message(&verdict.hits);
+        let rules = rule_ids(&verdict.hits);
+        tracing::info!(request_id, scope, ?rules, "realtime event blocked");
+        self.count(&verdict, Some(scope));
+        let error = json!({"error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": null,
+            "code": "content_filter",
+            "fairgate": {"scope": scope, "rules": rules, "request_id": request_id},
+        }});
+        let send = self.error_event(error, event_id);
+        let draft = self.draft(request_id, started, now_ms(), scan.texts.prompt);
+        let mut draft = draft;
+        draft.context = scan.texts.context;
+        draft.finish(
+            &self.state,
+            Ending {
+                verdict: &verdict,
+                response: Vec::new(),
+                context: Vec::new(),
+                status: 101,
+                upstream: None,
+                proxy: started.elapsed(),
+                usage: None,
+                stream_end: None,
+            },
+        );
+        send
+    }
+
+    /// The API's `error` event for the client, about its event `about`.
+    fn error_event(&mut self, mut error: Value, about: Option<String>) -> Send {
+        let id = self.own_event_id();
+        if let Some(fields) = error.get_mut("error").and_then(Value::as_object_mut) {
+            fields.insert("event_id".into(), about.map_or(Value::Null, Value::String));
+        }
+        let mut event = json!({"type": "error", "event_id": id});
+        event["error"] = error["error"].take();
+        Send::Client(Message::text(event.to_string()))
+    }
+
+    fn upstream_message(&mut self, message: Message) -> Vec<Send> {
+        match message {
+            Message::Text(text) => self.upstream_event(text),
+            Message::Binary(_) | Message::Close(_) => vec![Send::Client(message)],
+            Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Vec::new(),
+        }
+    }
+
+    fn upstream_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
+        let started = Instant::now();
+        let Ok(head) = serde_json::from_str::<Head>(text.as_str()) else {
+            tracing::warn!(
+                request_id = self.handshake.request_id,
+                "a Realtime event from the upstream could not be read: dropped"
+            );
+            self.state
+                .metrics
+                .upstream_errors
+                .with_label_values(&[&self.handshake.upstream, "malformed"])
+                .inc();
+            return Vec::new();
+        };
+        let kind = head.kind.as_ref();
+        // The acknowledgements of fairgate's own deletions.
+        if kind == "conversation.item.deleted"
+            && let Some(item) = &head.item_id
+            && self.deleted.remove(item.as_ref())
+        {
+            return Vec::new();
+        }
+        if kind == "error"
+            && let Some(id) = head.error.as_ref().and_then(|e| e.event_id.as_deref())
+            && id.starts_with(OWN_EVENT)
+        {
+            return Vec::new();
+        }
+        if kind == "conversation.item.input_audio_transcription.completed"
+            && let Some(transcript) = &head.transcript
+        {
+            self.transcript(transcript);
+        }
+        let response = head
+            .response_id
+            .as_deref()
+            .or_else(|| head.response.as_ref().and_then(|r| r.id.as_deref()))
+            .map(str::to_owned)
+            .or_else(|| {
+                let item = head.item_id.as_deref();
+                let item = item.or_else(|| head.item.as_ref().and_then(|i| i.id.as_deref()))?;
+                self.items.get(item).cloned()
+            });
+        let Some(response) = response else {
+            return vec![Send::Client(Message::Text(text))];
+        };
+        if self.closed.contains(&response) {
+            return match self.handshake.monitor {
+                true => vec![Send::Client(Message::Text(text))],
+                false => Vec::new(),
+            };
+        }
+        // A response is read from its first event, `response.created` or
+        // any other that names it.
+        if !self.answers.contains_key(&response) {
+            let answer = Answer {
+                rules: self.state.rules.snapshot(),
+                started,
+                started_ms: now_ms(),
+                turn: std::mem::take(&mut self.turn),
+                parts: Vec::new(),
+                repeats: Vec::new(),
+                items: Vec::new(),
+                held_bytes: 0,
+                spent: Duration::ZERO,
+            };
+            self.answers.insert(response.clone(), answer);
+        }
+        let Some(answer) = self.answers.get_mut(&response) else {
+            unreachable!("a response is read from its first event")
+        };
+        if kind == "response.output_item.added"
+            && let Some(item) = head.item.as_ref().and_then(|i| i.id.as_deref())
+        {
+            self.items.insert(item.to_owned(), response.clone());
+            answer.items.push(item.to_owned());
+        }
+        let mut part = None;
+        if let Some(delta_kind) = delta_kind(kind) {
+            let key = PartKey {
+                item: head.item_id.as_deref().unwrap_or_default().to_owned(),
+                index: head.content_index.unwrap_or_default(),
+                kind: delta_kind,
+            };
+            let delta = head.delta.as_deref().unwrap_or_default();
+            match answer.parts.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, joined)) => joined.push_str(delta),
+                None => answer.parts.push((key.clone(), delta.to_owned())),
+            }
+            part = Some(key);
+        } else if !is_audio_delta(kind)
+            && let Ok(value) = serde_json::from_str::<Value>(text.as_str())
+        {
+            collect_repeats(&value, &mut answer.repeats);
+        }
+        let done = (kind == "response.done").then(|| text.clone());
+        let created = kind == "response.created";
+        let monitor = self.handshake.monitor;
+        let mut sends = Vec::new();
+        if monitor {
+            sends.push(Send::Client(Message::Text(text)));
+        } else {
+            answer.held_bytes += text.len();
+            self.held.push(Held {
+                response: response.clone(),
+                text,
+                created,
+                part,
+            });
+        }
+        answer.spent += started.elapsed();
+        if let Some(done) = done {
+            sends.extend(self.decide(&response, done));
+        } else if !monitor && answer.held_bytes > self.state.config.guard.max_response_bytes {
+            sends.extend(self.too_large(&response));
+        }
+        sends
+    }
+
+    /// A transcript of the user's audio: prompt, scanned as it comes.
+    fn transcript(&mut self, transcript: &str) {
+        let text = exchange::Text {
+            scope: Scope::Prompt,
+            text: Cow::Borrowed(transcript),
+            span: 0..0,
+            whole: true,
+            definition: false,
+            continues: false,
+        };
+        let state = self.state.clone();
+        let scan = guard::scan_request(
+            &state.rules.snapshot(),
+            &state.config.risk,
+            &state.config.guard.context_tags,
+            &[text],
+        );
+        // The transcript comes while the response to the audio is under
+        // way, or before it begins.
+        match self.answers.values_mut().min_by_key(|a| a.started) {
+            Some(answer) => answer.turn.add(scan),
+            None => self.turn.add(scan),
+        }
+    }
+
+    /// Scans a response at its `response.done`, releases or replaces its
+    /// held events, and records it.
+    fn decide(&mut self, response: &str, done: Utf8Bytes) -> Vec<Send> {
+        let Some(mut answer) = self.answers.remove(response) else {
+            return Vec::new();
+        };
+        let started = Instant::now();
+        let Scanned {
+            verdict,
+            shown,
+            redactions,
+        } = answer.scan(&self.state.config.risk);
+        self.closed.insert(response.to_owned());
+        let held: Vec<Held> = self.take_held(response);
+        let request_id = self.next_record_id();
+        let (sends, end) = match (verdict.decision, self.handshake.monitor) {
+            (Decision::Block, false) => {
+                let scope = guard::block_scope(&verdict.hits, Scope::Response);
+                let details = json!({
+                    "type": "incomplete",
+                    "reason": "content_filter",
+                    "fairgate": {
+                        "message": block_message(&verdict.hits),
+                        "scope": scope,
+                        "rules": rule_ids(&verdict.hits),
+                        "request_id": request_id,
+                    },
+                });
+                let done = Some(done.clone());
+                let mut sends = self.replaced(response, held, done, "incomplete", details);
+                sends.extend(self.delete_items(&answer.items));
+                (sends, StreamEnd::Blocked)
+            }
+            (_, false) => {
+                // Its items are the conversation's now, their events as
+                // any other's.
+                for item in &answer.items {
+                    self.items.remove(item);
+                }
+                let sends = release(held, &answer.parts, &redactions)
+                    .into_iter()
+                    .map(|text| Send::Client(Message::Text(text)))
+                    .collect();
+                (sends, StreamEnd::Complete)
+            }
+            (_, true) => (Vec::new(), StreamEnd::Complete),
+        };
+        answer.spent += started.elapsed();
+        let usage = serde_json::from_str::<Value>(done.as_str())
+            .ok()
+            .and_then(|done| done.pointer("/response/usage").map(Usage::from_value));
+        self.record(answer, request_id, &verdict, shown, usage, end);
+        sends
+    }
+
+    /// The held events of `response`, taken out in order.
+    fn take_held(&mut self, response: &str) -> Vec<Held> {
+        let (of, rest) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|held| held.response == response);
+        self.held = rest;
+        of
+    }
+
+    /// A response ended for the client by fairgate: its
+    /// `response.created`, then a `response.done` of `status` and
+    /// `details`, from the upstream's own `done` when it came, its output
+    /// emptied.
+    fn replaced(
+        &mut self,
+        response: &str,
+        held: Vec<Held>,
+        done: Option<Utf8Bytes>,
+        status: &str,
+        details: Value,
+    ) -> Vec<Send> {
+        let created = held.into_iter().find(|held| held.created);
+        let mut sends: Vec<Send> = created
+            .map(|held| Send::Client(Message::Text(held.text)))
+            .into_iter()
+            .collect();
+        let mut end = done
+            .and_then(|done| serde_json::from_str::<Value>(done.as_str()).ok())
+            .filter(|done| done["type"] == "response.done" && done["response"].is_object())
+            .unwrap_or_else(|| {
+                json!({"type": "response.done", "event_id": self.own_event_id(), "response": {
+                    "id": response, "object": "realtime.response",
+                }})
+            });
+        end["response"]["status"] = Value::from(status);
+        end["response"]["status_details"] = details;
+        end["response"]["output"] = json!([]);
+        sends.push(Send::Client(Message::text(end.to_string())));
+        sends
+    }
+
+    /// Deletes a blocked response's items from the conversation upstream.
+    fn delete_items(&mut self, items: &[String]) -> Vec<Send> {
+        items
+            .iter()
+            .map(|item| {
+                self.deleted.insert(item.clone());
+                let event = json!({
+                    "type": "conversation.item.delete",
+                    "event_id": self.own_event_id(),
+                    "item_id": item,
+                });
+                Send::Upstream(Message::text(event.to_string()))
+            })
+            .collect()
+    }
+
+    /// Ends a response whose held events passed `guard.max_response_bytes`:
+    /// cancelled upstream, `failed` for the client.
+    fn too_large(&mut self, response: &str) -> Vec<Send> {
+        let Some(mut answer) = self.answers.remove(response) else {
+            return Vec::new();
+        };
+        tracing::warn!(
+            request_id = self.handshake.request_id,
+            "a Realtime response passed guard.max_response_bytes: cancelled"
+        );
+        self.closed.insert(response.to_owned());
+        let held = self.take_held(response);
+        let details = json!({"type": "failed", "error": {
+            "type": "server_error",
+            "code": "response_too_large",
+            "message": "The response was larger than fairgate holds to check (guard.max_response_bytes).",
+        }});
+        let mut sends = self.replaced(response, held, None, "failed", details);
+        let cancel = json!({
+            "type": "response.cancel",
+            "event_id": self.own_event_id(),
+            "response_id": response,
+        });
+        sends.push(Send::Upstream(Message::text(cancel.to_string())));
+        sends.extend(self.delete_items(&answer.items));
+        let scanned = answer.scan(&self.state.config.risk);
+        let request_id = self.next_record_id();
+        let (verdict, shown) = (scanned.verdict, scanned.shown);
+        self.record(
+            answer,
+            request_id,
+            &verdict,
+            shown,
+            None,
+            StreamEnd::Malformed,
+        );
+        sends
+    }
+
+    /// Records a response, and counts it.
+    fn record(
+        &mut self,
+        answer: Answer,
+        request_id: String,
+        verdict: &Verdict,
+        response: Vec<String>,
+        usage: Option<Usage>,
+        end: StreamEnd,
+    ) {
+        let scope = (verdict.decision == Decision::Block)
+            .then(|| guard::block_scope(&verdict.hits, Scope::Response));
+        self.count(verdict, scope);
+        let metrics = &self.state.metrics;
+        metrics
+            .stream_ends
+            .with_label_values(&[ROUTE, end.as_str()])
+            .inc();
+        metrics
+            .added_latency
+            .with_label_values(&[ROUTE])
+            .observe(answer.spent.as_secs_f64());
+        let mut draft = self.draft(
+            request_id,
+            answer.started,
+            answer.started_ms,
+            answer.turn.prompt,
+        );
+        draft.context = answer.turn.context;
+        let upstream = answer.started.elapsed().saturating_sub(answer.spent);
+        draft.finish(
+            &self.state,
+            Ending {
+                verdict,
+                response,
+                context: Vec::new(),
+                status: 101,
+                upstream: Some(upstream),
+                proxy: answer.spent,
+                usage,
+                stream_end: Some(end),
+            },
+        );
+    }
+
+    /// Counts an exchange of the session: its verdict, and its block.
+    fn count(&self, verdict: &Verdict, blocked: Option<&str>) {
+        let metrics = &self.state.metrics;
+        let model = self
+            .state
+            .config
+            .metrics
+            .model_label(self.handshake.model.as_deref());
+        super::record_verdict(metrics, verdict);
+        metrics
+            .requests
+            .with_label_values(&[
+                ROUTE,
+                &self.handshake.upstream,
+                model,
+                verdict.decision.as_str(),
+            ])
+            .inc();
+        if let Some(scope) = blocked {
+            metrics
+                .blocks
+                .with_label_values(&[ROUTE, model, scope])
+                .inc();
+        }
+    }
+
+    fn draft(
+        &self,
+        request_id: String,
+        started: Instant,
+        started_ms: i64,
+        prompt: Vec<String>,
+    ) -> RecordDraft {
+        RecordDraft {
+            request_id,
+            started,
+            started_ms,
+            route: ROUTE,
+            dialect: Dialect::OpenAi,
+            upstream: self.handshake.upstream.clone(),
+            upstream_request_id: None,
+            model: self.handshake.model.clone(),
+            stream: true,
+            client: self.handshake.client.clone(),
+            prompt,
+            context: Vec::new(),
+        }
+    }
+
+    /// The id of the session's next record: the session's, numbered.
+    fn next_record_id(&mut self) -> String {
+        self.records += 1;
+        format!("{}.{}", self.handshake.request_id, self.records)
+    }
+
+    fn own_event_id(&mut self) -> String {
+        self.own_events += 1;
+        format!(
+            "{OWN_EVENT}{}_{}",
+            self.handshake.request_id, self.own_events
+        )
+    }
+
+    /// The session ended (`end` says how): the responses still in flight
+    /// are recorded with what came of them; their held events are dropped.
+    fn end(mut self, end: StreamEnd) {
+        let open: Vec<String> = self.answers.keys().cloned().collect();
+        for response in open {
+            let Some(mut answer) = self.answers.remove(&response) else {
+                continue;
+            };
+            let scanned = answer.scan(&self.state.config.risk);
+            let request_id = self.next_record_id();
+            let (verdict, shown) = (scanned.verdict, scanned.shown);
+            self.record(answer, request_id, &verdict, shown, None, end);
+        }
+    }
+}
+
+/// Every string under a key that repeats a response's text, at any depth
+/// of an event.
+fn collect_repeats(value: &Value, out: &mut Vec<(Kind, String)>) {
+    match value {
+        Value::Object(fields) => {
+            for (key, value) in fields {
+                match (repeat_kind(key), value) {
+                    (Some(kind), Value::String(text)) => {
+                        if !out.iter().any(|(_, seen)| seen == text) {
+                            out.push((kind, text.clone()));
+                        }
+                    }
+                    _ => collect_repeats(value, out),
+                }
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|item| collect_repeats(item, out)),
+        _ => {}
+    }
+}
+
+/// The redacted form of `text`, if `redactions` (original and redacted
+/// texts) rewrote it.
+fn redacted_of<'r>(redactions: &'r [(String, String)], text: &str) -> Option<&'r str> {
+    redactions
+        .iter()
+        .find(|(original, _)| original == text)
+        .map(|(_, redacted)| redacted.as_str())
+}
+
+/// A response's held events as they go out after `redactions`: a text
+/// part that a redaction rewrote has its first delta carry the part's
+/// redacted text, and its other deltas go; a repeated text is replaced
+/// where an event repeats it. An event that cannot be read again (none
+/// that was read once) goes.
+fn release(
+    held: Vec<Held>,
+    parts: &[(PartKey, String)],
+    redactions: &[(String, String)],
+) -> Vec<Utf8Bytes> {
+    if redactions.is_empty() {
+        return held.into_iter().map(|held| held.text).collect();
+    }
+    let mut begun: HashSet<PartKey> = HashSet::new();
+    let mut out = Vec::new();
+    for held in held {
+        if let Some(key) = &held.part {
+            let joined = parts
+                .iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, t)| t.as_str());
+            let Some(redacted) = joined.and_then(|joined| redacted_of(redactions, joined)) else {
+                out.push(held.text);
+                continue;
+            };
+            if !begun.insert(key.clone()) {
+                continue;
+            }
+            if let Ok(mut event) = serde_json::from_str::<Value>(held.text.as_str()) {
+                event["delta"] = Value::from(redacted);
+                out.push(Utf8Bytes::from(event.to_string()));
+            }
+            continue;
+        }
+        let Ok(mut event) = serde_json::from_str::<Value>(held.text.as_str()) else {
+            continue;
+        };
+        match replace_repeats(&mut event, redactions) {
+            true => out.push(Utf8Bytes::from(event.to_string())),
+            false => out.push(held.text),
+        }
+    }
+    out
+}
+
+/// Replaces, in an event, each text that repeats one that `redactions`
+/// rewrote; whether it replaced any.
+fn replace_repeats(value: &mut Value, redactions: &[(String, String)]) -> bool {
+    match value {
+        Value::Object(fields) => {
+            let mut replaced = false;
+            for (key, value) in fields.iter_mut() {
+                match value {
+                    Value::String(text) if repeat_kind(key).is_some() => {
+                        if let Some(redacted) = redacted_of(redactions, text) {
+                            *text = redacted.to_owned();
+                            replaced = true;
+                        }
+                    }
+                    _ => replaced |= replace_repeats(value, redactions),
+                }
+            }
+            replaced
+        }
+        Value::Array(items) => items.iter_mut().fold(false, |replaced, item| {
+            replace_repeats(item, redactions) | replaced
+        }),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn realtime_paths_and_models_are_read() {
+        for path in [
+            "/v1/realtime",
+            "/openai/realtime",
+            "/openai/v1/realtime/",
+            "/realtime",
+        ] {
+            assert!(is_realtime(path), "{path}");
+        }
+        for path in [
+            "/v1/realtime/sessions",
+            "/v1/responses",
+            "/v1/realtimes",
+            "/",
+        ] {
+            assert!(!is_realtime(path), "{path}");
+        }
+        let model = |query| Handshake::model_of(Some(query));
+        assert_eq!(model("model=gpt-realtime").as_deref(), Some("gpt-realtime"));
+        assert_eq!(
+            model("api-version=2025-04-01&deployment=my%20voice").as_deref(),
+            Some("my voice")
+        );
+        assert_eq!(model("deployment=d&model=m").as_deref(), Some("m"));
+        assert_eq!(model("x=1"), None);
+        assert_eq!(Handshake::model_of(None), None);
+    }
+
+    #[test]
+    fn repeats_are_collected_and_replaced_where_events_repeat_them() {
+        let done = json!({"type": "response.done", "response": {"output": [
+            {"type": "message", "content": [
+                {"type": "output_text", "text": "Mail a@b.example"},
+                {"type": "output_audio", "transcript": "Said aloud"}]},
+            {"type": "function_call", "arguments": "{\"to\":\"x\"}"}]}});
+        let mut found = Vec::new();
+        collect_repeats(&done, &mut found);
+        assert_eq!(
+            found,
+            [
+                (Kind::Text, "Mail a@b.example".to_owned()),
+                (Kind::Whole, "Said aloud".to_owned()),
+                (Kind::Whole, "{\"to\":\"x\"}".to_owned()),
+            ]
+        );
+        let mut rewritten = done.clone();
+        let redactions = [("Mail a@b.example".to_owned(), "Mail [EMAIL]".to_owned())];
+        assert!(replace_repeats(&mut rewritten, &redactions));
+        assert_eq!(
+            rewritten.pointer("/response/output/0/content/0/text"),
+            Some(&json!("Mail [EMAIL]"))
+        );
+        assert!(!replace_repeats(&mut rewritten, &redactions));
+    }
+}
