@@ -259,11 +259,12 @@ pub struct GuardConfig {
     pub upgrades: Upgrades,
 }
 
-/// Connection upgrades (WebSocket sessions): relayed unscanned, or refused.
+/// Connection upgrades (WebSocket sessions): taken, or refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Upgrades {
-    /// Relayed as a byte tunnel, as every other unguarded path is.
+    /// A Realtime API session guarded event by event; any other relayed as
+    /// a byte tunnel, as every other unguarded path is.
     Tunnel,
     /// Answered with 403 `upgrade_refused`, so that no session goes
     /// around the guard.

@@ -50,7 +50,8 @@ pub struct Metrics {
     /// `fairgate_tunnels_total{upstream}`: upgraded connections (WebSocket)
     /// relayed unscanned.
     pub tunnels: IntCounterVec,
-    /// `fairgate_tunnels_open`: upgraded connections open now.
+    /// `fairgate_tunnels_open`: upgraded connections open now (tunnels
+    /// and Realtime API sessions).
     pub tunnels_open: IntGauge,
     /// `fairgate_connections_open`: client connections to the proxy port
     /// open now.
