@@ -24,12 +24,15 @@ type Client =
 /// A mock of the Realtime API: `session.created` first; each
 /// `response.create` answered with the next scripted response (its events
 /// as written), each `conversation.item.delete` with
-/// `conversation.item.deleted`. Every text message it takes is kept.
+/// `conversation.item.deleted`, each `conversation.item.retrieve` with the
+/// item as the response made it. Every text message it takes is kept.
 #[derive(Clone, Default)]
 struct Upstream {
     scripts: Arc<Mutex<VecDeque<Vec<String>>>>,
     received: Arc<Mutex<Vec<String>>>,
     extensions: Arc<Mutex<Vec<Option<String>>>>,
+    /// The conversation's items that responses made, by id.
+    items: Arc<Mutex<std::collections::HashMap<String, Value>>>,
 }
 
 impl Upstream {
@@ -76,13 +79,37 @@ impl Upstream {
             let event: Value = serde_json::from_str(text.as_str()).unwrap_or_default();
             let replies = match event["type"].as_str() {
                 Some("response.create") => {
-                    self.scripts.lock().unwrap().pop_front().unwrap_or_default()
+                    let script = self.scripts.lock().unwrap().pop_front().unwrap_or_default();
+                    // The conversation keeps each item the response made.
+                    for reply in &script {
+                        let reply: Value = serde_json::from_str(reply).unwrap_or_default();
+                        if reply["type"] == "conversation.item.done" {
+                            let id = reply["item"]["id"].as_str().unwrap_or_default().to_owned();
+                            self.items.lock().unwrap().insert(id, reply["item"].clone());
+                        }
+                    }
+                    script
                 }
                 Some("conversation.item.delete") => vec![
                     json!({"type": "conversation.item.deleted", "event_id": "event_del",
                         "item_id": event["item_id"]})
                     .to_string(),
                 ],
+                // The item as the model wrote it, whatever the client saw.
+                Some("conversation.item.retrieve") => {
+                    let item = self
+                        .items
+                        .lock()
+                        .unwrap()
+                        .get(event["item_id"].as_str().unwrap_or_default())
+                        .cloned();
+                    let item = item.unwrap_or(Value::Null);
+                    vec![
+                        json!({"type": "conversation.item.retrieved", "event_id": "event_get",
+                        "item": item})
+                        .to_string(),
+                    ]
+                }
                 _ => Vec::new(),
             };
             for reply in replies {
@@ -534,6 +561,15 @@ async fn redactions_rewrite_text_and_block_audio() {
         .find(|e| e["type"] == "response.output_text.done")
         .unwrap();
     assert_eq!(text_done["text"], redacted);
+    // The conversation holds the item as the model wrote it: retrieved,
+    // it comes redacted too.
+    let retrieve = json!({"type": "conversation.item.retrieve", "item_id": "item_1"});
+    send(&mut ws, retrieve.to_string()).await;
+    let retrieved = next_text(&mut ws).await;
+    assert!(!retrieved.contains("jane.d"), "{retrieved}");
+    let retrieved: Value = serde_json::from_str(&retrieved).unwrap();
+    assert_eq!(retrieved["type"], "conversation.item.retrieved");
+    assert_eq!(retrieved["item"]["content"][0]["text"], redacted);
 
     send(&mut ws, json!({"type": "response.create"}).to_string()).await;
     let texts = until(&mut ws, "rate_limits.updated").await;

@@ -390,6 +390,8 @@ struct Session {
     /// Items fairgate deleted upstream: their acknowledgements are not
     /// relayed.
     deleted: HashSet<String>,
+    /// The redactions of the items of responses that passed redacted.
+    redacted: HashMap<String, Vec<(String, String)>>,
     records: u64,
     own_events: u64,
 }
@@ -405,6 +407,7 @@ impl Session {
             held: Vec::new(),
             closed: HashSet::new(),
             deleted: HashSet::new(),
+            redacted: HashMap::new(),
             records: 0,
             own_events: 0,
         }
@@ -554,6 +557,14 @@ impl Session {
             && id.starts_with(OWN_EVENT)
         {
             return Vec::new();
+        }
+        if kind == "conversation.item.retrieved"
+            && let Some(item) = head.item.as_ref().and_then(|i| i.id.as_deref())
+            && let Some(redactions) = self.redacted.get(item)
+        {
+            let mut event: Value = serde_json::from_str(text.as_str()).unwrap_or_default();
+            replace_repeats(&mut event, redactions);
+            return vec![Send::Client(Message::text(event.to_string()))];
         }
         if kind == "conversation.item.input_audio_transcription.completed"
             && let Some(transcript) = &head.transcript
@@ -706,9 +717,14 @@ impl Session {
             }
             (_, false) => {
                 // Its items are the conversation's now, their events as
-                // any other's.
+                // any other's; but the conversation holds them as the
+                // model wrote them, so what a redaction rewrote is
+                // rewritten again when the client asks for them.
                 for item in &answer.items {
                     self.items.remove(item);
+                    if !redactions.is_empty() {
+                        self.redacted.insert(item.clone(), redactions.clone());
+                    }
                 }
                 let sends = release(held, &answer.parts, &redactions)
                     .into_iter()

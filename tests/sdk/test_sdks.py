@@ -825,8 +825,28 @@ routes:
               openai_blocked_inputs_outside_messages)
         check("openai and anthropic tools whose descriptions hide instructions raise BadRequestError",
               poisoned_tool_definitions)
+        def within(seconds, fn):
+            """`fn`, failed if it has not returned within `seconds` (a
+            WebSocket's `recv` waits for ever)."""
+            def run():
+                outcome = []
+                thread = threading.Thread(target=lambda: outcome.append(catching(fn)), daemon=True)
+                thread.start()
+                thread.join(seconds)
+                assert outcome, f"no answer within {seconds} s"
+                if outcome[0] is not None:
+                    raise outcome[0]
+            return run
+
+        def catching(fn):
+            try:
+                fn()
+            except Exception as e:
+                return e
+            return None
+
         check("openai realtime session: an answer passes, a blocked prompt is an error event, "
-              "a blocked answer ends incomplete for content_filter", openai_realtime_session)
+              "a blocked answer ends incomplete for content_filter", within(30, openai_realtime_session))
     finally:
         proxy.terminate()
         try:
