@@ -735,3 +735,49 @@ async fn a_response_is_held_from_its_first_event_to_its_end() {
     assert!(texts.iter().all(|t| !t.contains("Dogecoin")), "{texts:?}");
     close(ws, proxy).await;
 }
+
+/// A response larger than fairgate holds to check is cancelled upstream
+/// and ends, for the client, as failed.
+#[tokio::test]
+async fn a_response_past_the_hold_limit_is_cancelled() {
+    let (addr, upstream) = Upstream::start().await;
+    let mut config = config(&format!("http://{addr}"), Path::new("rules"));
+    config.guard.max_response_bytes = 4_000;
+    let proxy = start_proxy(config).await;
+    let long: Vec<&str> = std::iter::repeat_n("Saving a little each month adds up. ", 60).collect();
+    upstream.script(response("resp_1", "item_1", &long, false));
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    let texts = until(&mut ws, "response.done").await;
+    let events: Vec<Value> = texts
+        .iter()
+        .map(|t| serde_json::from_str(t).unwrap())
+        .collect();
+    let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(types, ["response.created", "response.done"], "{texts:?}");
+    let done = &events[1]["response"];
+    assert_eq!(done["status"], "failed");
+    assert_eq!(
+        done["status_details"]["error"]["code"],
+        "response_too_large"
+    );
+    let received = upstream_took(&upstream, 3).await;
+    let sent: Vec<&str> = received
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        sent,
+        [
+            "response.create",
+            "response.cancel",
+            "conversation.item.delete"
+        ]
+    );
+    assert_eq!(received[1]["response_id"], "resp_1");
+    // The rest of it, still coming, does not reach the client; what is
+    // of no response does.
+    let rest = until(&mut ws, "rate_limits.updated").await;
+    assert_eq!(rest.len(), 1, "{rest:?}");
+    close(ws, proxy).await;
+}

@@ -70,11 +70,10 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
-use super::respond::{self, Failure};
+use super::respond;
 use super::{Ending, RecordDraft, State};
 use crate::exchange::{self, Dialect};
 use crate::guard::{self, block_message, rule_ids};
-use crate::json::ReadError;
 use crate::record::{ClientMeta, StreamEnd, Usage, now_ms};
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::{Action, Hit, RuleSet, Scope, redact};
@@ -427,20 +426,9 @@ impl Session {
         let event = match exchange::read_realtime_event(text.as_bytes()) {
             Ok(event) => event,
             Err(error) => {
-                let (failure, message) = match &error {
-                    ReadError::Invalid(reason) => (
-                        Failure::InvalidJson,
-                        format!("The event could not be read as JSON: {reason}."),
-                    ),
-                    ReadError::Ambiguous(key) => (
-                        Failure::AmbiguousJson,
-                        format!(
-                            "The event gives the key {key:?} twice in one object; which value counts is ambiguous."
-                        ),
-                    ),
-                };
-                let error = respond::failure_body(Dialect::OpenAi, failure, Some(&message));
-                return vec![self.error_event(error, None)];
+                let (failure, message) = respond::unreadable_failure(&error, "The event");
+                let mut body = respond::failure_body(Dialect::OpenAi, failure, Some(&message));
+                return vec![self.error_event(body["error"].take(), None)];
             }
         };
         if event.texts.is_empty() {
@@ -484,16 +472,15 @@ impl Session {
         let rules = rule_ids(&verdict.hits);
         tracing::info!(request_id, scope, ?rules, "realtime event blocked");
         self.count(&verdict, Some(scope));
-        let error = json!({"error": {
+        let error = json!({
             "message": message,
             "type": "invalid_request_error",
             "param": null,
             "code": "content_filter",
             "fairgate": {"scope": scope, "rules": rules, "request_id": request_id},
-        }});
+        });
         let send = self.error_event(error, event_id);
-        let draft = self.draft(request_id, started, now_ms(), scan.texts.prompt);
-        let mut draft = draft;
+        let mut draft = self.draft(request_id, started, now_ms(), scan.texts.prompt);
         draft.context = scan.texts.context;
         draft.finish(
             &self.state,
@@ -511,14 +498,11 @@ impl Session {
         send
     }
 
-    /// The API's `error` event for the client, about its event `about`.
+    /// The API's `error` event for the client, of `error` (the object of
+    /// an error envelope) about its event `about`.
     fn error_event(&mut self, mut error: Value, about: Option<String>) -> Send {
-        let id = self.own_event_id();
-        if let Some(fields) = error.get_mut("error").and_then(Value::as_object_mut) {
-            fields.insert("event_id".into(), about.map_or(Value::Null, Value::String));
-        }
-        let mut event = json!({"type": "error", "event_id": id});
-        event["error"] = error["error"].take();
+        error["event_id"] = about.map_or(Value::Null, Value::String);
+        let event = json!({"type": "error", "event_id": self.own_event_id(), "error": error});
         Send::Client(Message::text(event.to_string()))
     }
 

@@ -185,8 +185,15 @@ pub fn unreadable(
     what: Option<&str>,
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let what = what.unwrap_or("The request body");
-    let (failure, message) = match error {
+    let (failure, message) = unreadable_failure(error, what.unwrap_or("The request body"));
+    let body = failure_body(dialect, failure, Some(&message));
+    error_answer(failure.status(), &body, failure.code(), request_id)
+}
+
+/// The failure of `what` (a body, an event) that `error` kept from being
+/// read, and the message that says why.
+pub fn unreadable_failure(error: &ReadError, what: &str) -> (Failure, String) {
+    match error {
         ReadError::Invalid(reason) => (
             Failure::InvalidJson,
             format!("{what} could not be read as JSON: {reason}."),
@@ -197,9 +204,7 @@ pub fn unreadable(
                 "{what} gives the key {key:?} twice in one object; which value counts is ambiguous."
             ),
         ),
-    };
-    let body = failure_body(dialect, failure, Some(&message));
-    error_answer(failure.status(), &body, failure.code(), request_id)
+    }
 }
 
 /// The error envelope of `failure` in `dialect`, as the API writes it in a
