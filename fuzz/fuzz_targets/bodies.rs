@@ -1,6 +1,6 @@
-//! Request and response bodies of every guarded endpoint, and batch lines,
-//! read and scanned with the shipped rules: whatever the bytes, a result
-//! or an error, never a panic.
+//! Request and response bodies of every guarded endpoint, Realtime API
+//! client events and batch lines, read and scanned with the shipped
+//! rules: whatever the bytes, a result or an error, never a panic.
 
 #![no_main]
 
@@ -48,6 +48,15 @@ fuzz_target!(|data: &[u8]| {
                     assert!(again.is_ok(), "a redaction broke the answer: {again:?}");
                 }
             }
+        }
+    }
+    if let Ok(event) = exchange::read_realtime_event(data) {
+        let scan = guard::scan_request(&RULES, &RiskConfig::default(), &tags, &event.texts);
+        if !scan.edits.is_empty() {
+            // A redacted Realtime event is JSON still, and reads as it did.
+            let redacted = fairgate::json::splice(data, &scan.edits);
+            let again = exchange::read_realtime_event(&redacted);
+            assert!(again.is_ok(), "a redaction broke the event: {again:?}");
         }
     }
     let _ = exchange::read_batch_input(data);
