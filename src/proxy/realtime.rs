@@ -12,22 +12,25 @@
 //! event that is not JSON, or gives a key the guard reads twice, is not
 //! sent on either: the client gets an `error` event (`invalid_json`,
 //! `ambiguous_json`). Audio the client appends is not read; the
-//! transcript the API makes of it (`...input_audio_transcription.completed`)
-//! is scanned as prompt when it comes, and a block there stops the
-//! response that follows it.
+//! transcript the API makes of it (`...input_audio_transcription.completed`,
+//! when the session asks for one) is scanned as prompt when it comes, and
+//! a block there stops the response that follows it.
 //!
-//! **What the upstream answers.** A response's events, from its
-//! `response.created` to its `response.done` (every event that names the
-//! response, or an item of it, as the conversation's `conversation.item.*`
-//! events do), are held until its `response.done`; then its texts are
+//! **What the upstream answers.** A response's events, from the first
+//! that names it (its `response.created`) to its `response.done` (every
+//! event that names the response, or an item of it, as the
+//! conversation's `conversation.item.*` events do), are held until its
+//! `response.done`; what comes of it after that is dropped. Then its texts are
 //! scanned: each part's text, transcript and function call arguments
 //! (its deltas joined) and every text the `.done` events, items and
 //! `response.done` repeat, with the hits of the prompt it answers. If it
 //! passes, the events go out as they came. A `redact` hit in a text part
 //! rewrites it: its first delta carries the part's redacted text, its
 //! other deltas are dropped, and the redacted text replaces the original
-//! wherever an event repeats it; one in a transcript (the audio says the
-//! words) or in a call's arguments blocks. A blocked response reaches the
+//! wherever an event repeats it (the item too, whenever an event carries
+//! it later: the conversation holds it as the model wrote it); one in a
+//! transcript (the audio says the words) or in a call's arguments
+//! blocks. A blocked response reaches the
 //! client as its `response.created` and a `response.done` of `status:
 //! "incomplete"` with `status_details: {"type": "incomplete", "reason":
 //! "content_filter"}` (the API's own shape for a filtered response, with
@@ -542,10 +545,11 @@ impl Session {
         {
             return Vec::new();
         }
-        if kind == "conversation.item.retrieved"
-            && let Some(item) = head.item.as_ref().and_then(|i| i.id.as_deref())
-            && let Some(redactions) = self.redacted.get(item)
-        {
+        // An item of a response that passed redacted, as the conversation
+        // holds it (retrieved, say): redacted again.
+        let item = head.item_id.as_deref();
+        let item = item.or_else(|| head.item.as_ref().and_then(|i| i.id.as_deref()));
+        if let Some(redactions) = item.and_then(|item| self.redacted.get(item)) {
             let mut event: Value = serde_json::from_str(text.as_str()).unwrap_or_default();
             replace_repeats(&mut event, redactions);
             return vec![Send::Client(Message::text(event.to_string()))];
@@ -560,11 +564,7 @@ impl Session {
             .as_deref()
             .or_else(|| head.response.as_ref().and_then(|r| r.id.as_deref()))
             .map(str::to_owned)
-            .or_else(|| {
-                let item = head.item_id.as_deref();
-                let item = item.or_else(|| head.item.as_ref().and_then(|i| i.id.as_deref()))?;
-                self.items.get(item).cloned()
-            });
+            .or_else(|| self.items.get(item?).cloned());
         let Some(response) = response else {
             return vec![Send::Client(Message::Text(text))];
         };
