@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
-use support::{config, start_proxy};
+use support::{config, next_text, start_proxy};
 use tokio::net::TcpListener;
 use tokio_tungstenite::tungstenite::Message;
 
@@ -242,16 +242,6 @@ async fn connect_to(proxy: &support::Proxy, path: &str) -> Client {
     ws
 }
 
-/// The next text message, as written.
-async fn next_text(ws: &mut Client) -> String {
-    let message = tokio::time::timeout(Duration::from_secs(5), ws.next())
-        .await
-        .expect("a message within 5 s")
-        .expect("the session is open")
-        .expect("a well-formed message");
-    message.into_text().unwrap().as_str().to_owned()
-}
-
 async fn next(ws: &mut Client) -> Value {
     serde_json::from_str(&next_text(ws).await).unwrap()
 }
@@ -271,10 +261,8 @@ async fn until(ws: &mut Client, last: &str) -> Vec<String> {
 
 /// Closes the session, then stops the proxy (which would wait for an
 /// open session).
-async fn close(mut ws: Client, proxy: support::Proxy) {
-    ws.close(None).await.unwrap();
-    while let Some(Ok(_)) = ws.next().await {}
-    drop(ws);
+async fn close(ws: Client, proxy: support::Proxy) {
+    support::hang_up(ws).await;
     proxy.stop().await;
 }
 
@@ -678,14 +666,8 @@ async fn shutdown_lets_an_open_session_finish_its_response() {
     send(&mut ws, json!({"type": "response.create"}).to_string()).await;
     assert_eq!(until(&mut ws, "rate_limits.updated").await, script);
     assert!(!task.is_finished(), "the proxy stopped with a session open");
-    ws.close(None).await.unwrap();
-    while let Some(Ok(_)) = ws.next().await {}
-    drop(ws);
-    tokio::time::timeout(Duration::from_secs(3), task)
-        .await
-        .expect("the proxy stops when the session ends")
-        .unwrap()
-        .unwrap();
+    support::hang_up(ws).await;
+    support::stops_soon(task).await;
 }
 
 /// A response is read from the first event that names it, with or

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
-use support::{config, start_mock, start_proxy};
+use support::{config, next_text, start_mock, start_proxy};
 use tokio::net::TcpListener;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
@@ -76,18 +76,6 @@ async fn start_ws_upstream() -> (SocketAddr, Arc<Mutex<Vec<Handshake>>>) {
         }
     });
     (addr, seen)
-}
-
-async fn next_text<S>(ws: &mut S) -> String
-where
-    S: futures_util::Stream<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
-{
-    let message = tokio::time::timeout(Duration::from_secs(5), ws.next())
-        .await
-        .expect("a message within 5 s")
-        .expect("the session is open")
-        .expect("a well-formed message");
-    message.into_text().unwrap().as_str().to_owned()
 }
 
 /// The status and JSON body fairgate answers a WebSocket handshake to
@@ -245,16 +233,8 @@ async fn shutdown_lets_an_open_session_finish() {
     ws.send(Message::text("still here")).await.unwrap();
     assert_eq!(next_text(&mut ws).await, "echo: still here");
     assert!(!task.is_finished(), "the proxy stopped with a session open");
-
-    ws.close(None).await.unwrap();
-    while let Some(Ok(_)) = ws.next().await {}
-    drop(ws);
-    // Well inside the 5 s grace: the proxy stops once the session ends.
-    tokio::time::timeout(Duration::from_secs(3), task)
-        .await
-        .expect("the proxy stops when the session ends")
-        .unwrap()
-        .unwrap();
+    support::hang_up(ws).await;
+    support::stops_soon(task).await;
 }
 
 #[tokio::test]

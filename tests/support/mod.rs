@@ -942,3 +942,43 @@ pub fn records_with_context(rows: &[Value], text: &str) -> usize {
     }
     count
 }
+
+/// Closes a WebSocket session from the client's side: the close, the
+/// other side's answer read, the connection dropped.
+pub async fn hang_up<S>(mut ws: tokio_tungstenite::WebSocketStream<S>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use futures_util::StreamExt;
+    ws.close(None).await.unwrap();
+    while let Some(Ok(_)) = ws.next().await {}
+}
+
+/// Waits for a proxy whose shutdown began to stop, once its last session
+/// ended: well inside its 5 s grace.
+pub async fn stops_soon(task: tokio::task::JoinHandle<anyhow::Result<()>>) {
+    tokio::time::timeout(Duration::from_secs(3), task)
+        .await
+        .expect("the proxy stops when the session ends")
+        .unwrap()
+        .unwrap();
+}
+
+/// The next text message of a WebSocket session, as written (within 5 s).
+pub async fn next_text<S>(ws: &mut S) -> String
+where
+    S: futures_util::Stream<
+            Item = Result<
+                tokio_tungstenite::tungstenite::Message,
+                tokio_tungstenite::tungstenite::Error,
+            >,
+        > + Unpin,
+{
+    use futures_util::StreamExt;
+    let message = tokio::time::timeout(Duration::from_secs(5), ws.next())
+        .await
+        .expect("a message within 5 s")
+        .expect("the session is open")
+        .expect("a well-formed message");
+    message.into_text().unwrap().as_str().to_owned()
+}
