@@ -23,7 +23,9 @@
 //! `response.done`; what comes of it after that is dropped. Then its texts are
 //! scanned: each part's text, transcript and function call arguments
 //! (its deltas joined) and every text the `.done` events, items and
-//! `response.done` repeat, with the hits of the prompt it answers. If it
+//! `response.done` repeat, with the hits of the prompt it answers; what a
+//! hosted tool (an MCP server) gave the model, an item's `output`, is
+//! scanned as context. If it
 //! passes, the events go out as they came. A `redact` hit in a text part
 //! rewrites it: its first delta carries the part's redacted text, its
 //! other deltas are dropped, and the redacted text replaces the original
@@ -217,9 +219,12 @@ impl Turn {
 enum Kind {
     /// A text part's: redacted in place.
     Text,
-    /// A transcript of audio, a call's arguments, a tool's output: a
-    /// redaction there blocks.
+    /// A transcript of audio, a call's arguments: a redaction there
+    /// blocks.
     Whole,
+    /// What a hosted tool (an MCP server's) gave the model: context, and a
+    /// redaction there blocks.
+    Context,
 }
 
 /// One part of a response's output, by its item and index, and what its
@@ -264,6 +269,8 @@ struct Scanned {
     verdict: Verdict,
     /// Its texts as the client gets them, for the record.
     shown: Vec<String>,
+    /// What hosted tools gave the model in it, for the record.
+    context: Vec<String>,
     /// The texts a redaction rewrote, and what it made of each.
     redactions: Vec<(String, String)>,
 }
@@ -289,8 +296,12 @@ impl Answer {
         let mut hits = std::mem::take(&mut self.turn.hits);
         let mut redactions: Vec<(String, String)> = Vec::new();
         for (kind, text) in &texts {
-            let mut found = self.rules.scan(Scope::Response, text);
-            if *kind == Kind::Whole {
+            let scope = match kind {
+                Kind::Context => Scope::Context,
+                _ => Scope::Response,
+            };
+            let mut found = self.rules.scan(scope, text);
+            if *kind != Kind::Text {
                 guard::redactions_block(&mut found);
             }
             if found.iter().any(|h| h.action == Action::Redact) {
@@ -298,13 +309,18 @@ impl Answer {
             }
             hits.extend(found);
         }
-        let shown = texts
-            .iter()
-            .map(|(_, text)| redacted_of(&redactions, text).unwrap_or(text).to_owned())
-            .collect();
+        let (context, shown): (Vec<_>, Vec<_>) =
+            texts.iter().partition(|(kind, _)| *kind == Kind::Context);
+        let as_shown = |texts: Vec<&(Kind, &str)>| -> Vec<String> {
+            let texts = texts.into_iter();
+            texts
+                .map(|(_, text)| redacted_of(&redactions, text).unwrap_or(text).to_owned())
+                .collect()
+        };
         Scanned {
             verdict: risk::assess(risk, hits, &self.turn.relevance),
-            shown,
+            shown: as_shown(shown),
+            context: as_shown(context),
             redactions,
         }
     }
@@ -370,7 +386,8 @@ fn is_audio_delta(event: &str) -> bool {
 fn repeat_kind(key: &str) -> Option<Kind> {
     match key {
         "text" => Some(Kind::Text),
-        "transcript" | "arguments" | "output" => Some(Kind::Whole),
+        "transcript" | "arguments" => Some(Kind::Whole),
+        "output" => Some(Kind::Context),
         _ => None,
     }
 }
@@ -673,11 +690,8 @@ impl Session {
             return Vec::new();
         };
         let started = Instant::now();
-        let Scanned {
-            verdict,
-            shown,
-            redactions,
-        } = answer.scan(&self.state.config.risk);
+        let scanned = answer.scan(&self.state.config.risk);
+        let (verdict, redactions) = (&scanned.verdict, &scanned.redactions);
         self.closed.insert(response.to_owned());
         let held: Vec<Held> = self.take_held(response);
         let request_id = self.next_record_id();
@@ -707,10 +721,10 @@ impl Session {
                 for item in &answer.items {
                     self.items.remove(item);
                     if !redactions.is_empty() {
-                        self.redacted.insert(item.clone(), redactions.clone());
+                        self.redacted.insert(item.clone(), redactions.to_vec());
                     }
                 }
-                let sends = release(held, &answer.parts, &redactions)
+                let sends = release(held, &answer.parts, redactions)
                     .into_iter()
                     .map(|text| Send::Client(Message::Text(text)))
                     .collect();
@@ -722,7 +736,7 @@ impl Session {
         let usage = serde_json::from_str::<Value>(done.as_str())
             .ok()
             .and_then(|done| done.pointer("/response/usage").map(Usage::from_value));
-        self.record(answer, request_id, &verdict, shown, usage, end);
+        self.record(answer, request_id, scanned, usage, end);
         sends
     }
 
@@ -810,28 +824,20 @@ impl Session {
         sends.extend(self.delete_items(&answer.items));
         let scanned = answer.scan(&self.state.config.risk);
         let request_id = self.next_record_id();
-        let (verdict, shown) = (scanned.verdict, scanned.shown);
-        self.record(
-            answer,
-            request_id,
-            &verdict,
-            shown,
-            None,
-            StreamEnd::Malformed,
-        );
+        self.record(answer, request_id, scanned, None, StreamEnd::Malformed);
         sends
     }
 
-    /// Records a response, and counts it.
+    /// Records a response, with what its scan found, and counts it.
     fn record(
         &mut self,
         answer: Answer,
         request_id: String,
-        verdict: &Verdict,
-        response: Vec<String>,
+        scanned: Scanned,
         usage: Option<Usage>,
         end: StreamEnd,
     ) {
+        let verdict = &scanned.verdict;
         let scope = (verdict.decision == Decision::Block)
             .then(|| guard::block_scope(&verdict.hits, Scope::Response));
         self.count(verdict, scope);
@@ -856,8 +862,8 @@ impl Session {
             &self.state,
             Ending {
                 verdict,
-                response,
-                context: Vec::new(),
+                response: scanned.shown,
+                context: scanned.context,
                 status: 101,
                 upstream: Some(upstream),
                 proxy: answer.spent,
@@ -940,8 +946,7 @@ impl Session {
             };
             let scanned = answer.scan(&self.state.config.risk);
             let request_id = self.next_record_id();
-            let (verdict, shown) = (scanned.verdict, scanned.shown);
-            self.record(answer, request_id, &verdict, shown, None, end);
+            self.record(answer, request_id, scanned, None, end);
         }
     }
 }
@@ -1086,7 +1091,8 @@ mod tests {
             {"type": "message", "content": [
                 {"type": "output_text", "text": "Mail a@b.example"},
                 {"type": "output_audio", "transcript": "Said aloud"}]},
-            {"type": "function_call", "arguments": "{\"to\":\"x\"}"}]}});
+            {"type": "function_call", "arguments": "{\"to\":\"x\"}"},
+            {"type": "mcp_call", "output": "Found it"}]}});
         let mut found = Vec::new();
         collect_repeats(&done, &mut found);
         assert_eq!(
@@ -1095,6 +1101,7 @@ mod tests {
                 (Kind::Text, "Mail a@b.example".to_owned()),
                 (Kind::Whole, "Said aloud".to_owned()),
                 (Kind::Whole, "{\"to\":\"x\"}".to_owned()),
+                (Kind::Context, "Found it".to_owned()),
             ]
         );
         let mut rewritten = done.clone();
