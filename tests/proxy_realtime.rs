@@ -802,3 +802,36 @@ async fn a_hosted_tools_output_is_read_as_context() {
     assert_eq!(record["texts"]["context"][0], injected, "{record}");
     close(ws, proxy).await;
 }
+
+/// A session that closes while a response is under way still leaves its
+/// record, with what had come of it and how it ended.
+#[tokio::test]
+async fn a_response_cut_off_by_the_close_is_recorded() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let mut script = response(
+        "resp_1",
+        "item_1",
+        &["Budgets ", "help ", "you plan."],
+        false,
+    );
+    // Nothing after the deltas: no `.done`, no `response.done`.
+    script.truncate(7);
+    upstream.script(script);
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, user_item("What is a budget for?", "evt_1")).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    upstream_took(&upstream, 2).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Held, so none of it reached the client.
+    let early = tokio::time::timeout(Duration::from_millis(100), ws.next()).await;
+    assert!(early.is_err(), "{early:?}");
+    support::hang_up(ws).await;
+    let results = proxy.wait_for_results(1).await;
+    assert_eq!(results.len(), 1, "{results:?}");
+    let record = &results[0]["exchange"];
+    assert_eq!(record["stream_end"], "client_closed", "{record}");
+    assert_eq!(record["texts"]["response"][0], "Budgets help you plan.");
+    assert_eq!(record["texts"]["prompt"][0], "What is a budget for?");
+    proxy.stop().await;
+}

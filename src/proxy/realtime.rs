@@ -139,7 +139,6 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
     let (mut to_upstream, mut from_upstream) = upstream.split();
     let mut session = Session::new(state, handshake);
     let mut closing: Option<tokio::time::Instant> = None;
-    let mut end = StreamEnd::ClientClosed;
     loop {
         // After a close, the other side has a while to answer it.
         let closed = async {
@@ -153,6 +152,7 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
                 Some(Ok(message)) => {
                     if matches!(message, Message::Close(_)) {
                         closing.get_or_insert_with(close_deadline);
+                        session.ended.get_or_insert(StreamEnd::ClientClosed);
                     }
                     session.client_message(message)
                 }
@@ -162,12 +162,12 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
                 Some(Ok(message)) => {
                     if matches!(message, Message::Close(_)) {
                         closing.get_or_insert_with(close_deadline);
-                        end = StreamEnd::UpstreamFailed;
+                        session.ended.get_or_insert(StreamEnd::UpstreamFailed);
                     }
                     session.upstream_message(message)
                 }
                 _ => {
-                    end = StreamEnd::UpstreamFailed;
+                    session.ended.get_or_insert(StreamEnd::UpstreamFailed);
                     break;
                 }
             },
@@ -182,7 +182,6 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
         }
     }
     let _ = tokio::join!(to_client.close(), to_upstream.close());
-    session.end(end);
 }
 
 fn close_deadline() -> tokio::time::Instant {
@@ -413,6 +412,9 @@ struct Session {
     redacted: HashMap<String, Vec<(String, String)>>,
     records: u64,
     own_events: u64,
+    /// How the session ends, once a side closed it: by the side that
+    /// closed first.
+    ended: Option<StreamEnd>,
 }
 
 impl Session {
@@ -429,6 +431,7 @@ impl Session {
             redacted: HashMap::new(),
             records: 0,
             own_events: 0,
+            ended: None,
         }
     }
 
@@ -935,10 +938,15 @@ impl Session {
             self.handshake.request_id, self.own_events
         )
     }
+}
 
-    /// The session ended (`end` says how): the responses still in flight
-    /// are recorded with what came of them; their held events are dropped.
-    fn end(mut self, end: StreamEnd) {
+/// The session ended, however it did (a close from either side, or a
+/// shutdown whose grace ran out dropping it): the responses still in
+/// flight are recorded with what came of them; their held events are
+/// dropped.
+impl Drop for Session {
+    fn drop(&mut self) {
+        let end = self.ended.unwrap_or(StreamEnd::ClientClosed);
         let open: Vec<String> = self.answers.keys().cloned().collect();
         for response in open {
             let Some(mut answer) = self.answers.remove(&response) else {
