@@ -596,8 +596,10 @@ impl Session {
         }
         // A response is read from its first event, `response.created` or
         // any other that names it.
-        if !self.answers.contains_key(&response) {
-            let answer = Answer {
+        let answer = self
+            .answers
+            .entry(response.clone())
+            .or_insert_with(|| Answer {
                 rules: self.state.rules.snapshot(),
                 started,
                 started_ms: now_ms(),
@@ -607,12 +609,7 @@ impl Session {
                 items: Vec::new(),
                 held_bytes: 0,
                 spent: Duration::ZERO,
-            };
-            self.answers.insert(response.clone(), answer);
-        }
-        let Some(answer) = self.answers.get_mut(&response) else {
-            unreachable!("a response is read from its first event")
-        };
+            });
         if kind == "response.output_item.added"
             && let Some(item) = head.item.as_ref().and_then(|i| i.id.as_deref())
         {
