@@ -835,3 +835,48 @@ async fn a_response_cut_off_by_the_close_is_recorded() {
     assert_eq!(record["texts"]["prompt"][0], "What is a budget for?");
     proxy.stop().await;
 }
+
+/// The beta API's events (`response.text.delta`,
+/// `response.audio_transcript.delta`, `conversation.item.created`) are
+/// read as the GA API's are.
+#[tokio::test]
+async fn the_beta_apis_events_are_read_too() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    // Their deltas alone: no `.done` event repeats the text here.
+    let kinds = ["response.text.delta", "response.audio_transcript.delta"];
+    for (round, delta) in kinds.into_iter().enumerate() {
+        let (id, item_id) = (format!("resp_{round}"), format!("item_{round}"));
+        let item = json!({"id": item_id, "object": "realtime.item", "type": "message",
+            "role": "assistant", "content": []});
+        let at = |kind: &str, extra: Value| {
+            let mut event = json!({"type": kind, "response_id": id, "item_id": item_id,
+                "output_index": 0, "content_index": 0});
+            event
+                .as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            event.to_string()
+        };
+        upstream.script(vec![
+            json!({"type": "response.created", "response": {"id": id}}).to_string(),
+            json!({"type": "response.output_item.added", "response_id": id,
+                "output_index": 0, "item": item})
+            .to_string(),
+            json!({"type": "conversation.item.created", "previous_item_id": null, "item": item})
+                .to_string(),
+            at(delta, json!({"delta": "Put all your savings "})),
+            at(delta, json!({"delta": "into Dogecoin."})),
+            json!({"type": "response.done", "response": {"id": id, "status": "completed"}})
+                .to_string(),
+        ]);
+    }
+    let mut ws = connect(&proxy).await;
+    for round in 0..2 {
+        send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+        let texts = until(&mut ws, "response.done").await;
+        assert_eq!(texts.len(), 2, "round {round}: {texts:?}");
+        assert!(texts.iter().all(|t| !t.contains("Dogecoin")), "{texts:?}");
+    }
+    close(ws, proxy).await;
+}
