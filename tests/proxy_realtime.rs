@@ -880,3 +880,33 @@ async fn the_beta_apis_events_are_read_too() {
     }
     close(ws, proxy).await;
 }
+
+/// A response cancelled while it was held (the user spoke over it) was
+/// never heard: its audio is not played after the fact.
+#[tokio::test]
+async fn a_cancelled_responses_audio_is_not_released() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let mut script = response("resp_1", "item_1", &["Saving ", "helps."], true);
+    let done = script
+        .iter()
+        .position(|e| e.contains("\"response.done\""))
+        .unwrap();
+    let mut event: Value = serde_json::from_str(&script[done]).unwrap();
+    event["response"]["status"] = json!("cancelled");
+    event["response"]["status_details"] = json!({"type": "cancelled", "reason": "turn_detected"});
+    script[done] = event.to_string();
+    upstream.script(script);
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    let texts = until(&mut ws, "response.done").await;
+    let events: Vec<Value> = texts
+        .iter()
+        .map(|t| serde_json::from_str(t).unwrap())
+        .collect();
+    let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert!(!types.contains(&"response.output_audio.delta"), "{types:?}");
+    assert!(types.contains(&"response.output_audio_transcript.delta"));
+    assert_eq!(events.last().unwrap()["response"]["status"], "cancelled");
+    close(ws, proxy).await;
+}

@@ -44,7 +44,10 @@
 //! client, whatever the deltas. *Cost*: a response reaches the client
 //! once the model has finished it, as a stream does in `buffer` mode;
 //! audio could not go sooner in any mode, since a piece of audio may say
-//! words its transcript has not sent yet. A route in `monitor` mode passes
+//! words its transcript has not sent yet. A response that ends
+//! `cancelled` (the user spoke over it, or the client cancelled it) goes
+//! out without its audio: held, none of it was heard, and played now it
+//! would talk over the user. A route in `monitor` mode passes
 //! every event on as it comes, and scans and records only. Held events
 //! are bounded by `guard.max_response_bytes`: a response beyond it is
 //! cancelled upstream and ends, for the client, `failed` with
@@ -241,6 +244,8 @@ struct Held {
     text: Utf8Bytes,
     /// Whether it is the response's `response.created`.
     created: bool,
+    /// Whether it carries a piece of audio.
+    audio: bool,
     /// The part whose delta the event carries.
     part: Option<PartKey>,
 }
@@ -636,6 +641,7 @@ impl Session {
         }
         let done = (kind == "response.done").then(|| text.clone());
         let created = kind == "response.created";
+        let audio = is_audio_delta(kind);
         let monitor = self.handshake.monitor;
         let mut sends = Vec::new();
         if monitor {
@@ -646,6 +652,7 @@ impl Session {
                 response: response.clone(),
                 text,
                 created,
+                audio,
                 part,
             });
         }
@@ -693,7 +700,17 @@ impl Session {
         let scanned = answer.scan(&self.state.config.risk);
         let (verdict, redactions) = (&scanned.verdict, &scanned.redactions);
         self.closed.insert(response.to_owned());
-        let held: Vec<Held> = self.take_held(response);
+        let mut held: Vec<Held> = self.take_held(response);
+        let done_event = serde_json::from_str::<Value>(done.as_str()).ok();
+        let status = done_event
+            .as_ref()
+            .and_then(|e| e.pointer("/response/status"));
+        // A response cancelled (the user spoke over it, or the client
+        // cancelled it) was never heard: held, none of its audio was
+        // played, and played now it would talk over the user.
+        if status.and_then(Value::as_str) == Some("cancelled") {
+            held.retain(|held| !held.audio);
+        }
         let request_id = self.next_record_id();
         let (sends, end) = match (verdict.decision, self.handshake.monitor) {
             (Decision::Block, false) => {
@@ -733,8 +750,8 @@ impl Session {
             (_, true) => (Vec::new(), StreamEnd::Complete),
         };
         answer.spent += started.elapsed();
-        let usage = serde_json::from_str::<Value>(done.as_str())
-            .ok()
+        let usage = done_event
+            .as_ref()
             .and_then(|done| done.pointer("/response/usage").map(Usage::from_value));
         self.record(answer, request_id, scanned, usage, end);
         sends
