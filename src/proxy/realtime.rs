@@ -20,37 +20,37 @@
 //! that names it (its `response.created`) to its `response.done` (every
 //! event that names the response, or an item of it, as the
 //! conversation's `conversation.item.*` events do), are held until its
-//! `response.done`; what comes of it after that is dropped. Then its texts are
-//! scanned: each part's text, transcript and function call arguments
-//! (its deltas joined) and every text the `.done` events, items and
-//! `response.done` repeat, with the hits of the prompt it answers; what a
-//! hosted tool (an MCP server) gave the model, an item's `output`, is
-//! scanned as context. If it
-//! passes, the events go out as they came. A `redact` hit in a text part
-//! rewrites it: its first delta carries the part's redacted text, its
-//! other deltas are dropped, and the redacted text replaces the original
-//! wherever an event repeats it (the item too, whenever an event carries
-//! it later: the conversation holds it as the model wrote it); one in a
-//! transcript (the audio says the words) or in a call's arguments
-//! blocks. A blocked response reaches the
-//! client as its `response.created` and a `response.done` of `status:
-//! "incomplete"` with `status_details: {"type": "incomplete", "reason":
-//! "content_filter"}` (the API's own shape for a filtered response, with
-//! fairgate's rule ids beside it), its output emptied and its usage kept;
-//! no text, audio or call of it goes out. Its items are then deleted from
-//! the conversation upstream (`conversation.item.delete`), so that no
-//! later response reads them, and the acknowledgements of the deletions
-//! are not relayed. *Guarantees*: nothing a rule blocks reaches the
-//! client, whatever the deltas. *Cost*: a response reaches the client
-//! once the model has finished it, as a stream does in `buffer` mode;
-//! audio could not go sooner in any mode, since a piece of audio may say
-//! words its transcript has not sent yet. A response that ends
-//! `cancelled` (the user spoke over it, or the client cancelled it) goes
-//! out without its audio: held, none of it was heard, and played now it
-//! would talk over the user. A route in `monitor` mode passes
-//! every event on as it comes, and scans and records only. Held events
-//! are bounded by `guard.max_response_bytes`: a response beyond it is
-//! cancelled upstream and ends, for the client, `failed` with
+//! `response.done`; what comes of it after that is dropped. Then its
+//! texts are scanned: each part's text, transcript and function call
+//! arguments (its deltas joined) and every text the `.done` events,
+//! items and `response.done` repeat, with the hits of the prompt it
+//! answers; what a hosted tool (an MCP server) gave the model, an item's
+//! `output`, is scanned as context. If it passes, the events go out as
+//! they came. A `redact` hit in a text part rewrites it: its first delta
+//! carries the part's redacted text, its other deltas are dropped, and
+//! the redacted text replaces the original wherever an event repeats it
+//! (the item too, whenever an event carries it later: the conversation
+//! holds it as the model wrote it); one in a transcript (the audio says
+//! the words) or in a call's arguments blocks. A blocked response
+//! reaches the client as its `response.created` and a `response.done` of
+//! `status: "incomplete"` with `status_details: {"type": "incomplete",
+//! "reason": "content_filter"}` (the API's own shape for a filtered
+//! response, with fairgate's rule ids beside it), its output emptied and
+//! its usage kept; no text, audio or call of it goes out. Its items are
+//! then deleted from the conversation upstream
+//! (`conversation.item.delete`), so that no later response reads them,
+//! and the acknowledgements of the deletions are not relayed.
+//! *Guarantees*: nothing a rule blocks reaches the client, whatever the
+//! deltas. *Cost*: a response reaches the client once the model has
+//! finished it, as a stream does in `buffer` mode; audio could not go
+//! sooner in any mode, since a piece of audio may say words its
+//! transcript has not sent yet. A response that ends `cancelled` (the
+//! user spoke over it, or the client cancelled it) goes out without its
+//! audio: held, none of it was heard, and played now it would talk over
+//! the user. A route in `monitor` mode passes every event on as it
+//! comes, and scans and records only. Held events are bounded by
+//! `guard.max_response_bytes`: a response beyond it is cancelled
+//! upstream and ends, for the client, `failed` with
 //! `response_too_large`.
 //!
 //! Everything else passes as it comes: binary messages, events of no
