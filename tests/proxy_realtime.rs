@@ -274,6 +274,13 @@ async fn proxy_for(upstream: SocketAddr) -> support::Proxy {
     start_proxy(config(&format!("http://{upstream}"), Path::new("rules"))).await
 }
 
+/// The Realtime exchanges the proxy blocked in `scope`, by its metrics.
+async fn blocks(proxy: &support::Proxy, scope: &str) -> Option<f64> {
+    let series =
+        format!(r#"fairgate_blocks_total{{model="other",route="realtime",scope="{scope}"}}"#);
+    support::metric(&proxy.metrics().await, &series)
+}
+
 /// Waits until the upstream has taken `n` messages.
 async fn upstream_took(upstream: &Upstream, n: usize) -> Vec<Value> {
     for _ in 0..100 {
@@ -404,15 +411,7 @@ async fn a_blocked_client_event_never_reaches_the_upstream() {
             .clone()
             .all(|r| r["verdict"] == "block" && r["route"] == "realtime")
     );
-    let metrics = proxy.metrics().await;
-    assert_eq!(
-        support::metric(
-            &metrics,
-            r#"fairgate_blocks_total{model="other",route="realtime",scope="prompt"}"#
-        ),
-        Some(6.0),
-        "{metrics}"
-    );
+    assert_eq!(blocks(&proxy, "prompt").await, Some(6.0));
     close(ws, proxy).await;
 }
 
@@ -496,15 +495,7 @@ async fn a_blocked_answer_reaches_the_client_only_as_content_filter() {
     let blocked: Vec<&Value> = records.filter(|r| r["verdict"] == "block").collect();
     assert_eq!(blocked.len(), 3, "{results:?}");
     assert!(blocked.iter().all(|r| r["stream_end"] == "blocked"));
-    let metrics = proxy.metrics().await;
-    assert_eq!(
-        support::metric(
-            &metrics,
-            r#"fairgate_blocks_total{model="other",route="realtime",scope="response"}"#
-        ),
-        Some(3.0),
-        "{metrics}"
-    );
+    assert_eq!(blocks(&proxy, "response").await, Some(3.0));
     close(ws, proxy).await;
 }
 
