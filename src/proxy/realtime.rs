@@ -575,7 +575,10 @@ impl Session {
         let item = head.item_id.as_deref();
         let item = item.or_else(|| head.item.as_ref().and_then(|i| i.id.as_deref()));
         if let Some(redactions) = item.and_then(|item| self.redacted.get(item)) {
-            let mut event: Value = serde_json::from_str(text.as_str()).unwrap_or_default();
+            // Read as the head was; what would not read does not go out.
+            let Ok(mut event) = serde_json::from_str::<Value>(text.as_str()) else {
+                return Vec::new();
+            };
             replace_repeats(&mut event, redactions);
             return vec![Send::Client(Message::text(event.to_string()))];
         }
@@ -621,7 +624,7 @@ impl Session {
             self.items.insert(item.to_owned(), response.clone());
             answer.items.push(item.to_owned());
         }
-        let mut part = None;
+        let (mut part, mut done) = (None, None);
         if let Some(delta_kind) = delta_kind(kind) {
             let key = PartKey {
                 item: head.item_id.as_deref().unwrap_or_default().to_owned(),
@@ -638,8 +641,9 @@ impl Session {
             && let Ok(value) = serde_json::from_str::<Value>(text.as_str())
         {
             collect_repeats(&value, &mut answer.repeats);
+            // Read once: the decision takes its status and usage from it.
+            done = (kind == "response.done").then_some(value);
         }
-        let done = (kind == "response.done").then(|| text.clone());
         let created = kind == "response.created";
         let audio = is_audio_delta(kind);
         let monitor = self.handshake.monitor;
@@ -692,7 +696,7 @@ impl Session {
 
     /// Scans a response at its `response.done`, releases or replaces its
     /// held events, and records it.
-    fn decide(&mut self, response: &str, done: Utf8Bytes) -> Vec<Send> {
+    fn decide(&mut self, response: &str, done: Value) -> Vec<Send> {
         let Some(mut answer) = self.answers.remove(response) else {
             return Vec::new();
         };
@@ -701,10 +705,8 @@ impl Session {
         let (verdict, redactions) = (&scanned.verdict, &scanned.redactions);
         self.closed.insert(response.to_owned());
         let mut held: Vec<Held> = self.take_held(response);
-        let done_event = serde_json::from_str::<Value>(done.as_str()).ok();
-        let status = done_event
-            .as_ref()
-            .and_then(|e| e.pointer("/response/status"));
+        let usage = done.pointer("/response/usage").map(Usage::from_value);
+        let status = done.pointer("/response/status");
         // A response cancelled (the user spoke over it, or the client
         // cancelled it) was never heard: held, none of its audio was
         // played, and played now it would talk over the user.
@@ -725,8 +727,7 @@ impl Session {
                         "request_id": request_id,
                     },
                 });
-                let done = Some(done.clone());
-                let mut sends = self.replaced(response, held, done, "incomplete", details);
+                let mut sends = self.replaced(response, held, Some(done), "incomplete", details);
                 sends.extend(self.delete_items(&answer.items));
                 (sends, StreamEnd::Blocked)
             }
@@ -750,9 +751,6 @@ impl Session {
             (_, true) => (Vec::new(), StreamEnd::Complete),
         };
         answer.spent += started.elapsed();
-        let usage = done_event
-            .as_ref()
-            .and_then(|done| done.pointer("/response/usage").map(Usage::from_value));
         self.record(answer, request_id, scanned, usage, end);
         sends
     }
@@ -774,7 +772,7 @@ impl Session {
         &mut self,
         response: &str,
         held: Vec<Held>,
-        done: Option<Utf8Bytes>,
+        done: Option<Value>,
         status: &str,
         details: Value,
     ) -> Vec<Send> {
@@ -784,8 +782,7 @@ impl Session {
             .into_iter()
             .collect();
         let mut end = done
-            .and_then(|done| serde_json::from_str::<Value>(done.as_str()).ok())
-            .filter(|done| done["type"] == "response.done" && done["response"].is_object())
+            .filter(|done| done["response"].is_object())
             .unwrap_or_else(|| {
                 json!({"type": "response.done", "event_id": self.own_event_id(), "response": {
                     "id": response, "object": "realtime.response",
