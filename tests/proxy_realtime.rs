@@ -33,6 +33,8 @@ struct Upstream {
     extensions: Arc<Mutex<Vec<Option<String>>>>,
     /// The conversation's items that responses made, by id.
     items: Arc<Mutex<std::collections::HashMap<String, Value>>>,
+    /// Whether it takes compression whether it was offered or not.
+    compress: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Upstream {
@@ -53,11 +55,18 @@ impl Upstream {
     async fn serve(self, stream: tokio::net::TcpStream) {
         use tokio_tungstenite::tungstenite::handshake::server::{Request, Response};
         let extensions = self.extensions.clone();
+        let compress = self.compress.load(std::sync::atomic::Ordering::Relaxed);
         #[allow(clippy::result_large_err)]
-        let look = move |request: &Request, response: Response| {
+        let look = move |request: &Request, mut response: Response| {
             let offered = request.headers().get("sec-websocket-extensions");
             let offered = offered.map(|v| v.to_str().unwrap().to_owned());
             extensions.lock().unwrap().push(offered);
+            if compress {
+                let deflate = "permessage-deflate".parse().unwrap();
+                response
+                    .headers_mut()
+                    .insert("sec-websocket-extensions", deflate);
+            }
             Ok(response)
         };
         let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(stream, look).await else {
@@ -234,12 +243,31 @@ async fn connect(proxy: &support::Proxy) -> Client {
 }
 
 async fn connect_to(proxy: &support::Proxy, path: &str) -> Client {
-    let url = proxy.url(path).replace("http://", "ws://");
-    let (mut ws, response) = tokio_tungstenite::connect_async(url).await.unwrap();
+    let (mut ws, response) = tokio_tungstenite::connect_async(handshake(proxy, path))
+        .await
+        .unwrap();
     assert_eq!(response.status(), 101);
     let created = next(&mut ws).await;
     assert_eq!(created["type"], "session.created");
     ws
+}
+
+/// A session's handshake, offering compression as browsers do (the
+/// guard reads frames as they are, so the offer goes no further).
+fn handshake(
+    proxy: &support::Proxy,
+    path: &str,
+) -> tokio_tungstenite::tungstenite::handshake::client::Request {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let url = proxy.url(path).replace("http://", "ws://");
+    let mut request = url.into_client_request().unwrap();
+    let offer = "permessage-deflate; client_max_window_bits"
+        .parse()
+        .unwrap();
+    request
+        .headers_mut()
+        .insert("sec-websocket-extensions", offer);
+    request
 }
 
 async fn next(ws: &mut Client) -> Value {
@@ -322,7 +350,7 @@ async fn an_allowed_response_goes_out_as_it_came() {
         .map(|t| serde_json::from_str(t).unwrap())
         .collect();
     assert_eq!(received, sent);
-    // Nothing of fairgate's own went upstream.
+    // The client's offer of compression did not go upstream.
     assert!(
         upstream
             .extensions
@@ -900,4 +928,25 @@ async fn a_cancelled_responses_audio_is_not_released() {
     assert!(types.contains(&"response.output_audio_transcript.delta"));
     assert_eq!(events.last().unwrap()["response"]["status"], "cancelled");
     close(ws, proxy).await;
+}
+
+/// An upstream that takes an extension nobody offered it would send
+/// frames the guard cannot read: the handshake fails with 502.
+#[tokio::test]
+async fn an_upstream_that_takes_an_extension_unoffered_is_refused() {
+    let (addr, upstream) = Upstream::start().await;
+    upstream
+        .compress
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let proxy = proxy_for(addr).await;
+    let error = tokio_tungstenite::connect_async(handshake(&proxy, "/v1/realtime"))
+        .await
+        .unwrap_err();
+    let tokio_tungstenite::tungstenite::Error::Http(response) = error else {
+        panic!("expected an HTTP answer, got {error}");
+    };
+    assert_eq!(response.status(), 502);
+    let body: Value = serde_json::from_slice(response.body().as_deref().unwrap()).unwrap();
+    assert_eq!(body["error"]["code"], "upstream_error", "{body}");
+    proxy.stop().await;
 }
