@@ -288,7 +288,8 @@ pub struct RealtimeEvent<'a> {
     /// `response.create` (`response.input`) are prompt, read as the
     /// Responses API's input items (the Realtime API's have their
     /// shape): a function call's output is context; the tools of either
-    /// are definitions.
+    /// are definitions. The variables of a stored prompt that either
+    /// names (`prompt.variables`) are prompt, as in the Responses API.
     pub texts: Vec<Text<'a>>,
 }
 
@@ -314,11 +315,12 @@ pub fn read_realtime_event(body: &[u8]) -> Result<RealtimeEvent<'_>, ReadError> 
             }
             2 if reader.is_object()? => rest.input_item(reader),
             3 | 4 if reader.is_object()? => reader.object(
-                ["instructions", "input", "tools"],
+                ["instructions", "input", "tools", "prompt"],
                 |reader, key| match key {
                     0 => first.text(reader, Scope::Prompt),
                     1 => rest.responses_input(reader),
-                    _ => first.definitions(reader),
+                    2 => first.definitions(reader),
+                    _ => first.prompt_variables(reader),
                 },
             ),
             _ => Ok(()),
@@ -2175,6 +2177,19 @@ mod tests {
                 (Scope::Prompt, "Out of band".to_owned())
             ]
         );
+        // A stored prompt's variables, in a session or a response, are
+        // the user's words as in the Responses API.
+        for key in ["session", "response"] {
+            let event = json!({"type": "x", key: {"prompt": {"id": "pmpt_1", "variables": {
+                "question": "Which fund?", "doc": {"type": "input_text", "text": "Rates"}}}}});
+            assert_eq!(
+                realtime_texts(&event).2,
+                [
+                    (Scope::Prompt, "Rates".to_owned()),
+                    (Scope::Prompt, "Which fund?".to_owned())
+                ]
+            );
+        }
         let session = json!({"type": "session.update", "session": {
             "instructions": "You are a coach.",
             "tools": [{"type": "function", "name": "f", "description": "Looks up rates."}]}});

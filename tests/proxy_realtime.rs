@@ -407,7 +407,15 @@ async fn a_blocked_client_event_never_reaches_the_upstream() {
             "content": [{"type": "input_text", "text": prompt}]}]}});
     let in_session = json!({"type": "session.update", "event_id": "evt_9",
         "session": {"instructions": prompt}});
-    for (event, id) in [(in_response, "evt_8"), (in_session, "evt_9")] {
+    // And in the variables of a stored prompt, where apps put the user's
+    // words.
+    let in_variables = json!({"type": "session.update", "event_id": "evt_11",
+        "session": {"prompt": {"id": "pmpt_1", "variables": {"question": prompt}}}});
+    for (event, id) in [
+        (in_response, "evt_8"),
+        (in_session, "evt_9"),
+        (in_variables, "evt_11"),
+    ] {
         send(&mut ws, event.to_string()).await;
         let error = next(&mut ws).await;
         assert_eq!(error["error"]["code"], "content_filter", "{error}");
@@ -431,15 +439,15 @@ async fn a_blocked_client_event_never_reaches_the_upstream() {
     assert_eq!(received.len(), 1, "{received:?}");
     assert_eq!(received[0]["event_id"], "evt_10");
 
-    let results = proxy.wait_for_results(6).await;
-    assert_eq!(results.len(), 6);
+    let results = proxy.wait_for_results(7).await;
+    assert_eq!(results.len(), 7);
     let records = results.iter().map(|r| &r["exchange"]);
     assert!(
         records
             .clone()
             .all(|r| r["verdict"] == "block" && r["route"] == "realtime")
     );
-    assert_eq!(blocks(&proxy, "prompt").await, Some(6.0));
+    assert_eq!(blocks(&proxy, "prompt").await, Some(7.0));
     close(ws, proxy).await;
 }
 

@@ -2,9 +2,10 @@
 //! open at the base URL's `/realtime` (`/v1/realtime`; Azure OpenAI's
 //! `/openai/realtime` and `/openai/v1/realtime`), read event by event.
 //!
-//! **What the client sends.** A `session.update` (its instructions and
-//! tools), a `conversation.item.create` (the item it adds) and a
-//! `response.create` (its instructions, input items and tools) are
+//! **What the client sends.** A `session.update` (its instructions,
+//! tools and a stored prompt's variables), a `conversation.item.create`
+//! (the item it adds) and a `response.create` (the same, and its input
+//! items) are
 //! scanned as a request is, before they go upstream
 //! ([`exchange::read_realtime_event`]). A block keeps the event from the
 //! upstream and answers the client with the API's `error` event, of
