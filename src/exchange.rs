@@ -235,24 +235,28 @@ impl<'a> RequestBody<'a> {
     }
 }
 
-/// Whether `path` (after any prefix that ends with `/v1`) adds
+/// Whether `path` (after the API's root: any prefix that ends with `/v1` or `/openai`) adds
 /// items to a stored conversation, which a later response reads as its
 /// input: `/v1/conversations` (a new one, with its first `items`) or
 /// `/v1/conversations/{id}/items`.
 pub fn adds_conversation_items(path: &str) -> bool {
     matches!(
-        after_v1(path).as_deref(),
+        after_root(path).as_deref(),
         Some(["conversations"] | ["conversations", _, "items"])
     )
 }
 
-/// The segments of `path` after its last `v1` (whatever prefix comes
-/// before it), less a trailing slash;
-/// `None` when it has no `v1`.
-fn after_v1(path: &str) -> Option<Vec<&str>> {
+/// The segments of `path` after the API's root, less a trailing slash:
+/// its last `v1` or `openai` segment, whatever prefix comes before it.
+/// Azure OpenAI's classic paths have no `v1` (`/openai/responses/{id}`,
+/// `/openai/files/{id}/content`), nor have Gemini's
+/// (`/v1beta/openai/files`); `None` when it has neither.
+fn after_root(path: &str) -> Option<Vec<&str>> {
     let mut segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
-    let v1 = segments.iter().rposition(|segment| *segment == "v1")?;
-    segments.drain(..=v1);
+    let root = segments
+        .iter()
+        .rposition(|segment| matches!(*segment, "v1" | "openai"))?;
+    segments.drain(..=root);
     Some(segments)
 }
 
@@ -633,9 +637,10 @@ pub enum Stored {
 
 impl Stored {
     /// What a `GET` of `path` fetches, if it is a stored answer (after
-    /// any prefix that ends with `/v1`).
+    /// the API's root: any prefix that ends with `/v1` or
+    /// `/openai`).
     pub fn from_path(path: &str) -> Option<Stored> {
-        match after_v1(path)?.as_slice() {
+        match after_root(path)?.as_slice() {
             ["responses", _] => Some(Stored::Response),
             ["chat", "completions"] => Some(Stored::ChatCompletions),
             ["chat", "completions", _] => Some(Stored::ChatCompletion),
@@ -681,9 +686,10 @@ pub enum PartsStep {
 
 impl Batch {
     /// What a request of `method` to `path` is about, if batches (after
-    /// any prefix that ends with `/v1`).
+    /// the API's root: any prefix that ends with `/v1` or
+    /// `/openai`).
     pub fn from_request(method: &http::Method, path: &str) -> Option<Batch> {
-        let segments = after_v1(path)?;
+        let segments = after_root(path)?;
         let post = *method == http::Method::POST;
         let get = *method == http::Method::GET;
         match (segments.as_slice(), post, get) {
@@ -2082,6 +2088,15 @@ mod tests {
                 Some(Batch::Parts(PartsStep::Complete)),
             ),
             (Method::POST, "/v1/uploads/upload_1/cancel", None),
+            // Azure OpenAI's classic paths, and Gemini's, have no `v1`.
+            (
+                Method::GET,
+                "/openai/files/file-1/content",
+                Some(Batch::FileContent),
+            ),
+            (Method::POST, "/openai/files", Some(Batch::Upload)),
+            (Method::POST, "/v1beta/openai/files", Some(Batch::Upload)),
+            (Method::POST, "/v2/files", None),
         ];
         for (method, path, batch) in cases {
             assert_eq!(Batch::from_request(&method, path), batch, "{method} {path}");
@@ -2282,6 +2297,16 @@ mod tests {
             ("/v1/conversations/conv_1/items/msg_1", Some(Stored::Item)),
             ("/v1/conversations/conv_1", None),
             ("/openai/v1/responses/resp_1", Some(Stored::Response)),
+            // Azure OpenAI's classic paths, and Gemini's, have no `v1`.
+            ("/openai/responses/resp_1", Some(Stored::Response)),
+            (
+                "/openai/chat/completions/chatcmpl-1",
+                Some(Stored::ChatCompletion),
+            ),
+            (
+                "/v1beta/openai/chat/completions",
+                Some(Stored::ChatCompletions),
+            ),
             ("/v2/responses/resp_1", None),
             ("/v1/models", None),
         ] {

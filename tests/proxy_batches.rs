@@ -300,6 +300,10 @@ async fn an_openai_batch_output_file_is_scanned_and_other_files_pass_unread() {
     let refused = &lines_of(&got)[2]["response"]["body"]["choices"][0];
     assert_eq!(refused["finish_reason"], "content_filter");
     assert_eq!(refused["message"]["content"], Value::Null);
+    // The same on Azure OpenAI's classic path, which has no `v1`.
+    let azure = "/openai/files/file-1/content?api-version=2025-04-01-preview";
+    let (status, same) = fetch_lines(&proxy, azure, &jsonl(&lines)).await;
+    assert_eq!((status, same.unwrap()), (200, got.clone()));
 
     // The client's own files (a batch's input, a document) pass as they
     // are, whatever they say.
@@ -360,8 +364,12 @@ fn input(custom_id: &str, prompt: &str) -> Value {
 }
 
 async fn upload(proxy: &support::Proxy, form: String) -> reqwest::Response {
+    upload_to(proxy, "/v1/files", form).await
+}
+
+async fn upload_to(proxy: &support::Proxy, path: &str, form: String) -> reqwest::Response {
     client()
-        .post(proxy.url("/v1/files"))
+        .post(proxy.url(path))
         .header("content-type", "multipart/form-data; boundary=XyZ")
         .body(form)
         .send()
@@ -400,6 +408,11 @@ async fn an_openai_batch_input_upload_is_scanned_and_other_uploads_pass() {
         message.starts_with(r#"line 2 (custom_id "second"): "#),
         "{message}"
     );
+    assert!(mock.requests().is_empty());
+    // The same on Azure OpenAI's classic path, which has no `v1`.
+    let azure = "/openai/files?api-version=2025-04-01-preview";
+    let response = upload_to(&proxy, azure, upload_form("batch", &file)).await;
+    assert_eq!(response.status(), 400);
     assert!(mock.requests().is_empty());
     // A line that is not a request: the error names it and says why.
     let broken = format!(

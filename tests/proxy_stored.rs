@@ -62,6 +62,25 @@ async fn a_stored_answer_comes_back_as_its_refusal() {
     let body: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(body["choices"][0]["finish_reason"], "content_filter");
 
+    // Azure OpenAI's classic paths have no `v1`: the same answers are
+    // read there.
+    let (status, verdict, body) = fetch(
+        &proxy,
+        "/openai/responses/resp_mock?api-version=2025-04-01-preview",
+        &support::responses_body(HARMFUL, "completed"),
+    )
+    .await;
+    assert_eq!((status, verdict.as_str()), (200, "block"));
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let (status, verdict, body) = fetch(
+        &proxy,
+        "/openai/chat/completions/chatcmpl-1?api-version=2025-04-01-preview",
+        &completion(HARMFUL),
+    )
+    .await;
+    assert_eq!((status, verdict.as_str()), (200, "block"));
+    assert!(!body.contains("Dogecoin"), "{body}");
+
     let allowed = completion(HARMLESS);
     let (status, verdict, body) = fetch(&proxy, "/v1/chat/completions/chatcmpl-1", &allowed).await;
     assert_eq!((status, verdict.as_str()), (200, "allow"));
@@ -72,11 +91,11 @@ async fn a_stored_answer_comes_back_as_its_refusal() {
         &metrics,
         r#"fairgate_blocks_total{model="other",route="stored",scope="response"}"#,
     );
-    assert_eq!(blocks, Some(2.0), "{metrics}");
+    assert_eq!(blocks, Some(4.0), "{metrics}");
     let recent = proxy.recent_blocks().await;
     let listed: Vec<(&Value, &Value)> =
         recent.iter().map(|b| (&b["route"], &b["status"])).collect();
-    assert_eq!(listed, [(&json!("stored"), &json!(200)); 2], "{recent:?}");
+    assert_eq!(listed, [(&json!("stored"), &json!(200)); 4], "{recent:?}");
     proxy.stop().await;
 }
 
