@@ -246,6 +246,55 @@ pub fn adds_conversation_items(path: &str) -> bool {
     )
 }
 
+/// Whether `path` (after the API's root) sets up a Realtime session that
+/// will not pass through here: a key for a browser to connect with
+/// (`/v1/realtime/client_secrets`, the beta's `/v1/realtime/sessions` and
+/// `/v1/realtime/transcription_sessions`), a WebRTC call
+/// (`/v1/realtime/calls`) or the acceptance of a SIP call
+/// (`/v1/realtime/calls/{id}/accept`). What it configures, its
+/// instructions above all, is all of it the guard can read.
+pub fn sets_up_realtime(path: &str) -> bool {
+    matches!(
+        after_root(path).as_deref(),
+        Some(
+            [
+                "realtime",
+                "client_secrets" | "sessions" | "transcription_sessions" | "calls"
+            ] | ["realtime", "calls", _, "accept"]
+        )
+    )
+}
+
+/// Reads the session configuration of a request that sets up a Realtime
+/// session ([`sets_up_realtime`]): its instructions and a stored prompt's
+/// variables (prompt) and its tools (definitions), at the top level (a
+/// call's `session` field, an acceptance, the beta's sessions) or in its
+/// `session` (a client secret's). An error as for [`RequestBody::read`].
+pub fn read_realtime_setup(body: &[u8]) -> Result<BatchRequest<'_>, ReadError> {
+    let mut reader = Reader::bytes(body)?;
+    let mut texts = Texts::default();
+    let config = ["instructions", "tools", "prompt"];
+    if reader.is_object()? {
+        let keys = ["instructions", "tools", "prompt", "session"];
+        reader.object(keys, |reader, key| match key {
+            3 if reader.is_object()? => {
+                reader.object(config, |reader, key| texts.realtime_config(reader, key))
+            }
+            3 => Ok(()),
+            key => texts.realtime_config(reader, key),
+        })?;
+    }
+    reader.finish()?;
+    let params = RequestBody {
+        texts: texts.found,
+        ..RequestBody::default()
+    };
+    Ok(BatchRequest {
+        custom_id: None,
+        params,
+    })
+}
+
 /// The segments of `path` after the API's root, less a trailing slash:
 /// its last `v1` or `openai` segment, whatever prefix comes before it.
 /// Azure OpenAI's classic paths have no `v1` (`/openai/responses/{id}`,
@@ -1080,6 +1129,16 @@ impl<'a> Texts<'a> {
             Some("mcp_tool_result") => self.content(reader, Scope::Context),
             Some(kind) if kind.ends_with("_tool_result") => self.server_tool_result(reader),
             _ => reader.skip(),
+        }
+    }
+
+    /// A Realtime session's `instructions` (0), `tools` (1) or `prompt`
+    /// (2), as [`read_realtime_setup`] reads them.
+    fn realtime_config(&mut self, reader: &mut Reader<'a>, key: usize) -> Result<(), ReadError> {
+        match key {
+            0 => self.text(reader, Scope::Prompt),
+            1 => self.definitions(reader),
+            _ => self.prompt_variables(reader),
         }
     }
 
@@ -2154,6 +2213,45 @@ mod tests {
             .collect();
         let owned = |text: Option<Cow<str>>| text.map(Cow::into_owned);
         (owned(read.kind), owned(read.event_id), texts)
+    }
+
+    #[test]
+    fn realtime_setups_are_found_by_path_and_read_at_either_level() {
+        for (path, setup) in [
+            ("/v1/realtime/client_secrets", true),
+            ("/openai/v1/realtime/calls", true),
+            ("/v1/realtime/calls/rtc_1/accept", true),
+            ("/v1/realtime/sessions/", true),
+            ("/v1/realtime/calls/rtc_1/hangup", false),
+            ("/v1/realtime", false),
+            ("/v1/client_secrets", false),
+        ] {
+            assert_eq!(sets_up_realtime(path), setup, "{path}");
+        }
+        let nested = json!({"session": {"instructions": "Be kind.", "tools": [], "prompt": {
+            "id": "p", "variables": {"q": "Why?"}}}, "expires_after": {"seconds": 60}});
+        let top = nested["session"].to_string();
+        for body in [nested.to_string(), top] {
+            let read = read_realtime_setup(body.as_bytes()).unwrap();
+            let texts: Vec<_> = read
+                .params
+                .texts
+                .iter()
+                .map(|t| (t.scope, t.definition))
+                .collect();
+            assert_eq!(
+                texts,
+                [
+                    (Scope::Prompt, false),
+                    (Scope::Prompt, false),
+                    (Scope::Context, true)
+                ],
+                "{body}"
+            );
+            assert_eq!(read.params.texts[0].text, "Be kind.");
+            assert_eq!(read.params.texts[1].text, "Why?");
+        }
+        assert!(read_realtime_setup(b"v=0").is_err());
     }
 
     #[test]

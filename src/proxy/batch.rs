@@ -239,7 +239,7 @@ fn unreadable_form(request_id: &str) -> Response<ProxyBody> {
 
 /// The fields of a form (`multipart/form-data`), in order: each one's
 /// headers and data; as many as read before an error.
-async fn fields(form: &Bytes, boundary: &str) -> (Vec<(HeaderMap, Bytes)>, bool) {
+pub(super) async fn fields(form: &Bytes, boundary: &str) -> (Vec<(HeaderMap, Bytes)>, bool) {
     let form = form.clone();
     let stream = futures_util::stream::iter([Ok::<_, std::convert::Infallible>(form)]);
     let mut multipart = multer::Multipart::new(stream, boundary);
@@ -260,7 +260,7 @@ async fn fields(form: &Bytes, boundary: &str) -> (Vec<(HeaderMap, Bytes)>, bool)
 }
 
 /// The name a form field's `Content-Disposition` gives it.
-fn field_name(headers: &HeaderMap) -> Option<&str> {
+pub(super) fn field_name(headers: &HeaderMap) -> Option<&str> {
     let disposition = headers.get(header::CONTENT_DISPOSITION)?.to_str().ok()?;
     disposition.split(';').find_map(|part| {
         let value = part.trim().strip_prefix("name=")?;
@@ -331,8 +331,13 @@ async fn batch_input(
         return Ok(form);
     }
     *file = json::splice(file, &edits);
-    let mut out = BytesMut::with_capacity(form.len() + 64);
-    for (headers, data) in &fields {
+    Ok(form_of(&fields, boundary, form.len()))
+}
+
+/// A form (`multipart/form-data`) of `fields`, about `size` bytes long.
+pub(super) fn form_of(fields: &[(HeaderMap, Bytes)], boundary: &str, size: usize) -> Bytes {
+    let mut out = BytesMut::with_capacity(size + 64);
+    for (headers, data) in fields {
         out.extend_from_slice(format!("--{boundary}\r\n").as_bytes());
         for (name, value) in headers {
             out.extend_from_slice(name.as_str().as_bytes());
@@ -345,7 +350,7 @@ async fn batch_input(
         out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
-    Ok(out.freeze())
+    out.freeze()
 }
 
 /// Texts a redaction rewrites: where each lies and its new value.

@@ -781,6 +781,7 @@ async fn handle(
         Reading::Feedback => feedback(state, req, request_id).await,
         Reading::Stored(stored) => stored::fetch(state, req, stored, request_id).await,
         Reading::ConversationItems => stored::add_items(state, req, request_id).await,
+        Reading::RealtimeSetup => realtime::setup(state, req, request_id).await,
         Reading::Batch(batch) => batch::handle(state, req, batch, request_id).await,
         Reading::Passed => passthrough(state, req, request_id).await,
     }
@@ -799,6 +800,8 @@ enum Reading {
     Stored(Stored),
     /// `POST` of items to a stored conversation.
     ConversationItems,
+    /// `POST` that sets up a Realtime session held elsewhere.
+    RealtimeSetup,
     /// A request about batches.
     Batch(Batch),
     /// Anything else, passed through unread.
@@ -816,6 +819,9 @@ impl Reading {
             }
             if exchange::adds_conversation_items(path) {
                 return Reading::ConversationItems;
+            }
+            if exchange::sets_up_realtime(path) {
+                return Reading::RealtimeSetup;
             }
         } else if *method == Method::GET
             && let Some(stored) = Stored::from_path(path)

@@ -64,13 +64,20 @@
 //! prompt the client sent since the response before it), as is each
 //! blocked client event; a response the session's end cuts off is
 //! recorded with what had come of it.
+//!
+//! A session held elsewhere (a browser's, with a key from
+//! `/v1/realtime/client_secrets`; a WebRTC or SIP call) is seen only as it
+//! is set up: [`setup`] scans its configuration as a prompt.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
+use http::{Request, Response, header};
+use hyper::body::Incoming;
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
@@ -79,10 +86,12 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
+use super::batch::{self, Refusal, scan_counted_as};
 use super::respond;
-use super::{Ending, RecordDraft, State};
+use super::{Ending, ProxyBody, ReadRequest, RecordDraft, State};
 use crate::exchange::{self, Dialect};
 use crate::guard::{self, block_message, rule_ids};
+use crate::json;
 use crate::record::{ClientMeta, StreamEnd, Usage, now_ms};
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::{Action, Hit, RuleSet, Scope, redact};
@@ -124,6 +133,81 @@ impl Handshake {
         }
         model
     }
+}
+
+/// Sets up a Realtime session that will not pass through here
+/// ([`exchange::sets_up_realtime`]: a browser's key, a WebRTC call, a SIP
+/// call's acceptance). Its configuration is scanned as a prompt: a block
+/// refuses the request with the 400 of a blocked prompt (naming the
+/// `session`), a redaction rewrites it. A call's configuration is the
+/// `session` field of its form; an SDP offer alone has none.
+pub(super) async fn setup(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let boundary = batch::form_boundary(req.headers());
+    let json = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_none_or(|v| v.as_bytes().starts_with(b"application/json"));
+    let read = match ReadRequest::of(state, req, dialect, request_id).await {
+        Ok(read) => read,
+        Err(answer) => return answer,
+    };
+    let body = if let Some(boundary) = boundary {
+        let (mut fields, complete) = batch::fields(&read.bytes, &boundary).await;
+        let session = fields
+            .iter_mut()
+            .find(|(headers, _)| batch::field_name(headers) == Some("session"));
+        match session {
+            Some((_, session)) if complete => match judge(state, &read, session, request_id) {
+                Ok(Some(judged)) => {
+                    *session = judged;
+                    batch::form_of(&fields, &boundary, read.bytes.len())
+                }
+                Ok(None) => read.bytes.clone(),
+                Err(refused) => return *refused,
+            },
+            // A broken form goes up as it came: the API answers it.
+            _ => read.bytes.clone(),
+        }
+    } else if json {
+        match judge(state, &read, &read.bytes, request_id) {
+            Ok(judged) => judged.unwrap_or_else(|| read.bytes.clone()),
+            Err(refused) => return *refused,
+        }
+    } else {
+        read.bytes.clone()
+    };
+    match read.send(state, body, false).await {
+        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Err(failure) => respond::failure(dialect, failure, request_id),
+    }
+}
+
+/// A session configuration scanned: `None` when it goes up as it came,
+/// its redacted text, or the answer that refuses it.
+fn judge(
+    state: &State,
+    read: &ReadRequest,
+    config: &Bytes,
+    request_id: &str,
+) -> Result<Option<Bytes>, Box<Response<ProxyBody>>> {
+    let dialect = Dialect::OpenAi;
+    let setup = exchange::read_realtime_setup(config).map_err(|error| {
+        let what = "The session's configuration";
+        Box::new(respond::unreadable(dialect, &error, Some(what), request_id))
+    })?;
+    let rules = state.rules.snapshot();
+    let counted = (ROUTE, Some(400));
+    let scan = scan_counted_as(state, &rules, &read.upstream, counted, &setup, request_id);
+    let (hits, decision) = (&scan.verdict.hits, scan.verdict.decision);
+    if let Some(refusal) = Refusal::of_block(&setup, hits, decision) {
+        return Err(Box::new(refusal.respond(dialect, "session", request_id)));
+    }
+    Ok((!scan.edits.is_empty()).then(|| json::splice(config, &scan.edits)))
 }
 
 type Socket = WebSocketStream<TokioIo<Upgraded>>;
