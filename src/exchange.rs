@@ -666,15 +666,17 @@ impl<'a> ResponseBody<'a> {
     }
 }
 
-/// A `GET` whose answer holds model output stored by the API (OpenAI's
+/// A request whose answer holds model output stored by the API (OpenAI's
 /// stored responses, chat completions and conversations): read as a
 /// response is, so that what the rules block when it is made cannot be
 /// fetched later.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stored {
-    /// `GET /v1/responses/{id}`
+    /// `GET /v1/responses/{id}`, and `POST /v1/responses/{id}/cancel`,
+    /// which answers with the response as far as it got.
     Response,
-    /// `GET /v1/chat/completions/{id}`
+    /// `GET /v1/chat/completions/{id}`, and `POST` there, which updates
+    /// its metadata and answers with the whole completion.
     ChatCompletion,
     /// `GET /v1/chat/completions`: a list of them.
     ChatCompletions,
@@ -685,16 +687,21 @@ pub enum Stored {
 }
 
 impl Stored {
-    /// What a `GET` of `path` fetches, if it is a stored answer (after
-    /// the API's root: any prefix that ends with `/v1` or
+    /// What a request of `method` to `path` answers with, if a stored
+    /// answer (after the API's root: any prefix that ends with `/v1` or
     /// `/openai`).
-    pub fn from_path(path: &str) -> Option<Stored> {
-        match after_root(path)?.as_slice() {
-            ["responses", _] => Some(Stored::Response),
-            ["chat", "completions"] => Some(Stored::ChatCompletions),
-            ["chat", "completions", _] => Some(Stored::ChatCompletion),
-            ["conversations", _, "items"] => Some(Stored::Items),
-            ["conversations", _, "items", _] => Some(Stored::Item),
+    pub fn from_request(method: &http::Method, path: &str) -> Option<Stored> {
+        let get = *method == http::Method::GET;
+        let post = *method == http::Method::POST;
+        match (after_root(path)?.as_slice(), get, post) {
+            (["responses", _], true, _) => Some(Stored::Response),
+            (["responses", _, "cancel"], _, true) => Some(Stored::Response),
+            (["chat", "completions"], true, _) => Some(Stored::ChatCompletions),
+            (["chat", "completions", _], true, _) | (["chat", "completions", _], _, true) => {
+                Some(Stored::ChatCompletion)
+            }
+            (["conversations", _, "items"], true, _) => Some(Stored::Items),
+            (["conversations", _, "items", _], true, _) => Some(Stored::Item),
             _ => None,
         }
     }
@@ -2380,6 +2387,7 @@ mod tests {
 
     #[test]
     fn stored_answers_are_read_as_responses() {
+        use http::Method;
         for (path, stored) in [
             ("/v1/responses/resp_1", Some(Stored::Response)),
             ("/v1/responses/resp_1/", Some(Stored::Response)),
@@ -2408,7 +2416,31 @@ mod tests {
             ("/v2/responses/resp_1", None),
             ("/v1/models", None),
         ] {
-            assert_eq!(Stored::from_path(path), stored, "{path}");
+            assert_eq!(Stored::from_request(&Method::GET, path), stored, "{path}");
+        }
+        // A cancel answers with the response, a metadata update with the
+        // completion; the other methods' answers hold no output.
+        for (method, path, stored) in [
+            (
+                Method::POST,
+                "/v1/responses/resp_1/cancel",
+                Some(Stored::Response),
+            ),
+            (Method::GET, "/v1/responses/resp_1/cancel", None),
+            (Method::POST, "/v1/responses/resp_1", None),
+            (
+                Method::POST,
+                "/v1/chat/completions/chatcmpl-1",
+                Some(Stored::ChatCompletion),
+            ),
+            (Method::DELETE, "/v1/chat/completions/chatcmpl-1", None),
+            (Method::POST, "/v1/conversations/conv_1/items", None),
+        ] {
+            assert_eq!(
+                Stored::from_request(&method, path),
+                stored,
+                "{method} {path}"
+            );
         }
         let message = |role: &str, text: &str| json!({"type": "message", "role": role, "content": [{"type": "output_text", "text": text}]});
         let completion = |text: &str| json!({"choices": [{"message": {"content": text}}]});

@@ -38,7 +38,7 @@ fn message(role: &str, text: &str) -> Value {
 
 #[tokio::test]
 async fn a_stored_answer_comes_back_as_its_refusal() {
-    let (_mock, proxy) = start().await;
+    let (mock, proxy) = start().await;
     let (status, verdict, body) = fetch(
         &proxy,
         "/v1/responses/resp_mock",
@@ -81,6 +81,35 @@ async fn a_stored_answer_comes_back_as_its_refusal() {
     assert_eq!((status, verdict.as_str()), (200, "block"));
     assert!(!body.contains("Dogecoin"), "{body}");
 
+    // A background response cancelled answers with what it got to, and
+    // a completion's metadata updated answers with the completion: read
+    // as their fetches are.
+    let cancelled = support::responses_body(HARMFUL, "cancelled");
+    let script = json!({"raw_json": cancelled.to_string()});
+    let response = proxy
+        .post("/v1/responses/resp_mock/cancel", script, &json!({}))
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "block");
+    let body = response.text().await.unwrap();
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let script = json!({"raw_json": completion(HARMFUL).to_string()});
+    let update = json!({"metadata": {"reviewed": "yes"}});
+    let response = proxy
+        .post("/v1/chat/completions/chatcmpl-1", script, &update)
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "block");
+    let body = response.text().await.unwrap();
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let sent = mock.requests();
+    let last = sent.last().unwrap();
+    assert_eq!(
+        (last.path.as_str(), last.body.as_str()),
+        (
+            "/v1/chat/completions/chatcmpl-1",
+            update.to_string().as_str()
+        )
+    );
+
     let allowed = completion(HARMLESS);
     let (status, verdict, body) = fetch(&proxy, "/v1/chat/completions/chatcmpl-1", &allowed).await;
     assert_eq!((status, verdict.as_str()), (200, "allow"));
@@ -91,11 +120,11 @@ async fn a_stored_answer_comes_back_as_its_refusal() {
         &metrics,
         r#"fairgate_blocks_total{model="other",route="stored",scope="response"}"#,
     );
-    assert_eq!(blocks, Some(4.0), "{metrics}");
+    assert_eq!(blocks, Some(6.0), "{metrics}");
     let recent = proxy.recent_blocks().await;
     let listed: Vec<(&Value, &Value)> =
         recent.iter().map(|b| (&b["route"], &b["status"])).collect();
-    assert_eq!(listed, [(&json!("stored"), &json!(200)); 4], "{recent:?}");
+    assert_eq!(listed, [(&json!("stored"), &json!(200)); 6], "{recent:?}");
     proxy.stop().await;
 }
 

@@ -796,7 +796,7 @@ enum Reading {
     Guarded(Endpoint),
     /// fairgate's own `POST /v1/feedback`.
     Feedback,
-    /// `GET` of an answer the API stored.
+    /// A request answered with an answer the API stored.
     Stored(Stored),
     /// `POST` of items to a stored conversation.
     ConversationItems,
@@ -823,9 +823,8 @@ impl Reading {
             if exchange::sets_up_realtime(path) {
                 return Reading::RealtimeSetup;
             }
-        } else if *method == Method::GET
-            && let Some(stored) = Stored::from_path(path)
-        {
+        }
+        if let Some(stored) = Stored::from_request(method, path) {
             return Reading::Stored(stored);
         }
         Batch::from_request(method, path).map_or(Reading::Passed, Reading::Batch)

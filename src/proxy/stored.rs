@@ -1,6 +1,8 @@
 //! `GET`s of answers the API stored (OpenAI's stored responses, chat
-//! completions and conversation items): relayed as the answers were when
-//! they were made, after the same response scan. Without it a client
+//! completions and conversation items), and the `POST`s answered with
+//! one (a response's cancel, a chat completion's metadata update):
+//! relayed as the answers were when they were made, after the same
+//! response scan. Without it a client
 //! could fetch, by its id, a response whose creation fairgate refused.
 //! And the items a client adds to a stored conversation ([`add_items`]),
 //! read as a response's input: a later response reads them without their

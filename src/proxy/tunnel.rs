@@ -56,7 +56,7 @@ pub fn is_websocket(headers: &HeaderMap) -> bool {
 /// carry past the rules what they stop in an HTTP exchange.
 fn is_guarded(method: &http::Method, path: &str) -> bool {
     Endpoint::from_path(path).is_some()
-        || Stored::from_path(path).is_some()
+        || Stored::from_request(method, path).is_some()
         || Batch::from_request(method, path).is_some()
 }
 
