@@ -299,14 +299,41 @@ pub fn read_realtime_setup(body: &[u8]) -> Result<BatchRequest<'_>, ReadError> {
 /// its last `v1` or `openai` segment, whatever prefix comes before it.
 /// Azure OpenAI's classic paths have no `v1` (`/openai/responses/{id}`,
 /// `/openai/files/{id}/content`), nor have Gemini's
-/// (`/v1beta/openai/files`); `None` when it has neither.
-fn after_root(path: &str) -> Option<Vec<&str>> {
-    let mut segments: Vec<&str> = path.trim_end_matches('/').split('/').collect();
-    let root = segments
-        .iter()
-        .rposition(|segment| matches!(*segment, "v1" | "openai"))?;
-    segments.drain(..=root);
-    Some(segments)
+/// (`/v1beta/openai/files`); `None` when it has neither, or more segments
+/// after it than any path read here has ([`ROOTED`]). Read from the end,
+/// without allocating: every request that is not an exchange asks.
+fn after_root(path: &str) -> Option<Rooted<'_>> {
+    let mut rooted = Rooted {
+        segments: [""; ROOTED],
+        len: 0,
+    };
+    for segment in path.trim_end_matches('/').rsplit('/') {
+        if matches!(segment, "v1" | "openai") {
+            rooted.segments[..rooted.len].reverse();
+            return Some(rooted);
+        }
+        *rooted.segments.get_mut(rooted.len)? = segment;
+        rooted.len += 1;
+    }
+    None
+}
+
+/// The most segments after the API's root of a path read here
+/// (`/v1/uploads/{id}/parts`: 3; `/v1/conversations/{id}/items/{id}`: 4).
+const ROOTED: usize = 4;
+
+/// The segments of a path after the API's root ([`after_root`]).
+struct Rooted<'a> {
+    segments: [&'a str; ROOTED],
+    len: usize,
+}
+
+impl<'a> std::ops::Deref for Rooted<'a> {
+    type Target = [&'a str];
+
+    fn deref(&self) -> &[&'a str] {
+        &self.segments[..self.len]
+    }
 }
 
 /// Reads the `items` a request adds to a conversation, as the Responses
@@ -693,7 +720,7 @@ impl Stored {
     pub fn from_request(method: &http::Method, path: &str) -> Option<Stored> {
         let get = *method == http::Method::GET;
         let post = *method == http::Method::POST;
-        match (after_root(path)?.as_slice(), get, post) {
+        match (&*after_root(path)?, get, post) {
             (["responses", _], true, _) => Some(Stored::Response),
             (["responses", _, "cancel"], _, true) => Some(Stored::Response),
             (["chat", "completions"], true, _) => Some(Stored::ChatCompletions),
@@ -748,7 +775,7 @@ impl Batch {
         let segments = after_root(path)?;
         let post = *method == http::Method::POST;
         let get = *method == http::Method::GET;
-        match (segments.as_slice(), post, get) {
+        match (&*segments, post, get) {
             (["messages", "batches"], true, _) => Some(Batch::Create),
             (["messages", "batches"] | ["messages", "batches", _], _, true) => Some(Batch::Objects),
             (["messages", "batches", _, "cancel"], true, _) => Some(Batch::Objects),
@@ -2413,6 +2440,9 @@ mod tests {
                 "/v1beta/openai/chat/completions",
                 Some(Stored::ChatCompletions),
             ),
+            ("/api/gw/eu/v1/responses/resp_1", Some(Stored::Response)),
+            ("/v1/conversations/conv_1/items/msg_1/x", None),
+            ("/v1/a/b/c/v1/responses/resp_1", Some(Stored::Response)),
             ("/v2/responses/resp_1", None),
             ("/v1/models", None),
         ] {
