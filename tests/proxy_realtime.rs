@@ -1049,6 +1049,32 @@ async fn a_session_set_up_for_elsewhere_has_its_configuration_scanned() {
         .await
         .unwrap();
     assert_eq!(response.status(), 400);
+    // Every `session` field is read, whichever the API would take.
+    let twice = form(&json!({"instructions": "Be brief."})).replace(
+        "--XyZ--\r\n",
+        &format!(
+            "--XyZ\r\ncontent-disposition: form-data; name=\"session\"\r\n\r\n{}\r\n--XyZ--\r\n",
+            json!({"instructions": attack})
+        ),
+    );
+    let response = call(twice).await.unwrap();
+    assert_eq!(response.status(), 400);
+    // A form that does not read to its end is refused, not sent on.
+    let broken = form(&json!({"instructions": "Be brief."})).replace("--XyZ--\r\n", "");
+    let response = call(broken).await.unwrap();
+    assert_eq!(response.status(), 400);
+    let answer: Value = response.json().await.unwrap();
+    assert_eq!(answer["error"]["code"], "invalid_form", "{answer}");
+    // A body is read as JSON whatever its content type says.
+    let body = json!({"session": {"instructions": attack}});
+    let response = support::client()
+        .post(proxy.url("/v1/realtime/client_secrets"))
+        .header("content-type", "text/plain")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
     assert!(mock.requests().is_empty(), "no blocked setup went up");
 
     // A redaction rewrites the configuration, in a body and in a form.
@@ -1088,6 +1114,6 @@ async fn a_session_set_up_for_elsewhere_has_its_configuration_scanned() {
         &metrics,
         r#"fairgate_blocks_total{model="other",route="realtime",scope="prompt"}"#,
     );
-    assert_eq!(blocks, Some(4.0), "{metrics}");
+    assert_eq!(blocks, Some(6.0), "{metrics}");
     proxy.stop().await;
 }

@@ -148,38 +148,48 @@ pub(super) async fn setup(
 ) -> Response<ProxyBody> {
     let dialect = Dialect::OpenAi;
     let boundary = batch::form_boundary(req.headers());
-    let json = req
+    let sdp = req
         .headers()
         .get(header::CONTENT_TYPE)
-        .is_none_or(|v| v.as_bytes().starts_with(b"application/json"));
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/sdp"));
     let read = match ReadRequest::of(state, req, dialect, request_id).await {
         Ok(read) => read,
         Err(answer) => return answer,
     };
     let body = if let Some(boundary) = boundary {
         let (mut fields, complete) = batch::fields(&read.bytes, &boundary).await;
-        let session = fields
-            .iter_mut()
-            .find(|(headers, _)| batch::field_name(headers) == Some("session"));
-        match session {
-            Some((_, session)) if complete => match judge(state, &read, session, request_id) {
-                Ok(Some(judged)) => {
-                    *session = judged;
-                    batch::form_of(&fields, &boundary, read.bytes.len())
-                }
-                Ok(None) => read.bytes.clone(),
-                Err(refused) => return *refused,
-            },
-            // A broken form goes up as it came: the API answers it.
-            _ => read.bytes.clone(),
+        if !complete {
+            // What the API would read of it cannot be told.
+            return respond::invalid_request(
+                "The form could not be read to its end, so the session it configures was not read.",
+                "invalid_form",
+                request_id,
+            );
         }
-    } else if json {
+        let mut judged = false;
+        let sessions = fields
+            .iter_mut()
+            .filter(|(headers, _)| batch::field_name(headers) == Some("session"));
+        for (_, session) in sessions {
+            match judge(state, &read, session, request_id) {
+                Ok(Some(redacted)) => (*session, judged) = (redacted, true),
+                Ok(None) => {}
+                Err(refused) => return *refused,
+            }
+        }
+        match judged {
+            true => batch::form_of(&fields, &boundary, read.bytes.len()),
+            false => read.bytes.clone(),
+        }
+    } else if sdp {
+        // An offer alone: the session takes its defaults.
+        read.bytes.clone()
+    } else {
+        // Read as JSON whatever the content type says: the API may.
         match judge(state, &read, &read.bytes, request_id) {
             Ok(judged) => judged.unwrap_or_else(|| read.bytes.clone()),
             Err(refused) => return *refused,
         }
-    } else {
-        read.bytes.clone()
     };
     match read.send(state, body, false).await {
         Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
