@@ -1024,12 +1024,7 @@ async fn a_session_set_up_for_elsewhere_has_its_configuration_scanned() {
     ];
     for (path, body) in &blocked {
         let response = proxy.post(path, json!({}), body).await;
-        assert_eq!(response.status(), 400, "{path}");
-        assert_eq!(response.headers()["x-should-retry"], "false");
-        let answer: Value = response.json().await.unwrap();
-        assert_eq!(answer["error"]["code"], "content_filter", "{answer}");
-        let message = answer["error"]["message"].as_str().unwrap();
-        assert!(message.starts_with("session: "), "{message}");
+        support::assert_refused_at(response, "session").await;
     }
     // A WebRTC call's form: its `session` field is read, its SDP offer
     // is not.

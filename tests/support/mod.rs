@@ -736,6 +736,17 @@ pub async fn start_proxy_state_without_pipeline(state: State) -> Proxy {
 }
 
 /// The `x-fairgate-request-id` of a response of the proxy.
+/// Asserts that `response` refuses a request with the 400 of a blocked
+/// prompt, its message naming `place` (`items`, `session`).
+pub async fn assert_refused_at(response: reqwest::Response, place: &str) {
+    assert_eq!(response.status(), 400, "{place}");
+    assert_eq!(response.headers()["x-should-retry"], "false");
+    let answer: Value = response.json().await.unwrap();
+    assert_eq!(answer["error"]["code"], "content_filter", "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with(&format!("{place}: ")), "{message}");
+}
+
 pub fn request_id(response: &reqwest::Response) -> String {
     response.headers()["x-fairgate-request-id"]
         .to_str()
