@@ -254,20 +254,27 @@ pub struct GuardConfig {
     /// `[documents]`, the text between `<documents>` and `</documents>` in a
     /// user or system message is scanned as context, not prompt.
     pub context_tags: Vec<String>,
-    /// What to do with a request to upgrade the connection (a WebSocket,
-    /// such as OpenAI's Realtime API), which fairgate does not scan.
+    /// What to do with sessions: a request to upgrade the connection (a
+    /// WebSocket), and a Realtime API session set up to be held
+    /// elsewhere.
     pub upgrades: Upgrades,
 }
 
-/// Connection upgrades (WebSocket sessions): taken, or refused.
+/// Sessions (WebSockets, and Realtime API sessions held elsewhere):
+/// taken, taken only when the guard reads them, or refused. What is
+/// refused is answered with 403 `upgrade_refused`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Upgrades {
-    /// A Realtime API session guarded event by event; any other relayed as
-    /// a byte tunnel, as every other unguarded path is.
+    /// A Realtime API session guarded event by event; any other WebSocket
+    /// relayed as a byte tunnel, as every other unguarded path is; a
+    /// session held elsewhere set up with its configuration scanned.
     Tunnel,
-    /// Answered with 403 `upgrade_refused`, so that no session goes
-    /// around the guard.
+    /// Only the sessions the guard reads: Realtime API sessions through
+    /// fairgate. Other WebSockets, and the setups of sessions held
+    /// elsewhere (a browser's key, a WebRTC or SIP call), are refused.
+    Guarded,
+    /// Every session refused, so that none goes around the rules.
     Refuse,
 }
 

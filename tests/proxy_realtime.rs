@@ -1112,3 +1112,45 @@ async fn a_session_set_up_for_elsewhere_has_its_configuration_scanned() {
     assert_eq!(blocks, Some(6.0), "{metrics}");
     proxy.stop().await;
 }
+
+/// With `guard.upgrades: guarded` only the sessions the guard reads are
+/// taken: a Realtime session through the proxy. Any other WebSocket, and
+/// a session set up to be held elsewhere, is refused; with `refuse`,
+/// every one.
+#[tokio::test]
+async fn guarded_upgrades_take_only_the_sessions_the_guard_reads() {
+    use fairgate::config::Upgrades;
+    let (addr, upstream) = Upstream::start().await;
+    let mut settings = config(&format!("http://{addr}"), Path::new("rules"));
+    settings.guard.upgrades = Upgrades::Guarded;
+    let proxy = start_proxy(settings.clone()).await;
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, user_item("What is a budget?", "evt_1")).await;
+    assert_eq!(upstream_took(&upstream, 1).await.len(), 1);
+
+    let url = proxy.url("/v1/live").replace("http://", "ws://");
+    let error = tokio_tungstenite::connect_async(url).await.unwrap_err();
+    let tokio_tungstenite::tungstenite::Error::Http(response) = error else {
+        panic!("expected an HTTP answer, got {error}");
+    };
+    assert_eq!(response.status(), 403);
+
+    let body = json!({"session": {"type": "realtime", "instructions": "Be brief."}});
+    let setup = |proxy: &support::Proxy| {
+        support::client()
+            .post(proxy.url("/v1/realtime/client_secrets"))
+            .json(&body)
+            .send()
+    };
+    let response = setup(&proxy).await.unwrap();
+    assert_eq!(response.status(), 403);
+    let answer: Value = response.json().await.unwrap();
+    assert_eq!(answer["error"]["code"], "upgrade_refused", "{answer}");
+    close(ws, proxy).await;
+
+    settings.guard.upgrades = Upgrades::Refuse;
+    let proxy = start_proxy(settings).await;
+    let response = setup(&proxy).await.unwrap();
+    assert_eq!(response.status(), 403);
+    proxy.stop().await;
+}

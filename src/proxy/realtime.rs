@@ -87,8 +87,9 @@ use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
 use super::batch::{self, Refusal, scan_counted_as};
-use super::respond;
+use super::respond::{self, Failure};
 use super::{Ending, ProxyBody, ReadRequest, RecordDraft, State};
+use crate::config::Upgrades;
 use crate::exchange::{self, Dialect};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json;
@@ -140,13 +141,18 @@ impl Handshake {
 /// call's acceptance). Its configuration is scanned as a prompt: a block
 /// refuses the request with the 400 of a blocked prompt (naming the
 /// `session`), a redaction rewrites it. A call's configuration is the
-/// `session` field of its form; an SDP offer alone has none.
+/// `session` field of its form; an SDP offer alone has none. Refused
+/// with 403 `upgrade_refused` unless `guard.upgrades` is `tunnel`.
 pub(super) async fn setup(
     state: &Arc<State>,
     req: Request<Incoming>,
     request_id: &str,
 ) -> Response<ProxyBody> {
     let dialect = Dialect::OpenAi;
+    if state.config.guard.upgrades != Upgrades::Tunnel {
+        // Nothing said in it would be read.
+        return respond::failure(dialect, Failure::UpgradeRefused, request_id);
+    }
     let boundary = batch::form_boundary(req.headers());
     let sdp = req
         .headers()

@@ -39,7 +39,8 @@ pub enum Failure {
     /// read as different requests.
     AmbiguousPath,
     /// A WebSocket on a guarded path, or anywhere with `guard.upgrades:
-    /// refuse`.
+    /// refuse` (with `guarded`, any but a Realtime API session's); with
+    /// either, the setup of a Realtime session held elsewhere.
     UpgradeRefused,
     /// fairgate itself failed (a panic) while handling the request.
     Fault,
@@ -105,7 +106,7 @@ impl Failure {
                 "The request path has empty or dot segments, percent-encoded characters or ';' parameters, and an API may read it as a path this gateway guards; send the path in its plain form."
             }
             Failure::UpgradeRefused => {
-                "This gateway does not scan WebSocket sessions, so it refuses them on the paths it guards, and on every path with guard.upgrades: refuse."
+                "This gateway refuses sessions it would not read: WebSockets on the paths it guards as HTTP; with guard.upgrades: guarded, every WebSocket but a Realtime API session's and every Realtime session set up to be held elsewhere; with refuse, every session."
             }
             Failure::Fault => {
                 "This gateway failed while handling the request (an internal fault, logged under the request's ID); nothing past the fault was relayed."

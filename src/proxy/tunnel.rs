@@ -17,8 +17,9 @@
 //! read event by event by [`realtime`]; what goes through any other
 //! tunnel is not scanned. So a WebSocket on a path the guard reads as
 //! HTTP (a Responses API session at `/v1/responses`, say) is refused with
-//! 403 `upgrade_refused`, and `guard.upgrades: refuse` refuses every one,
-//! for deployments where no session may go around the rules.
+//! 403 `upgrade_refused`; `guard.upgrades: guarded` refuses every one but
+//! a Realtime API session's, for deployments where no session may go
+//! around the rules, and `refuse` every one.
 
 use std::sync::Arc;
 
@@ -75,6 +76,9 @@ pub async fn relay(
     // as one: the upstream may serve it so.
     let realtime =
         realtime::is_realtime(path) || plain_path(path).is_some_and(|p| realtime::is_realtime(&p));
+    if state.config.guard.upgrades == Upgrades::Guarded && !realtime {
+        return respond::failure(dialect, Failure::UpgradeRefused, request_id);
+    }
     let Some(route) = state.config.route(path, None) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
