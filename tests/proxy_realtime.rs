@@ -287,6 +287,19 @@ async fn until(ws: &mut Client, last: &str) -> Vec<String> {
     }
 }
 
+/// Messages as JSON events.
+fn parsed(texts: &[String]) -> Vec<Value> {
+    texts
+        .iter()
+        .map(|t| serde_json::from_str(t).unwrap())
+        .collect()
+}
+
+/// The `type` of each event.
+fn types_of(events: &[Value]) -> Vec<&str> {
+    events.iter().map(|e| e["type"].as_str().unwrap()).collect()
+}
+
 /// Closes the session, then stops the proxy (which would wait for an
 /// open session).
 async fn close(ws: Client, proxy: support::Proxy) {
@@ -345,10 +358,7 @@ async fn an_allowed_response_goes_out_as_it_came() {
     }
     assert_eq!(until(&mut ws, "rate_limits.updated").await, script);
     let received = upstream_took(&upstream, 3).await;
-    let sent: Vec<Value> = sent
-        .iter()
-        .map(|t| serde_json::from_str(t).unwrap())
-        .collect();
+    let sent = parsed(&sent);
     assert_eq!(received, sent);
     // The client's offer of compression did not go upstream.
     assert!(
@@ -495,11 +505,8 @@ async fn a_blocked_answer_reaches_the_client_only_as_content_filter() {
             assert!(!text.contains("Dogecoin"), "round {i}: {text}");
             assert!(!text.contains("all your"), "round {i}: {text}");
         }
-        let events: Vec<Value> = texts
-            .iter()
-            .map(|t| serde_json::from_str(t).unwrap())
-            .collect();
-        let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        let events = parsed(&texts);
+        let types = types_of(&events);
         assert_eq!(
             types,
             ["response.created", "response.done", "rate_limits.updated"],
@@ -547,10 +554,7 @@ async fn redactions_rewrite_text_and_block_audio() {
     let mut ws = connect(&proxy).await;
     send(&mut ws, json!({"type": "response.create"}).to_string()).await;
     let texts = until(&mut ws, "rate_limits.updated").await;
-    let events: Vec<Value> = texts
-        .iter()
-        .map(|t| serde_json::from_str(t).unwrap())
-        .collect();
+    let events = parsed(&texts);
     let deltas: Vec<&Value> = events
         .iter()
         .filter(|e| e["type"] == "response.output_text.delta")
@@ -758,11 +762,8 @@ async fn a_response_past_the_hold_limit_is_cancelled() {
     let mut ws = connect(&proxy).await;
     send(&mut ws, json!({"type": "response.create"}).to_string()).await;
     let texts = until(&mut ws, "response.done").await;
-    let events: Vec<Value> = texts
-        .iter()
-        .map(|t| serde_json::from_str(t).unwrap())
-        .collect();
-    let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    let events = parsed(&texts);
+    let types = types_of(&events);
     assert_eq!(types, ["response.created", "response.done"], "{texts:?}");
     let done = &events[1]["response"];
     assert_eq!(done["status"], "failed");
@@ -927,11 +928,8 @@ async fn a_cancelled_responses_audio_is_not_released() {
     let mut ws = connect(&proxy).await;
     send(&mut ws, json!({"type": "response.create"}).to_string()).await;
     let texts = until(&mut ws, "response.done").await;
-    let events: Vec<Value> = texts
-        .iter()
-        .map(|t| serde_json::from_str(t).unwrap())
-        .collect();
-    let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    let events = parsed(&texts);
+    let types = types_of(&events);
     assert!(!types.contains(&"response.output_audio.delta"), "{types:?}");
     assert!(types.contains(&"response.output_audio_transcript.delta"));
     assert_eq!(events.last().unwrap()["response"]["status"], "cancelled");
@@ -979,11 +977,8 @@ async fn a_blocked_transcript_of_the_users_audio_stops_the_answer() {
     let mut ws = connect(&proxy).await;
     send(&mut ws, json!({"type": "response.create"}).to_string()).await;
     let texts = until(&mut ws, "response.done").await;
-    let events: Vec<Value> = texts
-        .iter()
-        .map(|t| serde_json::from_str(t).unwrap())
-        .collect();
-    let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    let events = parsed(&texts);
+    let types = types_of(&events);
     // The transcript is the user's own words, and goes back to them.
     assert_eq!(
         types,
