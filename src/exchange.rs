@@ -285,14 +285,7 @@ pub fn read_realtime_setup(body: &[u8]) -> Result<BatchRequest<'_>, ReadError> {
         })?;
     }
     reader.finish()?;
-    let params = RequestBody {
-        texts: texts.found,
-        ..RequestBody::default()
-    };
-    Ok(BatchRequest {
-        custom_id: None,
-        params,
-    })
+    Ok(BatchRequest::of_texts(texts.found))
 }
 
 /// The segments of `path` after the API's root, less a trailing slash:
@@ -345,14 +338,7 @@ pub fn read_conversation_items(body: &[u8]) -> Result<BatchRequest<'_>, ReadErro
         reader.object(["items"], |reader, _| texts.responses_input(reader))?;
     }
     reader.finish()?;
-    let params = RequestBody {
-        texts: texts.found,
-        ..RequestBody::default()
-    };
-    Ok(BatchRequest {
-        custom_id: None,
-        params,
-    })
+    Ok(BatchRequest::of_texts(texts.found))
 }
 
 /// What the guard reads of a client event of a Realtime API session (a
@@ -395,12 +381,10 @@ pub fn read_realtime_event(body: &[u8]) -> Result<RealtimeEvent<'_>, ReadError> 
             }
             2 if reader.is_object()? => rest.input_item(reader),
             3 | 4 if reader.is_object()? => reader.object(
-                ["instructions", "input", "tools", "prompt"],
+                ["instructions", "tools", "prompt", "input"],
                 |reader, key| match key {
-                    0 => first.text(reader, Scope::Prompt),
-                    1 => rest.responses_input(reader),
-                    2 => first.definitions(reader),
-                    _ => first.prompt_variables(reader),
+                    3 => rest.responses_input(reader),
+                    key => first.realtime_config(reader, key),
                 },
             ),
             _ => Ok(()),
@@ -482,6 +466,21 @@ pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_
 pub struct BatchRequest<'a> {
     pub custom_id: Option<Cow<'a, str>>,
     pub params: RequestBody<'a>,
+}
+
+impl<'a> BatchRequest<'a> {
+    /// A request read for its texts alone, outside a batch (the items
+    /// added to a conversation, a Realtime session's configuration).
+    fn of_texts(texts: Vec<Text<'a>>) -> BatchRequest<'a> {
+        let params = RequestBody {
+            texts,
+            ..RequestBody::default()
+        };
+        BatchRequest {
+            custom_id: None,
+            params,
+        }
+    }
 }
 
 /// Reads the requests of an Anthropic message batch; an error as for
@@ -1167,7 +1166,8 @@ impl<'a> Texts<'a> {
     }
 
     /// A Realtime session's `instructions` (0), `tools` (1) or `prompt`
-    /// (2), as [`read_realtime_setup`] reads them.
+    /// (2), in a setup ([`read_realtime_setup`]) or an event
+    /// ([`read_realtime_event`]).
     fn realtime_config(&mut self, reader: &mut Reader<'a>, key: usize) -> Result<(), ReadError> {
         match key {
             0 => self.text(reader, Scope::Prompt),
