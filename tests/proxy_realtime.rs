@@ -171,15 +171,7 @@ fn response(id: &str, item: &str, deltas: &[&str], audio: bool) -> Vec<String> {
         json!({"id": item, "object": "realtime.item", "type": "message", "role": "assistant",
             "status": status, "content": content})
     };
-    let at = json!({"response_id": id, "item_id": item, "output_index": 0, "content_index": 0});
-    let with = |extra: Value| {
-        let mut event = at.clone();
-        event
-            .as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        event.to_string()
-    };
+    let with = |fields: Value| in_part(id, item, fields);
     let mut events = vec![
         json!({"type": "response.created", "event_id": "event_1", "response": {
             "id": id, "object": "realtime.response", "status": "in_progress", "output": []}})
@@ -229,6 +221,16 @@ fn response(id: &str, item: &str, deltas: &[&str], audio: bool) -> Vec<String> {
             .to_string(),
     ]);
     events
+}
+
+/// An event about the first part of response `id`'s item `item`:
+/// `fields` with the part's place.
+fn in_part(id: &str, item: &str, fields: Value) -> String {
+    let mut event =
+        json!({"response_id": id, "item_id": item, "output_index": 0, "content_index": 0});
+    let fields = fields.as_object().unwrap().clone();
+    event.as_object_mut().unwrap().extend(fields);
+    event.to_string()
 }
 
 fn user_item(text: &str, event_id: &str) -> String {
@@ -708,14 +710,9 @@ async fn shutdown_lets_an_open_session_finish_its_response() {
 async fn a_response_is_held_from_its_first_event_to_its_end() {
     let (addr, upstream) = Upstream::start().await;
     let proxy = proxy_for(addr).await;
-    let at = |kind: &str, extra: Value| {
-        let mut event = json!({"type": kind, "response_id": "resp_9", "item_id": "item_9",
-            "output_index": 0, "content_index": 0});
-        event
-            .as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        event.to_string()
+    let at = |kind: &str, mut fields: Value| {
+        fields["type"] = json!(kind);
+        in_part("resp_9", "item_9", fields)
     };
     upstream.script(vec![
         at(
@@ -877,14 +874,9 @@ async fn the_beta_apis_events_are_read_too() {
         let (id, item_id) = (format!("resp_{round}"), format!("item_{round}"));
         let item = json!({"id": item_id, "object": "realtime.item", "type": "message",
             "role": "assistant", "content": []});
-        let at = |kind: &str, extra: Value| {
-            let mut event = json!({"type": kind, "response_id": id, "item_id": item_id,
-                "output_index": 0, "content_index": 0});
-            event
-                .as_object_mut()
-                .unwrap()
-                .extend(extra.as_object().unwrap().clone());
-            event.to_string()
+        let at = |kind: &str, mut fields: Value| {
+            fields["type"] = json!(kind);
+            in_part(&id, &item_id, fields)
         };
         upstream.script(vec![
             json!({"type": "response.created", "response": {"id": id}}).to_string(),
