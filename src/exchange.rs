@@ -288,6 +288,68 @@ pub fn read_realtime_setup(body: &[u8]) -> Result<BatchRequest<'_>, ReadError> {
     Ok(BatchRequest::of_texts(texts.found))
 }
 
+/// Whether a `POST` to `path` asks a model to make media from text, or to
+/// transcribe audio with a text to guide it: an image
+/// (`/v1/images/generations`, `/v1/images/edits`), a video (`/v1/videos`,
+/// `/v1/videos/edits`, `/v1/videos/extensions`,
+/// `/v1/videos/{id}/remix`), speech (`/v1/audio/speech`) or a
+/// transcript (`/v1/audio/transcriptions`, `/v1/audio/translations`).
+/// Azure OpenAI's classic paths name a deployment first
+/// (`/openai/deployments/{name}/images/generations`). What they are told
+/// to make is theirs to read ([`read_media_request`]).
+pub fn makes_media(path: &str) -> bool {
+    let Some(rooted) = after_root(path) else {
+        return false;
+    };
+    let asked = match &*rooted {
+        ["deployments", _, asked @ ..] => asked,
+        asked => asked,
+    };
+    matches!(
+        asked,
+        ["images", "generations" | "edits"]
+            | ["videos"]
+            | ["videos", "edits" | "extensions"]
+            | ["videos", _, "remix"]
+            | ["audio", "speech" | "transcriptions" | "translations"]
+    )
+}
+
+/// The names of the texts a media request gives its model
+/// ([`makes_media`]): an image's, a video's or a transcript's `prompt`,
+/// speech's `input` (the words spoken) and `instructions` (how). The same
+/// names in a form's fields.
+pub const MEDIA_TEXTS: [&str; 3] = ["prompt", "input", "instructions"];
+
+/// Reads a media request's JSON body ([`makes_media`]): its texts
+/// ([`MEDIA_TEXTS`], strings at the top level) as prompt, each with its
+/// name, and its `model`. An error as for [`RequestBody::read`].
+pub fn read_media_request(body: &[u8]) -> Result<(BatchRequest<'_>, Vec<&'static str>), ReadError> {
+    let mut reader = Reader::bytes(body)?;
+    let (mut texts, mut names) = (Texts::default(), Vec::new());
+    let mut model = None;
+    if reader.is_object()? {
+        let [prompt, input, instructions] = MEDIA_TEXTS;
+        let keys = [prompt, input, instructions, "model"];
+        reader.object(keys, |reader, key| {
+            if key == 3 {
+                model = reader.string()?.map(|t| t.value);
+                return Ok(());
+            }
+            let found = texts.found.len();
+            texts.text(reader, Scope::Prompt)?;
+            if texts.found.len() > found {
+                names.push(MEDIA_TEXTS[key]);
+            }
+            Ok(())
+        })?;
+    }
+    reader.finish()?;
+    let mut request = BatchRequest::of_texts(texts.found);
+    request.params.model = model;
+    Ok((request, names))
+}
+
 /// The segments of `path` after the API's root, less a trailing slash:
 /// its last `v1` or `openai` segment, whatever prefix comes before it.
 /// Azure OpenAI's classic paths have no `v1` (`/openai/responses/{id}`,
@@ -471,7 +533,7 @@ pub struct BatchRequest<'a> {
 impl<'a> BatchRequest<'a> {
     /// A request read for its texts alone, outside a batch (the items
     /// added to a conversation, a Realtime session's configuration).
-    fn of_texts(texts: Vec<Text<'a>>) -> BatchRequest<'a> {
+    pub fn of_texts(texts: Vec<Text<'a>>) -> BatchRequest<'a> {
         let params = RequestBody {
             texts,
             ..RequestBody::default()
@@ -2247,6 +2309,49 @@ mod tests {
             .collect();
         let owned = |text: Option<Cow<str>>| text.map(Cow::into_owned);
         (owned(read.kind), owned(read.event_id), texts)
+    }
+
+    #[test]
+    fn media_requests_are_found_by_path_and_their_texts_read_with_their_names() {
+        for (path, media) in [
+            ("/v1/images/generations", true),
+            ("/v1/images/edits/", true),
+            ("/openai/deployments/dalle3/images/generations", true),
+            ("/v1beta/openai/images/generations", true),
+            ("/v1/videos", true),
+            ("/v1/videos/video_1/remix", true),
+            ("/v1/videos/edits", true),
+            ("/v1/audio/speech", true),
+            ("/openai/v1/audio/transcriptions", true),
+            ("/v1/images/variations", false),
+            ("/v1/videos/characters", false),
+            ("/v1/videos/video_1", false),
+            ("/v1/audio/voices", false),
+            ("/v1/chat/completions", false),
+        ] {
+            assert_eq!(makes_media(path), media, "{path}");
+        }
+        let body = json!({"model": "gpt-4o-mini-tts", "voice": "alloy", "input": "Hi \"you\".",
+            "instructions": "Speak softly.", "prompt": ["not", "a string"]})
+        .to_string();
+        let (read, names) = read_media_request(body.as_bytes()).unwrap();
+        assert_eq!(read.params.model.as_deref(), Some("gpt-4o-mini-tts"));
+        assert_eq!(names, ["input", "instructions"]);
+        let texts: Vec<_> = (read.params.texts.iter())
+            .map(|t| (t.scope, t.text.to_string(), &body[t.span.clone()]))
+            .collect();
+        assert_eq!(
+            texts,
+            [
+                (Scope::Prompt, "Hi \"you\".".into(), r#""Hi \"you\".""#),
+                (Scope::Prompt, "Speak softly.".into(), r#""Speak softly.""#),
+            ]
+        );
+        let twice = br#"{"prompt": "A cat.", "prompt": "A dog."}"#;
+        assert!(matches!(
+            read_media_request(twice),
+            Err(ReadError::Ambiguous(_))
+        ));
     }
 
     #[test]

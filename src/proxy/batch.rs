@@ -32,6 +32,7 @@
 //! There is no exchange record: the proxy sees no batch request from its
 //! prompt to its answer.
 
+use std::future::Future;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -91,21 +92,9 @@ async fn upload(
     };
     let limit = state.config.guard.max_body_bytes;
     let (parts, body) = req.into_parts();
-    let mut body = super::client_body(state, body);
-    let mut start = BytesMut::new();
-    let whole = loop {
-        match super::next_frame(&mut body).await {
-            Ok(Some(frame)) => {
-                if let Ok(data) = frame.into_data() {
-                    start.extend_from_slice(&data);
-                }
-                if start.len() > limit {
-                    break false;
-                }
-            }
-            Ok(None) => break true,
-            Err(failure) => return respond::failure(dialect, failure, request_id),
-        }
+    let (start, body, whole) = match hold(state, body, limit).await {
+        Ok(held) => held,
+        Err(failure) => return respond::failure(dialect, failure, request_id),
     };
     let encoding = parts.headers.get(header::CONTENT_ENCODING);
     let encoded = encoding.is_some_and(|e| e.as_bytes() != b"identity");
@@ -114,7 +103,6 @@ async fn upload(
     };
     let upstream = route.upstream.clone();
     let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers.clone());
-    let start = start.freeze();
     let body = if !whole {
         // Too large to read whole: what its start says decides.
         if encoded {
@@ -153,6 +141,31 @@ async fn upload(
     }
 }
 
+/// A client's body read until it ends or passes `limit` bytes: what was
+/// read, the rest, and whether that was all of it.
+pub(super) async fn hold(
+    state: &State,
+    body: Incoming,
+    limit: usize,
+) -> Result<(Bytes, upstream::ClientBody, bool), Failure> {
+    let mut body = super::client_body(state, body);
+    let mut start = BytesMut::new();
+    let whole = loop {
+        match super::next_frame(&mut body).await? {
+            Some(frame) => {
+                if let Ok(data) = frame.into_data() {
+                    start.extend_from_slice(&data);
+                }
+                if start.len() > limit {
+                    break false;
+                }
+            }
+            None => break true,
+        }
+    };
+    Ok((start.freeze(), body, whole))
+}
+
 /// The boundary of a form (`multipart/form-data`), from its content type.
 pub(super) fn form_boundary(headers: &HeaderMap) -> Option<String> {
     let content_type = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
@@ -173,28 +186,57 @@ async fn read_on_the_way(
     headers: HeaderMap,
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let dialect = Dialect::OpenAi;
     let (start, rest, boundary) = input;
     let (copies, reading) = lines::read(state, &upstream, boundary, "file", request_id);
-    let (allow, allowed) = tokio::sync::oneshot::channel();
-    let judging = {
+    let judged = {
         let (state, upstream, request_id) =
             (state.clone(), upstream.clone(), request_id.to_owned());
-        tokio::spawn(async move {
-            let refused = match reading.await {
+        async move {
+            match reading.await {
                 Ok(read) => judge(&state, &upstream, &read, &request_id),
                 Err(_) => Some(unreadable_form(&request_id)),
-            };
-            let _ = allow.send(refused.is_none());
-            refused
-        })
+            }
+        }
     };
+    let sent = (&parts, start, rest);
+    send_judged(
+        state,
+        sent,
+        (&upstream, headers),
+        copies,
+        judged,
+        request_id,
+    )
+    .await
+}
+
+/// Sends a body too large to hold upstream as it arrives (`sent`: the
+/// request's head, the start fairgate read, the rest), each piece copied
+/// to `copies` for a reader on the way. Its last piece goes only once
+/// `judged` finds nothing to refuse; else that refusal is the answer, and
+/// the upstream never gets the body whole.
+pub(super) async fn send_judged(
+    state: &Arc<State>,
+    sent: (&http::request::Parts, Bytes, upstream::ClientBody),
+    (upstream, headers): (&str, HeaderMap),
+    copies: tokio::sync::mpsc::Sender<Bytes>,
+    judged: impl Future<Output = Option<Response<ProxyBody>>> + Send + 'static,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let (parts, start, rest) = sent;
+    let (allow, allowed) = tokio::sync::oneshot::channel();
+    let judging = tokio::spawn(async move {
+        let refused = judged.await;
+        let _ = allow.send(refused.is_none());
+        refused
+    });
     let start = futures_util::stream::iter([Ok(Frame::data(start))]);
     let body = lines::tee(start.chain(rest.into_frames()), copies, Some(allowed));
     let uri = &parts.uri;
-    let forwarded = super::forward(state, &upstream, Method::POST, uri, headers, body).await;
-    // A form cut short by its client is not read to its end either: the
-    // timeout is the answer, not the unread form.
+    let forwarded = super::forward(state, upstream, Method::POST, uri, headers, body).await;
+    // A body cut short by its client is not read to its end either: the
+    // timeout is the answer, not the unread body.
     if let Err(Failure::ClientTimeout) = forwarded {
         return respond::failure(dialect, Failure::ClientTimeout, request_id);
     }
@@ -440,13 +482,13 @@ impl Refusal {
         })
     }
 
-    /// The refusal of a request with `hits` to redact, where the batch
-    /// cannot be edited (its file is read on its way up).
-    pub(super) fn of_redaction(request: &BatchRequest, hits: &[Hit]) -> Refusal {
+    /// The refusal of a request with `hits` to redact, where its body
+    /// cannot be edited (it is read on its way up), saying `why`.
+    pub(super) fn of_redaction(request: &BatchRequest, hits: &[Hit], why: &str) -> Refusal {
         Refusal {
             custom_id: request.custom_id.as_deref().map(str::to_owned),
             scope: Scope::Prompt.as_str(),
-            reason: "it holds text the content policy redacts, and a file read on its way up (sent in parts, or larger than this gateway holds) cannot be edited; redact it before uploading, or upload it whole with POST /v1/files.".into(),
+            reason: why.to_owned(),
             rules: rule_ids(hits),
         }
     }

@@ -28,6 +28,9 @@ use crate::json::ReadError;
 use crate::risk::Decision;
 use crate::rules::RuleSet;
 
+/// Why a batch's input with a line to redact is refused.
+const UNEDITABLE: &str = "it holds text the content policy redacts, and a file read on its way up (sent in parts, or larger than this gateway holds) cannot be edited; redact it before uploading, or upload it whole with POST /v1/files.";
+
 /// What was read of one file, or one part of it.
 #[derive(Debug, Default)]
 pub(super) struct Part {
@@ -188,14 +191,14 @@ async fn read_form(
 /// it sees the end and reports the form incomplete without looking at what
 /// that read brought (rwf2/multer#70). Under load, about one form in ten
 /// arrived that way, and a batch's input was refused as unread.
-struct OnePieceAPoll<S> {
+pub(super) struct OnePieceAPoll<S> {
     stream: S,
     /// Whether the last poll gave an item.
     gave: bool,
 }
 
 impl<S> OnePieceAPoll<S> {
-    fn new(stream: S) -> Self {
+    pub(super) fn new(stream: S) -> Self {
         OnePieceAPoll {
             stream,
             gave: false,
@@ -309,6 +312,7 @@ fn refusal(
         Decision::Redact => Some(Refused::Rules(Refusal::of_redaction(
             &request,
             &verdict.hits,
+            UNEDITABLE,
         ))),
         decision => Refusal::of_block(&request, &verdict.hits, decision).map(Refused::Rules),
     }

@@ -10,6 +10,7 @@
 
 mod batch;
 mod lines;
+mod media;
 mod parts;
 mod realtime;
 pub mod respond;
@@ -782,6 +783,7 @@ async fn handle(
         Reading::Stored(stored) => stored::fetch(state, req, stored, request_id).await,
         Reading::ConversationItems => stored::add_items(state, req, request_id).await,
         Reading::RealtimeSetup => realtime::setup(state, req, request_id).await,
+        Reading::Media => media::handle(state, req, request_id).await,
         Reading::Batch(batch) => batch::handle(state, req, batch, request_id).await,
         Reading::Passed => passthrough(state, req, request_id).await,
     }
@@ -802,6 +804,8 @@ enum Reading {
     ConversationItems,
     /// `POST` that sets up a Realtime session held elsewhere.
     RealtimeSetup,
+    /// `POST` that asks for an image, a video, speech or a transcript.
+    Media,
     /// A request about batches.
     Batch(Batch),
     /// Anything else, passed through unread.
@@ -822,6 +826,9 @@ impl Reading {
             }
             if exchange::sets_up_realtime(path) {
                 return Reading::RealtimeSetup;
+            }
+            if exchange::makes_media(path) {
+                return Reading::Media;
             }
         }
         if let Some(stored) = Stored::from_request(method, path) {

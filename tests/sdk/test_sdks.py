@@ -147,6 +147,12 @@ class Upstream(BaseHTTPRequestHandler):
                 "id": "file-in", "object": "file", "bytes": len(raw), "created_at": 1,
                 "filename": "input.jsonl", "purpose": "batch"}).encode())
             return
+        if self.path.startswith("/v1/images/"):
+            # A form (an edit) or JSON (a generation): kept as it came.
+            Upstream.requests.append((self.path, raw))
+            self.reply("application/json", json.dumps({
+                "created": 1, "data": [{"b64_json": "UE5H", "revised_prompt": None}]}).encode())
+            return
         if self.path.startswith("/v1/uploads"):
             Upstream.requests.append((self.path, raw))
             self.reply("application/json", json.dumps(self.upload_step(raw)).encode())
@@ -717,6 +723,12 @@ routes:
                 # hold with the API directly.
                 lambda: oa.realtime.client_secrets.create(session={
                     "type": "realtime", "model": "gpt-realtime", "instructions": attack}),
+                # What an image or speech model is told to make: JSON, and
+                # a form with the image to edit.
+                lambda: oa.images.generate(model="gpt-image-1", prompt=attack),
+                lambda: oa.images.edit(model="gpt-image-1", image=("a.png", b"PNG" * 100, "image/png"),
+                                       prompt=attack),
+                lambda: oa.audio.speech.create(model="gpt-4o-mini-tts", voice="alloy", input=attack),
             ]
             for call in calls:
                 try:
@@ -726,6 +738,12 @@ routes:
                 else:
                     raise AssertionError("no BadRequestError")
             assert len(Upstream.requests) == before, "a blocked input reached the upstream"
+            # An edit the rules allow goes up, its form as the SDK wrote it.
+            edited = oa.images.edit(model="gpt-image-1", image=("a.png", b"PNG" * 100, "image/png"),
+                                    prompt="A watercolor of a piggy bank.")
+            assert edited.data[0].b64_json == "UE5H", edited
+            path, form = Upstream.requests[-1]
+            assert path == "/v1/images/edits" and b"A watercolor of a piggy bank." in form, path
 
         def poisoned_tool_definitions():
             # A tool description with hidden instructions (as a poisoned
@@ -826,8 +844,8 @@ routes:
         check("anthropic thinking stream arrives signed as sent", anthropic_thinking_stream)
         check("anthropic blocked thinking stream ends with refusal", anthropic_blocked_thinking_stream)
         check("anthropic long thinking streams, then a late block ends it", anthropic_long_thinking_blocked_late)
-        check("openai prompt variables, conversation items and realtime client secrets with a blocked prompt "
-              "raise BadRequestError",
+        check("openai prompt variables, conversation items, realtime client secrets, images and speech "
+              "with a blocked prompt raise BadRequestError; an allowed image edit goes up",
               openai_blocked_inputs_outside_messages)
         check("openai and anthropic tools whose descriptions hide instructions raise BadRequestError",
               poisoned_tool_definitions)

@@ -1,0 +1,299 @@
+//! Requests that ask a model to make an image, a video or speech, or to
+//! transcribe audio ([`exchange::makes_media`]), which would otherwise be
+//! a way around the rules: the words an image model is told to draw are a
+//! prompt as much as a chat's. What they tell the model
+//! ([`exchange::MEDIA_TEXTS`]: `prompt`, speech's `input` and
+//! `instructions`) is scanned as a prompt before they go up.
+//!
+//! - A JSON body (an image's generation, speech, a video's remix): those
+//!   strings at its top level. It is read whole, up to
+//!   `guard.max_body_bytes` (else 413), as a guarded request's is.
+//! - A form (an image's edit, a video, a transcription): every field of
+//!   those names, as text. A form of at most `guard.max_body_bytes` is
+//!   read whole. A larger one (an image or an audio file of many
+//!   megabytes) goes up as it arrives, its fields read on the way; its
+//!   last piece goes only once they are allowed, so a refused form never
+//!   arrives whole. A form that does not read to its end is refused
+//!   (`invalid_form`): what the API would read of it cannot be told.
+//!
+//! A block answers with the 400 of a blocked prompt, its message naming
+//! the field. A redaction rewrites the text in place; in a form sent on
+//! as it arrives, which cannot be edited, it refuses the request as a
+//! block does. The answer (an image, audio, a video job, a transcript)
+//! passes as it comes, and there is no exchange record.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Request, Response, header};
+use hyper::body::Incoming;
+use tokio::sync::mpsc;
+
+use super::batch::{self, Refusal, scan_counted_as};
+use super::respond::{self, Failure};
+use super::{ProxyBody, ReadRequest, State};
+use crate::exchange::{self, BatchRequest, Dialect, MEDIA_TEXTS, Text};
+use crate::guard::RequestScan;
+use crate::rules::Scope;
+
+/// The route label of media requests, in metrics.
+const ROUTE: &str = "media";
+
+/// Sends a media request on as the rules allow.
+pub(super) async fn handle(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    match batch::form_boundary(req.headers()) {
+        Some(boundary) => form(state, req, boundary, request_id).await,
+        None => body(state, req, request_id).await,
+    }
+}
+
+/// A request with a JSON body, read as JSON whatever its content type
+/// says: the API may.
+async fn body(state: &Arc<State>, req: Request<Incoming>, request_id: &str) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let read = match ReadRequest::of(state, req, dialect, request_id).await {
+        Ok(read) => read,
+        Err(answer) => return answer,
+    };
+    let (request, names) = match exchange::read_media_request(&read.bytes) {
+        Ok(read) => read,
+        Err(error) => return respond::unreadable(dialect, &error, None, request_id),
+    };
+    let body = match judge(state, &read.upstream, &request, &names, request_id) {
+        Ok(scan) => scan
+            .redacted(&read.bytes)
+            .unwrap_or_else(|| read.bytes.clone()),
+        Err(refused) => return *refused,
+    };
+    match read.send(state, body, false).await {
+        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Err(failure) => respond::failure(dialect, failure, request_id),
+    }
+}
+
+/// A request with a form: held whole when it is small enough, else read on
+/// its way up.
+async fn form(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    boundary: String,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let limit = state.config.guard.max_body_bytes;
+    let (parts, body) = req.into_parts();
+    let (start, rest, whole) = match batch::hold(state, body, limit).await {
+        Ok(held) => held,
+        Err(failure) => return respond::failure(dialect, failure, request_id),
+    };
+    let encoding = parts.headers.get(header::CONTENT_ENCODING);
+    let encoded = encoding.is_some_and(|e| e.as_bytes() != b"identity");
+    let Some(route) = state.config.route(parts.uri.path(), None) else {
+        return respond::failure(dialect, Failure::NoRoute, request_id);
+    };
+    let upstream = route.upstream.clone();
+    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers.clone());
+    if !whole {
+        if encoded {
+            // Its fields could not be read on the way.
+            return respond::failure(dialect, Failure::TooLarge, request_id);
+        }
+        // Sent with the length the client gave, not chunked.
+        if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
+            headers.insert(header::CONTENT_LENGTH, length.clone());
+        }
+        let (copies, pieces) = mpsc::channel(8);
+        let judged = {
+            let (state, upstream, request_id) =
+                (state.clone(), upstream.clone(), request_id.to_owned());
+            async move {
+                let texts = read_texts(pieces, boundary, limit).await;
+                judge_on_the_way(&state, &upstream, texts, &request_id)
+            }
+        };
+        let sent = (&parts, start, rest);
+        let to = (upstream.as_str(), headers);
+        return batch::send_judged(state, sent, to, copies, judged, request_id).await;
+    }
+    let mut form = start;
+    if encoded {
+        form = match super::decode(encoding, form, limit) {
+            Ok(form) => form,
+            Err(failure) => return respond::failure(dialect, failure, request_id),
+        };
+        headers.remove(header::CONTENT_ENCODING);
+    }
+    let (mut fields, complete) = batch::fields(&form, &boundary).await;
+    if !complete {
+        return unreadable_form(request_id);
+    }
+    let texts: Vec<FormText> = (fields.iter().enumerate())
+        .filter_map(|(field, (headers, data))| {
+            let name = media_text(batch::field_name(headers)?)?;
+            let text = String::from_utf8_lossy(data).into_owned();
+            Some(FormText { field, name, text })
+        })
+        .collect();
+    let (request, names) = as_request(&texts);
+    let edits = match judge(state, &upstream, &request, &names, request_id) {
+        Ok(scan) => scan.edits,
+        Err(refused) => return *refused,
+    };
+    if !edits.is_empty() {
+        for (span, text) in edits {
+            fields[span.start].1 = Bytes::from(text);
+        }
+        form = batch::form_of(&fields, &boundary, form.len());
+    }
+    let body = http_body_util::Either::Left(http_body_util::Full::new(form));
+    let uri = &parts.uri;
+    match super::forward(state, &upstream, http::Method::POST, uri, headers, body).await {
+        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Err(failure) => respond::failure(dialect, failure, request_id),
+    }
+}
+
+/// The name of [`MEDIA_TEXTS`] that a form field's `name` is, if any.
+fn media_text(name: &str) -> Option<&'static str> {
+    MEDIA_TEXTS.into_iter().find(|text| *text == name)
+}
+
+/// A text of a form ([`MEDIA_TEXTS`]).
+struct FormText {
+    /// Its field's index in the form.
+    field: usize,
+    name: &'static str,
+    text: String,
+}
+
+/// A form's texts as a request to scan, with their names. A text's span
+/// is its field's index: a redaction rewrites the field whole.
+fn as_request(texts: &[FormText]) -> (BatchRequest<'_>, Vec<&'static str>) {
+    let found = texts.iter().map(|form_text| Text {
+        scope: Scope::Prompt,
+        text: form_text.text.as_str().into(),
+        span: form_text.field..form_text.field + 1,
+        whole: false,
+        definition: false,
+        continues: false,
+    });
+    let request = BatchRequest::of_texts(found.collect());
+    (request, texts.iter().map(|text| text.name).collect())
+}
+
+/// A media request's texts scanned as a prompt and counted: the scan, or
+/// the 400 that refuses it, naming its texts.
+fn judge(
+    state: &State,
+    upstream: &str,
+    request: &BatchRequest,
+    names: &[&'static str],
+    request_id: &str,
+) -> Result<RequestScan, Box<Response<ProxyBody>>> {
+    let rules = state.rules.snapshot();
+    let counted = (ROUTE, Some(400));
+    let scan = scan_counted_as(state, &rules, upstream, counted, request, request_id);
+    let (hits, decision) = (&scan.verdict.hits, scan.verdict.decision);
+    if let Some(refusal) = Refusal::of_block(request, hits, decision) {
+        let place = place(names);
+        return Err(Box::new(refusal.respond(
+            Dialect::OpenAi,
+            &place,
+            request_id,
+        )));
+    }
+    Ok(scan)
+}
+
+/// What a refusal names: the texts read, in order, each once.
+fn place(names: &[&'static str]) -> String {
+    let mut named: Vec<&str> = Vec::new();
+    for name in names {
+        if !named.contains(name) {
+            named.push(name);
+        }
+    }
+    match named.is_empty() {
+        true => "the request".to_owned(),
+        false => named.join(" and "),
+    }
+}
+
+/// The texts of a form read as its pieces arrive; `None` when it does not
+/// read to its end, or a text is longer than `limit`.
+async fn read_texts(
+    mut pieces: mpsc::Receiver<Bytes>,
+    boundary: String,
+    limit: usize,
+) -> Option<Vec<FormText>> {
+    let stream = futures_util::stream::poll_fn(move |cx| pieces.poll_recv(cx));
+    let mut form = multer::Multipart::new(super::lines::OnePieceAPoll::new(stream), boundary);
+    let mut texts = Vec::new();
+    let mut field = 0;
+    // Every piece is read to the end, so that the copies keep flowing.
+    let mut readable = true;
+    loop {
+        match form.next_field().await {
+            Ok(Some(mut found)) => {
+                let name = found.name().and_then(media_text);
+                let mut value = Vec::new();
+                loop {
+                    match found.chunk().await {
+                        Ok(Some(chunk)) if name.is_some() => {
+                            readable &= value.len() + chunk.len() <= limit;
+                            if readable {
+                                value.extend_from_slice(&chunk);
+                            }
+                        }
+                        Ok(Some(_)) => {}
+                        Ok(None) => break,
+                        Err(_) => return None,
+                    }
+                }
+                if let Some(name) = name {
+                    let text = String::from_utf8_lossy(&value).into_owned();
+                    texts.push(FormText { field, name, text });
+                }
+                field += 1;
+            }
+            Ok(None) => return readable.then_some(texts),
+            Err(_) => return None,
+        }
+    }
+}
+
+/// The 400 that refuses a form read on its way, if anything refuses it: a
+/// text a rule blocks or redacts (what went up cannot be edited), or a
+/// form that could not be read.
+fn judge_on_the_way(
+    state: &State,
+    upstream: &str,
+    texts: Option<Vec<FormText>>,
+    request_id: &str,
+) -> Option<Response<ProxyBody>> {
+    let Some(texts) = texts else {
+        return Some(unreadable_form(request_id));
+    };
+    let (request, names) = as_request(&texts);
+    match judge(state, upstream, &request, &names, request_id) {
+        Err(refused) => Some(*refused),
+        Ok(scan) if scan.edits.is_empty() => None,
+        Ok(scan) => {
+            let why = "it holds text the content policy redacts, and a form larger than this gateway holds goes up as it arrives, so it cannot be edited; redact the text before sending it.";
+            let refusal = Refusal::of_redaction(&request, &scan.verdict.hits, why);
+            Some(refusal.respond(Dialect::OpenAi, &place(&names), request_id))
+        }
+    }
+}
+
+fn unreadable_form(request_id: &str) -> Response<ProxyBody> {
+    respond::invalid_request(
+        "The form could not be read to its end, so what it asks the model to make was not read.",
+        "invalid_form",
+        request_id,
+    )
+}
