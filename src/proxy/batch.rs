@@ -90,80 +90,112 @@ async fn upload(
     let Some(boundary) = form_boundary(req.headers()) else {
         return super::passthrough(state, req, request_id).await;
     };
-    let limit = state.config.guard.max_body_bytes;
-    let (parts, body) = req.into_parts();
-    let (start, body, whole) = match hold(state, body, limit).await {
-        Ok(held) => held,
-        Err(failure) => return respond::failure(dialect, failure, request_id),
+    let form = match HeldForm::of(state, req, request_id).await {
+        Ok(form) => form,
+        Err(answer) => return answer,
     };
-    let encoding = parts.headers.get(header::CONTENT_ENCODING);
-    let encoded = encoding.is_some_and(|e| e.as_bytes() != b"identity");
-    let Some(route) = state.config.route(parts.uri.path(), None) else {
-        return respond::failure(dialect, Failure::NoRoute, request_id);
-    };
-    let upstream = route.upstream.clone();
-    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers.clone());
-    let body = if !whole {
+    let body = match form.held {
         // Too large to read whole: what its start says decides.
-        if encoded {
-            return respond::failure(dialect, Failure::TooLarge, request_id);
-        }
-        // Sent with the length the client gave, not chunked.
-        if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
-            headers.insert(header::CONTENT_LENGTH, length.clone());
-        }
-        match purpose(&fields(&start, &boundary).await.0) {
+        Held::Start(start, body) => match purpose(&fields(&start, &boundary).await.0) {
             Some(purpose) if purpose != b"batch" => upstream::read_on(start, body),
             // A batch's, or its purpose comes later.
             _ => {
                 let input = (start, body, boundary);
-                return read_on_the_way(state, parts, input, upstream, headers, request_id).await;
+                let to = (form.upstream, form.headers);
+                return read_on_the_way(state, form.parts, input, to, request_id).await;
+            }
+        },
+        Held::Whole(whole) => {
+            match batch_input(state, &form.upstream, whole, &boundary, request_id).await {
+                Ok(whole) => http_body_util::Either::Left(Full::new(whole)),
+                Err(refused) => return refused,
             }
         }
-    } else {
-        let mut form = start;
-        if encoded {
-            form = match super::decode(encoding, form, limit) {
-                Ok(form) => form,
-                Err(failure) => return respond::failure(dialect, failure, request_id),
-            };
-            headers.remove(header::CONTENT_ENCODING);
-        }
-        match batch_input(state, &upstream, form, &boundary, request_id).await {
-            Ok(form) => http_body_util::Either::Left(Full::new(form)),
-            Err(refused) => return refused,
-        }
     };
-    let uri = &parts.uri;
-    match super::forward(state, &upstream, Method::POST, uri, headers, body).await {
+    let (uri, upstream) = (&form.parts.uri, &form.upstream);
+    match super::forward(state, upstream, Method::POST, uri, form.headers, body).await {
         Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
 }
 
-/// A client's body read until it ends or passes `limit` bytes: what was
-/// read, the rest, and whether that was all of it.
-pub(super) async fn hold(
-    state: &State,
-    body: Incoming,
-    limit: usize,
-) -> Result<(Bytes, upstream::ClientBody, bool), Failure> {
-    let mut body = super::client_body(state, body);
-    let mut start = BytesMut::new();
-    let whole = loop {
-        match super::next_frame(&mut body).await? {
-            Some(frame) => {
-                if let Ok(data) = frame.into_data() {
-                    start.extend_from_slice(&data);
+/// A form's request, its body held up to `guard.max_body_bytes`, with the
+/// upstream it goes to and the headers it goes with.
+pub(super) struct HeldForm {
+    pub parts: http::request::Parts,
+    pub upstream: String,
+    pub headers: HeaderMap,
+    pub held: Held,
+}
+
+/// What is held of a form.
+pub(super) enum Held {
+    /// All of it, uncompressed (the headers say so).
+    Whole(Bytes),
+    /// Its start, and the rest still to come: too large to hold, it goes
+    /// on as it arrives, with the length the client gave.
+    Start(Bytes, upstream::ClientBody),
+}
+
+impl HeldForm {
+    /// Reads `req`'s body until it ends or passes `guard.max_body_bytes`;
+    /// the error answer when it cannot be read, has no route, or is too
+    /// large to hold and compressed (it could not be read on the way).
+    pub(super) async fn of(
+        state: &State,
+        req: Request<Incoming>,
+        request_id: &str,
+    ) -> Result<HeldForm, Response<ProxyBody>> {
+        let fail = |failure| respond::failure(Dialect::OpenAi, failure, request_id);
+        let limit = state.config.guard.max_body_bytes;
+        let (parts, body) = req.into_parts();
+        let mut body = super::client_body(state, body);
+        let mut start = BytesMut::new();
+        let whole = loop {
+            match super::next_frame(&mut body).await.map_err(fail)? {
+                Some(frame) => {
+                    if let Ok(data) = frame.into_data() {
+                        start.extend_from_slice(&data);
+                    }
+                    if start.len() > limit {
+                        break false;
+                    }
                 }
-                if start.len() > limit {
-                    break false;
-                }
+                None => break true,
             }
-            None => break true,
-        }
-    };
-    Ok((start.freeze(), body, whole))
+        };
+        let start = start.freeze();
+        let Some(route) = state.config.route(parts.uri.path(), None) else {
+            return Err(fail(Failure::NoRoute));
+        };
+        let upstream = route.upstream.clone();
+        let mut headers =
+            super::upstream_headers(state, &upstream, Dialect::OpenAi, parts.headers.clone());
+        let encoding = parts.headers.get(header::CONTENT_ENCODING);
+        let encoded = encoding.is_some_and(|e| e.as_bytes() != b"identity");
+        let held = match (whole, encoded) {
+            (true, false) => Held::Whole(start),
+            (true, true) => {
+                let form = super::decode(encoding, start, limit).map_err(fail)?;
+                headers.remove(header::CONTENT_ENCODING);
+                Held::Whole(form)
+            }
+            (false, true) => return Err(fail(Failure::TooLarge)),
+            (false, false) => {
+                // Sent with the length the client gave, not chunked.
+                if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
+                    headers.insert(header::CONTENT_LENGTH, length.clone());
+                }
+                Held::Start(start, body)
+            }
+        };
+        Ok(HeldForm {
+            parts,
+            upstream,
+            headers,
+            held,
+        })
+    }
 }
 
 /// The boundary of a form (`multipart/form-data`), from its content type.
@@ -182,8 +214,7 @@ async fn read_on_the_way(
     state: &Arc<State>,
     parts: http::request::Parts,
     input: (Bytes, upstream::ClientBody, String),
-    upstream: String,
-    headers: HeaderMap,
+    (upstream, headers): (String, HeaderMap),
     request_id: &str,
 ) -> Response<ProxyBody> {
     let (start, rest, boundary) = input;

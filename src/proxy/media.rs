@@ -25,12 +25,12 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{Request, Response, header};
+use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::mpsc;
 
-use super::batch::{self, Refusal, scan_counted_as};
-use super::respond::{self, Failure};
+use super::batch::{self, Held, HeldForm, Refusal, scan_counted_as};
+use super::respond;
 use super::{ProxyBody, ReadRequest, State};
 use crate::exchange::{self, BatchRequest, Dialect, MEDIA_TEXTS, Text};
 use crate::guard::RequestScan;
@@ -83,50 +83,29 @@ async fn form(
     boundary: String,
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let dialect = Dialect::OpenAi;
     let limit = state.config.guard.max_body_bytes;
-    let (parts, body) = req.into_parts();
-    let (start, rest, whole) = match batch::hold(state, body, limit).await {
+    let held = match HeldForm::of(state, req, request_id).await {
         Ok(held) => held,
-        Err(failure) => return respond::failure(dialect, failure, request_id),
+        Err(answer) => return answer,
     };
-    let encoding = parts.headers.get(header::CONTENT_ENCODING);
-    let encoded = encoding.is_some_and(|e| e.as_bytes() != b"identity");
-    let Some(route) = state.config.route(parts.uri.path(), None) else {
-        return respond::failure(dialect, Failure::NoRoute, request_id);
+    let upstream = held.upstream.as_str();
+    let mut form = match held.held {
+        Held::Whole(form) => form,
+        Held::Start(start, rest) => {
+            let (copies, pieces) = mpsc::channel(8);
+            let judged = {
+                let (state, upstream, request_id) =
+                    (state.clone(), upstream.to_owned(), request_id.to_owned());
+                async move {
+                    let texts = read_texts(pieces, boundary, limit).await;
+                    judge_on_the_way(&state, &upstream, texts, &request_id)
+                }
+            };
+            let sent = (&held.parts, start, rest);
+            let to = (upstream, held.headers);
+            return batch::send_judged(state, sent, to, copies, judged, request_id).await;
+        }
     };
-    let upstream = route.upstream.clone();
-    let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers.clone());
-    if !whole {
-        if encoded {
-            // Its fields could not be read on the way.
-            return respond::failure(dialect, Failure::TooLarge, request_id);
-        }
-        // Sent with the length the client gave, not chunked.
-        if let Some(length) = parts.headers.get(header::CONTENT_LENGTH) {
-            headers.insert(header::CONTENT_LENGTH, length.clone());
-        }
-        let (copies, pieces) = mpsc::channel(8);
-        let judged = {
-            let (state, upstream, request_id) =
-                (state.clone(), upstream.clone(), request_id.to_owned());
-            async move {
-                let texts = read_texts(pieces, boundary, limit).await;
-                judge_on_the_way(&state, &upstream, texts, &request_id)
-            }
-        };
-        let sent = (&parts, start, rest);
-        let to = (upstream.as_str(), headers);
-        return batch::send_judged(state, sent, to, copies, judged, request_id).await;
-    }
-    let mut form = start;
-    if encoded {
-        form = match super::decode(encoding, form, limit) {
-            Ok(form) => form,
-            Err(failure) => return respond::failure(dialect, failure, request_id),
-        };
-        headers.remove(header::CONTENT_ENCODING);
-    }
     let (mut fields, complete) = batch::fields(&form, &boundary).await;
     if !complete {
         return unreadable_form(request_id);
@@ -139,7 +118,7 @@ async fn form(
         })
         .collect();
     let (request, names) = as_request(&texts);
-    let edits = match judge(state, &upstream, &request, &names, request_id) {
+    let edits = match judge(state, upstream, &request, &names, request_id) {
         Ok(scan) => scan.edits,
         Err(refused) => return *refused,
     };
@@ -150,10 +129,10 @@ async fn form(
         form = batch::form_of(&fields, &boundary, form.len());
     }
     let body = http_body_util::Either::Left(http_body_util::Full::new(form));
-    let uri = &parts.uri;
-    match super::forward(state, &upstream, http::Method::POST, uri, headers, body).await {
+    let uri = &held.parts.uri;
+    match super::forward(state, upstream, http::Method::POST, uri, held.headers, body).await {
         Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
-        Err(failure) => respond::failure(dialect, failure, request_id),
+        Err(failure) => respond::failure(Dialect::OpenAi, failure, request_id),
     }
 }
 
