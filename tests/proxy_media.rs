@@ -196,6 +196,11 @@ async fn a_media_form_too_large_to_hold_is_read_on_its_way() {
     let response = send_form(&proxy, "/v1/images/edits", broken).await;
     let answer: Value = response.json().await.unwrap();
     assert_eq!(answer["error"]["code"], "invalid_form", "{answer}");
+    // A text longer than the proxy holds cannot be read: 413.
+    let long = form(&[("prompt", &"A cat. ".repeat(200))], &image);
+    let response = send_form(&proxy, "/v1/images/edits", long.clone()).await;
+    assert_eq!(response.status(), 413);
+    assert!(mock.requests().iter().all(|r| r.body.len() < long.len()));
 
     // What the rules allow goes up whole, with the length the client gave.
     for allowed in [

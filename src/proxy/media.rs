@@ -13,7 +13,7 @@
 //!   read whole. A larger one (an image or an audio file of many
 //!   megabytes) goes up as it arrives, its fields read on the way; its
 //!   last piece goes only once they are allowed, so a refused form never
-//!   arrives whole. A form that does not read to its end is refused
+//!   arrives whole (a text itself longer than the limit: 413). A form that does not read to its end is refused
 //!   (`invalid_form`): what the API would read of it cannot be told.
 //!
 //! A block answers with the 400 of a blocked prompt, its message naming
@@ -202,13 +202,20 @@ fn place(names: &[&'static str]) -> String {
     }
 }
 
-/// The texts of a form read as its pieces arrive; `None` when it does not
-/// read to its end, or a text is longer than `limit`.
+/// Why a form read on its way is not read whole.
+enum Unread {
+    /// It does not read to its end.
+    Broken,
+    /// A text is longer than `guard.max_body_bytes`.
+    TooLong,
+}
+
+/// The texts of a form read as its pieces arrive.
 async fn read_texts(
     mut pieces: mpsc::Receiver<Bytes>,
     boundary: String,
     limit: usize,
-) -> Option<Vec<FormText>> {
+) -> Result<Vec<FormText>, Unread> {
     let stream = futures_util::stream::poll_fn(move |cx| pieces.poll_recv(cx));
     let mut form = multer::Multipart::new(super::lines::OnePieceAPoll::new(stream), boundary);
     let mut texts = Vec::new();
@@ -230,7 +237,7 @@ async fn read_texts(
                         }
                         Ok(Some(_)) => {}
                         Ok(None) => break,
-                        Err(_) => return None,
+                        Err(_) => return Err(Unread::Broken),
                     }
                 }
                 if let Some(name) = name {
@@ -239,23 +246,29 @@ async fn read_texts(
                 }
                 field += 1;
             }
-            Ok(None) => return readable.then_some(texts),
-            Err(_) => return None,
+            Ok(None) if readable => return Ok(texts),
+            Ok(None) => return Err(Unread::TooLong),
+            Err(_) => return Err(Unread::Broken),
         }
     }
 }
 
 /// The 400 that refuses a form read on its way, if anything refuses it: a
 /// text a rule blocks or redacts (what went up cannot be edited), or a
-/// form that could not be read.
+/// form that could not be read (a text too long to hold: 413).
 fn judge_on_the_way(
     state: &State,
     upstream: &str,
-    texts: Option<Vec<FormText>>,
+    texts: Result<Vec<FormText>, Unread>,
     request_id: &str,
 ) -> Option<Response<ProxyBody>> {
-    let Some(texts) = texts else {
-        return Some(unreadable_form(request_id));
+    let texts = match texts {
+        Ok(texts) => texts,
+        Err(Unread::Broken) => return Some(unreadable_form(request_id)),
+        Err(Unread::TooLong) => {
+            let too_large = respond::Failure::TooLarge;
+            return Some(respond::failure(Dialect::OpenAi, too_large, request_id));
+        }
     };
     let (request, names) = as_request(&texts);
     match judge(state, upstream, &request, &names, request_id) {
