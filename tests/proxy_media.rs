@@ -156,6 +156,14 @@ async fn what_a_media_request_tells_the_model_is_scanned_as_a_prompt() {
         r#"fairgate_blocks_total{model="other",route="media",scope="prompt"}"#,
     );
     assert_eq!(blocks, Some(12.0), "{metrics}");
+    // The dashboard lists each block under its route.
+    let recent = proxy.recent_blocks().await;
+    assert_eq!(recent.len(), 12, "{recent:?}");
+    assert!(
+        recent
+            .iter()
+            .all(|b| b["route"] == "media" && b["scope"] == "prompt")
+    );
     proxy.stop().await;
 }
 
