@@ -13,8 +13,9 @@
 //!   read whole. A larger one (an image or an audio file of many
 //!   megabytes) goes up as it arrives, its fields read on the way; its
 //!   last piece goes only once they are allowed, so a refused form never
-//!   arrives whole (a text itself longer than the limit: 413). A form that does not read to its end is refused
-//!   (`invalid_form`): what the API would read of it cannot be told.
+//!   arrives whole (a text itself longer than the limit: 413). A form
+//!   that does not read to its end is refused (`invalid_form`): what the
+//!   API would read of it cannot be told.
 //!
 //! A block answers with the 400 of a blocked prompt, its message naming
 //! the field. A redaction rewrites the text in place; in a form sent on
