@@ -446,10 +446,7 @@ async fn an_openai_batch_input_upload_is_scanned_and_other_uploads_pass() {
 
 #[tokio::test]
 async fn an_upload_too_large_to_hold_goes_on_and_a_batch_s_is_read_on_the_way() {
-    let mock = support::start_mock().await;
-    let mut config = support::config(&mock.url(), std::path::Path::new("rules"));
-    config.guard.max_body_bytes = 1024;
-    let proxy = support::start_proxy(config).await;
+    let (mock, proxy) = support::start_holding(1024).await;
     let safe: Vec<Value> = (0..20)
         .map(|i| input(&format!("safe-{i}"), "How do I start a budget?"))
         .collect();

@@ -24,10 +24,7 @@ async fn upstream_errors(proxy: &support::Proxy, kind: &str) -> Option<f64> {
 
 #[tokio::test]
 async fn oversized_body_gets_413_in_each_dialect() {
-    let mock = start_mock().await;
-    let mut config = config(&mock.url(), Path::new("rules"));
-    config.guard.max_body_bytes = 1024;
-    let proxy = start_proxy(config).await;
+    let (mock, proxy) = support::start_holding(1024).await;
     let big = "x".repeat(4096);
     let response = client()
         .post(proxy.url("/v1/chat/completions"))
@@ -549,10 +546,7 @@ fn compressed(encoding: &str, body: &[u8]) -> Vec<u8> {
 /// proxy cannot read gets an error that says so, and is not forwarded.
 #[tokio::test]
 async fn compressed_request_bodies_are_read_not_forwarded_unread() {
-    let mock = start_mock().await;
-    let mut config = config(&mock.url(), Path::new("rules"));
-    config.guard.max_body_bytes = 64 << 10;
-    let proxy = start_proxy(config).await;
+    let (mock, proxy) = support::start_holding(64 << 10).await;
     let send = |encoding: &'static str, body: Vec<u8>| {
         client()
             .post(proxy.url("/v1/chat/completions"))

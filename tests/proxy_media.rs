@@ -172,10 +172,7 @@ async fn what_a_media_request_tells_the_model_is_scanned_as_a_prompt() {
 /// once they are allowed.
 #[tokio::test]
 async fn a_media_form_too_large_to_hold_is_read_on_its_way() {
-    let mock = support::start_mock().await;
-    let mut config = support::config(&mock.url(), std::path::Path::new("rules"));
-    config.guard.max_body_bytes = 1024;
-    let proxy = support::start_proxy(config).await;
+    let (mock, proxy) = support::start_holding(1024).await;
     let image = "PNG".repeat(2000);
     // The prompt first, as the SDKs send it, or after the file.
     let prompt_last = |prompt: &str| {

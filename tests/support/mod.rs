@@ -754,6 +754,16 @@ pub fn request_id(response: &reqwest::Response) -> String {
         .to_owned()
 }
 
+/// Proxy in front of a fresh mock, with the shipped rules, holding
+/// bodies of at most `limit` bytes (`guard.max_body_bytes`).
+pub async fn start_holding(limit: usize) -> (Mock, Proxy) {
+    let mock = start_mock().await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    config.guard.max_body_bytes = limit;
+    let proxy = start_proxy(config).await;
+    (mock, proxy)
+}
+
 /// Proxy in front of a fresh mock, with the shipped rules.
 pub async fn start() -> (Mock, Proxy) {
     let mock = start_mock().await;
