@@ -189,7 +189,8 @@ fn judge(
     Ok(scan)
 }
 
-/// What a refusal names: the texts read, in order, each once.
+/// What a refusal names: the texts read, in order, each once (a block
+/// has at least one).
 fn place(names: &[&'static str]) -> String {
     let mut named: Vec<&str> = Vec::new();
     for name in names {
@@ -197,10 +198,7 @@ fn place(names: &[&'static str]) -> String {
             named.push(name);
         }
     }
-    match named.is_empty() {
-        true => "the request".to_owned(),
-        false => named.join(" and "),
-    }
+    named.join(" and ")
 }
 
 /// Why a form read on its way is not read whole.
