@@ -222,12 +222,7 @@ async fn results_are_relayed_line_by_line_as_the_rules_allow() {
         got[3]["result"]["message"]["content"][0]["text"],
         "Your card [REDACTED:card] is on file."
     );
-    let metrics = proxy.metrics().await;
-    let blocks = support::metric(
-        &metrics,
-        r#"fairgate_blocks_total{model="other",route="batch_results",scope="response"}"#,
-    );
-    assert_eq!(blocks, Some(1.0), "{metrics}");
+    proxy.assert_blocks("batch_results", "response", 1.0).await;
     let recent = proxy.recent_blocks().await;
     assert_eq!(recent.len(), 1, "{recent:?}");
     assert_eq!(recent[0]["route"], "batch_results");

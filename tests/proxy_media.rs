@@ -150,12 +150,7 @@ async fn what_a_media_request_tells_the_model_is_scanned_as_a_prompt() {
         .await;
     assert_eq!(response.status(), 200);
 
-    let metrics = proxy.metrics().await;
-    let blocks = support::metric(
-        &metrics,
-        r#"fairgate_blocks_total{model="other",route="media",scope="prompt"}"#,
-    );
-    assert_eq!(blocks, Some(12.0), "{metrics}");
+    proxy.assert_blocks("media", "prompt", 12.0).await;
     // The dashboard lists each block under its route.
     let recent = proxy.recent_blocks().await;
     assert_eq!(recent.len(), 12, "{recent:?}");

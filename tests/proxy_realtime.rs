@@ -1091,12 +1091,7 @@ async fn a_session_set_up_for_elsewhere_has_its_configuration_scanned() {
     assert_eq!(response.status(), 200);
     assert_eq!(mock.requests()[2].body, offer);
 
-    let metrics = proxy.metrics().await;
-    let blocks = support::metric(
-        &metrics,
-        r#"fairgate_blocks_total{model="other",route="realtime",scope="prompt"}"#,
-    );
-    assert_eq!(blocks, Some(6.0), "{metrics}");
+    proxy.assert_blocks("realtime", "prompt", 6.0).await;
     proxy.stop().await;
 }
 

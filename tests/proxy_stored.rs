@@ -115,12 +115,7 @@ async fn a_stored_answer_comes_back_as_its_refusal() {
     assert_eq!((status, verdict.as_str()), (200, "allow"));
     assert_eq!(body, allowed.to_string(), "relayed byte for byte");
 
-    let metrics = proxy.metrics().await;
-    let blocks = support::metric(
-        &metrics,
-        r#"fairgate_blocks_total{model="other",route="stored",scope="response"}"#,
-    );
-    assert_eq!(blocks, Some(6.0), "{metrics}");
+    proxy.assert_blocks("stored", "response", 6.0).await;
     let recent = proxy.recent_blocks().await;
     let listed: Vec<(&Value, &Value)> =
         recent.iter().map(|b| (&b["route"], &b["status"])).collect();
@@ -266,11 +261,8 @@ async fn items_added_to_a_conversation_are_read_as_input() {
         sent[0].body
     );
     assert!(!sent[0].body.contains("jane.doe"), "{}", sent[0].body);
-    let metrics = proxy.metrics().await;
-    let blocks = support::metric(
-        &metrics,
-        r#"fairgate_blocks_total{model="other",route="conversation_items",scope="prompt"}"#,
-    );
-    assert_eq!(blocks, Some(2.0), "{metrics}");
+    proxy
+        .assert_blocks("conversation_items", "prompt", 2.0)
+        .await;
     proxy.stop().await;
 }

@@ -529,6 +529,15 @@ impl Proxy {
         self.admin_page("/metrics").await
     }
 
+    /// Asserts that `n` blocks of `scope` were counted on `route` (in
+    /// `fairgate_blocks_total`, for a model not listed as a label).
+    pub async fn assert_blocks(&self, route: &str, scope: &str, n: f64) {
+        let metrics = self.metrics().await;
+        let series =
+            format!(r#"fairgate_blocks_total{{model="other",route="{route}",scope="{scope}"}}"#);
+        assert_eq!(metric(&metrics, &series), Some(n), "{metrics}");
+    }
+
     /// The admin dashboard's summary (`/admin/summary`).
     pub async fn summary(&self) -> Value {
         serde_json::from_str(&self.admin_page("/admin/summary").await).expect("a JSON summary")
