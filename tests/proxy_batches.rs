@@ -359,17 +359,7 @@ fn input(custom_id: &str, prompt: &str) -> Value {
 }
 
 async fn upload(proxy: &support::Proxy, form: String) -> reqwest::Response {
-    upload_to(proxy, "/v1/files", form).await
-}
-
-async fn upload_to(proxy: &support::Proxy, path: &str, form: String) -> reqwest::Response {
-    client()
-        .post(proxy.url(path))
-        .header("content-type", "multipart/form-data; boundary=XyZ")
-        .body(form)
-        .send()
-        .await
-        .unwrap()
+    proxy.post_form("/v1/files", form).await
 }
 
 /// Asserts that `response` refuses a batch input whose line `line` is not
@@ -406,7 +396,7 @@ async fn an_openai_batch_input_upload_is_scanned_and_other_uploads_pass() {
     assert!(mock.requests().is_empty());
     // The same on Azure OpenAI's classic path, which has no `v1`.
     let azure = "/openai/files?api-version=2025-04-01-preview";
-    let response = upload_to(&proxy, azure, upload_form("batch", &file)).await;
+    let response = proxy.post_form(azure, upload_form("batch", &file)).await;
     assert_eq!(response.status(), 400);
     assert!(mock.requests().is_empty());
     // A line that is not a request: the error names it and says why.

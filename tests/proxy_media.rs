@@ -28,16 +28,6 @@ fn form(fields: &[(&str, &str)], file: &str) -> String {
     form
 }
 
-async fn send_form(proxy: &support::Proxy, path: &str, form: String) -> reqwest::Response {
-    client()
-        .post(proxy.url(path))
-        .header("content-type", "multipart/form-data; boundary=XyZ")
-        .body(form)
-        .send()
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn what_a_media_request_tells_the_model_is_scanned_as_a_prompt() {
     let (mock, proxy) = support::start().await;
@@ -97,12 +87,12 @@ async fn what_a_media_request_tells_the_model_is_scanned_as_a_prompt() {
             vec![("prompt", "A cat."), ("prompt", ATTACK)],
         ),
     ] {
-        let response = send_form(&proxy, path, form(&fields, "PNGDATA")).await;
+        let response = proxy.post_form(path, form(&fields, "PNGDATA")).await;
         assert_refused_at(response, "prompt").await;
     }
     // A form that does not read to its end is refused, not sent on.
     let broken = form(&[("prompt", "A cat.")], "PNGDATA").replace("--XyZ--\r\n", "");
-    let response = send_form(&proxy, "/v1/images/edits", broken).await;
+    let response = proxy.post_form("/v1/images/edits", broken).await;
     assert_eq!(response.status(), 400);
     let answer: Value = response.json().await.unwrap();
     assert_eq!(answer["error"]["code"], "invalid_form", "{answer}");
@@ -123,7 +113,9 @@ async fn what_a_media_request_tells_the_model_is_scanned_as_a_prompt() {
     let response = proxy.post("/v1/images/generations", json!({}), &body).await;
     assert_eq!(response.status(), 200);
     let fields = [("model", "gpt-image-1"), ("prompt", CARD)];
-    let response = send_form(&proxy, "/v1/images/edits", form(&fields, "PNGDATA")).await;
+    let response = proxy
+        .post_form("/v1/images/edits", form(&fields, "PNGDATA"))
+        .await;
     assert_eq!(response.status(), 200);
     let sent = mock.requests();
     assert_eq!(sent.len(), 2);
@@ -139,11 +131,13 @@ async fn what_a_media_request_tells_the_model_is_scanned_as_a_prompt() {
         ("user", "4111 1111 1111 1111"),
     ];
     let allowed = form(&allowed, ATTACK);
-    let response = send_form(&proxy, "/v1/images/edits", allowed.clone()).await;
+    let response = proxy.post_form("/v1/images/edits", allowed.clone()).await;
     assert_eq!(response.status(), 200);
     assert_eq!(mock.requests()[2].body, allowed);
     // Paths that are not a media request's pass unread.
-    let response = send_form(&proxy, "/v1/images/variations", form(&[], ATTACK)).await;
+    let response = proxy
+        .post_form("/v1/images/variations", form(&[], ATTACK))
+        .await;
     assert_eq!(response.status(), 200);
     let response = proxy
         .post("/v1/videos/characters", json!({}), &json!({"name": ATTACK}))
@@ -178,27 +172,24 @@ async fn a_media_form_too_large_to_hold_is_read_on_its_way() {
     };
     for blocked in [form(&[("prompt", ATTACK)], &image), prompt_last(ATTACK)] {
         assert!(blocked.len() > 4 * 1024);
-        let response = send_form(&proxy, "/v1/images/edits", blocked.clone()).await;
+        let response = proxy.post_form("/v1/images/edits", blocked.clone()).await;
         assert_refused_at(response, "prompt").await;
         // Most of it may have gone up, never the whole.
         assert!(mock.requests().iter().all(|r| r.body.len() < blocked.len()));
     }
     // A redaction cannot be made on the way: it refuses.
-    let response = send_form(
-        &proxy,
-        "/v1/images/edits",
-        form(&[("prompt", CARD)], &image),
-    )
-    .await;
+    let response = proxy
+        .post_form("/v1/images/edits", form(&[("prompt", CARD)], &image))
+        .await;
     assert_refused_at(response, "prompt").await;
     // A form that does not read to its end is refused.
     let broken = form(&[("prompt", "A cat.")], &image).replace("--XyZ--\r\n", "");
-    let response = send_form(&proxy, "/v1/images/edits", broken).await;
+    let response = proxy.post_form("/v1/images/edits", broken).await;
     let answer: Value = response.json().await.unwrap();
     assert_eq!(answer["error"]["code"], "invalid_form", "{answer}");
     // A text longer than the proxy holds cannot be read: 413.
     let long = form(&[("prompt", &"A cat. ".repeat(200))], &image);
-    let response = send_form(&proxy, "/v1/images/edits", long.clone()).await;
+    let response = proxy.post_form("/v1/images/edits", long.clone()).await;
     assert_eq!(response.status(), 413);
     assert!(mock.requests().iter().all(|r| r.body.len() < long.len()));
 
@@ -207,7 +198,7 @@ async fn a_media_form_too_large_to_hold_is_read_on_its_way() {
         form(&[("prompt", "A watercolor of a piggy bank.")], &image),
         prompt_last("A watercolor of a piggy bank."),
     ] {
-        let response = send_form(&proxy, "/v1/images/edits", allowed.clone()).await;
+        let response = proxy.post_form("/v1/images/edits", allowed.clone()).await;
         assert_eq!(response.status(), 200);
         let sent = mock.requests().last().unwrap().clone();
         assert_eq!(sent.body, allowed, "sent whole, start and rest");

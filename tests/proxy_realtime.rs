@@ -1020,16 +1020,8 @@ async fn a_session_set_up_for_elsewhere_has_its_configuration_scanned() {
             "--XyZ\r\ncontent-disposition: form-data; name=\"sdp\"\r\n\r\nv=0\r\no=- 1 2 IN IP4 127.0.0.1\r\n\r\n--XyZ\r\ncontent-disposition: form-data; name=\"session\"\r\ncontent-type: application/json\r\n\r\n{session}\r\n--XyZ--\r\n"
         )
     };
-    let call = |body: String| {
-        support::client()
-            .post(proxy.url("/v1/realtime/calls"))
-            .header("content-type", "multipart/form-data; boundary=XyZ")
-            .body(body)
-            .send()
-    };
-    let response = call(form(&json!({"type": "realtime", "instructions": attack})))
-        .await
-        .unwrap();
+    let call = |body: String| proxy.post_form("/v1/realtime/calls", body);
+    let response = call(form(&json!({"type": "realtime", "instructions": attack}))).await;
     assert_eq!(response.status(), 400);
     // Every `session` field is read, whichever the API would take.
     let twice = form(&json!({"instructions": "Be brief."})).replace(
@@ -1039,11 +1031,11 @@ async fn a_session_set_up_for_elsewhere_has_its_configuration_scanned() {
             json!({"instructions": attack})
         ),
     );
-    let response = call(twice).await.unwrap();
+    let response = call(twice).await;
     assert_eq!(response.status(), 400);
     // A form that does not read to its end is refused, not sent on.
     let broken = form(&json!({"instructions": "Be brief."})).replace("--XyZ--\r\n", "");
-    let response = call(broken).await.unwrap();
+    let response = call(broken).await;
     assert_eq!(response.status(), 400);
     let answer: Value = response.json().await.unwrap();
     assert_eq!(answer["error"]["code"], "invalid_form", "{answer}");
@@ -1066,7 +1058,7 @@ async fn a_session_set_up_for_elsewhere_has_its_configuration_scanned() {
         .post("/v1/realtime/client_secrets", json!({}), &body)
         .await;
     assert_eq!(response.status(), 200);
-    let response = call(form(&json!({"instructions": card}))).await.unwrap();
+    let response = call(form(&json!({"instructions": card}))).await;
     assert_eq!(response.status(), 200);
     let sent = mock.requests();
     assert_eq!(sent.len(), 2);

@@ -586,6 +586,17 @@ impl Proxy {
             .expect("the proxy answers")
     }
 
+    /// POSTs `form` to `path` as a form whose boundary is `XyZ`.
+    pub async fn post_form(&self, path: &str, form: String) -> reqwest::Response {
+        client()
+            .post(self.url(path))
+            .header("content-type", "multipart/form-data; boundary=XyZ")
+            .body(form)
+            .send()
+            .await
+            .expect("the proxy answers")
+    }
+
     /// Sends `n` allowed chat completions (`"{tag} question {i}"`); returns
     /// their request ids.
     pub async fn send_questions(&self, n: usize, tag: &str) -> Vec<String> {
