@@ -49,7 +49,7 @@ use super::{BoxError, ProxyBody, ReadRequest, Relayed, State, lines, upstream};
 use crate::config::OnBlock;
 use crate::exchange::{self, Batch, BatchAnswer, BatchRequest, Dialect};
 use crate::guard::{self, block_message, rule_ids};
-use crate::json;
+use crate::json::{self, ReadError};
 use crate::risk::{self, Decision};
 use crate::rules::{Hit, RuleSet, Scope};
 
@@ -461,6 +461,67 @@ pub(super) fn scan_counted(
     // completion).
     let counted = (REQUESTS, None);
     scan_counted_as(state, rules, upstream, counted, request, request_id)
+}
+
+/// The texts of a request that reach a model outside an exchange (a
+/// conversation's items, a Realtime session's setup, a media request),
+/// scanned as a prompt and counted under `route`: the scan, or the 400
+/// that refuses the request, naming `place`.
+pub(super) fn scan_or_refuse(
+    state: &State,
+    upstream: &str,
+    route: &'static str,
+    (request, place): (&BatchRequest, &str),
+    request_id: &str,
+) -> Result<guard::RequestScan, Box<Response<ProxyBody>>> {
+    let rules = state.rules.snapshot();
+    let counted = (route, Some(400));
+    let scan = scan_counted_as(state, &rules, upstream, counted, request, request_id);
+    let (hits, decision) = (&scan.verdict.hits, scan.verdict.decision);
+    match Refusal::of_block(request, hits, decision) {
+        Some(refusal) => Err(Box::new(refusal.respond(
+            Dialect::OpenAi,
+            place,
+            request_id,
+        ))),
+        None => Ok(scan),
+    }
+}
+
+/// Reads a JSON body's texts that reach a model outside an exchange, and
+/// the place a refusal names them by.
+pub(super) type ReadTexts = for<'a> fn(&'a [u8]) -> Result<(BatchRequest<'a>, String), ReadError>;
+
+/// Sends on a request with a JSON body (read as JSON whatever its content
+/// type says: the API may) once the texts `read` finds in it are scanned
+/// ([`scan_or_refuse`]): refused when blocked, redacted in place.
+pub(super) async fn send_scanned(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    route: &'static str,
+    read: ReadTexts,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let dialect = Dialect::OpenAi;
+    let body = match ReadRequest::of(state, req, dialect, request_id).await {
+        Ok(body) => body,
+        Err(answer) => return answer,
+    };
+    let (request, place) = match read(&body.bytes) {
+        Ok(read) => read,
+        Err(error) => return respond::unreadable(dialect, &error, None, request_id),
+    };
+    let found = (&request, place.as_str());
+    let sent = match scan_or_refuse(state, &body.upstream, route, found, request_id) {
+        Ok(scan) => scan
+            .redacted(&body.bytes)
+            .unwrap_or_else(|| body.bytes.clone()),
+        Err(refused) => return *refused,
+    };
+    match body.send(state, sent, false).await {
+        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Err(failure) => respond::failure(dialect, failure, request_id),
+    }
 }
 
 /// A request's texts scanned as a prompt sent outside an exchange, and

@@ -30,11 +30,10 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::mpsc;
 
-use super::batch::{self, Held, HeldForm, Refusal, scan_counted_as};
+use super::batch::{self, Held, HeldForm, Refusal};
 use super::respond;
-use super::{ProxyBody, ReadRequest, State};
+use super::{ProxyBody, State};
 use crate::exchange::{self, BatchRequest, Dialect, MEDIA_TEXTS, Text};
-use crate::guard::RequestScan;
 use crate::rules::Scope;
 
 /// The route label of media requests, in metrics.
@@ -48,31 +47,13 @@ pub(super) async fn handle(
 ) -> Response<ProxyBody> {
     match batch::form_boundary(req.headers()) {
         Some(boundary) => form(state, req, boundary, request_id).await,
-        None => body(state, req, request_id).await,
-    }
-}
-
-/// A request with a JSON body, read as JSON whatever its content type
-/// says: the API may.
-async fn body(state: &Arc<State>, req: Request<Incoming>, request_id: &str) -> Response<ProxyBody> {
-    let dialect = Dialect::OpenAi;
-    let read = match ReadRequest::of(state, req, dialect, request_id).await {
-        Ok(read) => read,
-        Err(answer) => return answer,
-    };
-    let (request, names) = match exchange::read_media_request(&read.bytes) {
-        Ok(read) => read,
-        Err(error) => return respond::unreadable(dialect, &error, None, request_id),
-    };
-    let body = match judge(state, &read.upstream, &request, &names, request_id) {
-        Ok(scan) => scan
-            .redacted(&read.bytes)
-            .unwrap_or_else(|| read.bytes.clone()),
-        Err(refused) => return *refused,
-    };
-    match read.send(state, body, false).await {
-        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
-        Err(failure) => respond::failure(dialect, failure, request_id),
+        None => {
+            let read: batch::ReadTexts = |body| {
+                let (request, names) = exchange::read_media_request(body)?;
+                Ok((request, place(&names)))
+            };
+            batch::send_scanned(state, req, ROUTE, read, request_id).await
+        }
     }
 }
 
@@ -118,8 +99,9 @@ async fn form(
             Some(FormText { field, name, text })
         })
         .collect();
-    let (request, names) = as_request(&texts);
-    let edits = match judge(state, upstream, &request, &names, request_id) {
+    let (request, place) = as_request(&texts);
+    let found = (&request, place.as_str());
+    let edits = match batch::scan_or_refuse(state, upstream, ROUTE, found, request_id) {
         Ok(scan) => scan.edits,
         Err(refused) => return *refused,
     };
@@ -150,9 +132,10 @@ struct FormText {
     text: String,
 }
 
-/// A form's texts as a request to scan, with their names. A text's span
-/// is its field's index: a redaction rewrites the field whole.
-fn as_request(texts: &[FormText]) -> (BatchRequest<'_>, Vec<&'static str>) {
+/// A form's texts as a request to scan, with the place a refusal names
+/// them by. A text's span is its field's index: a redaction rewrites the
+/// field whole.
+fn as_request(texts: &[FormText]) -> (BatchRequest<'_>, String) {
     let found = texts.iter().map(|form_text| Text {
         scope: Scope::Prompt,
         text: form_text.text.as_str().into(),
@@ -162,31 +145,8 @@ fn as_request(texts: &[FormText]) -> (BatchRequest<'_>, Vec<&'static str>) {
         continues: false,
     });
     let request = BatchRequest::of_texts(found.collect());
-    (request, texts.iter().map(|text| text.name).collect())
-}
-
-/// A media request's texts scanned as a prompt and counted: the scan, or
-/// the 400 that refuses it, naming its texts.
-fn judge(
-    state: &State,
-    upstream: &str,
-    request: &BatchRequest,
-    names: &[&'static str],
-    request_id: &str,
-) -> Result<RequestScan, Box<Response<ProxyBody>>> {
-    let rules = state.rules.snapshot();
-    let counted = (ROUTE, Some(400));
-    let scan = scan_counted_as(state, &rules, upstream, counted, request, request_id);
-    let (hits, decision) = (&scan.verdict.hits, scan.verdict.decision);
-    if let Some(refusal) = Refusal::of_block(request, hits, decision) {
-        let place = place(names);
-        return Err(Box::new(refusal.respond(
-            Dialect::OpenAi,
-            &place,
-            request_id,
-        )));
-    }
-    Ok(scan)
+    let names: Vec<&'static str> = texts.iter().map(|text| text.name).collect();
+    (request, place(&names))
 }
 
 /// What a refusal names: the texts read, in order, each once (a block
@@ -269,14 +229,14 @@ fn judge_on_the_way(
             return Some(respond::failure(Dialect::OpenAi, too_large, request_id));
         }
     };
-    let (request, names) = as_request(&texts);
-    match judge(state, upstream, &request, &names, request_id) {
+    let (request, place) = as_request(&texts);
+    match batch::scan_or_refuse(state, upstream, ROUTE, (&request, &place), request_id) {
         Err(refused) => Some(*refused),
         Ok(scan) if scan.edits.is_empty() => None,
         Ok(scan) => {
             let why = "it holds text the content policy redacts, and a form larger than this gateway holds goes up as it arrives, so it cannot be edited; redact the text before sending it.";
             let refusal = Refusal::of_redaction(&request, &scan.verdict.hits, why);
-            Some(refusal.respond(Dialect::OpenAi, &place(&names), request_id))
+            Some(refusal.respond(Dialect::OpenAi, &place, request_id))
         }
     }
 }

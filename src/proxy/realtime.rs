@@ -86,13 +86,12 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
-use super::batch::{self, Refusal, scan_counted_as};
+use super::batch;
 use super::respond::{self, Failure};
 use super::{Ending, ProxyBody, ReadRequest, RecordDraft, State};
 use crate::config::Upgrades;
 use crate::exchange::{self, Dialect};
 use crate::guard::{self, block_message, rule_ids};
-use crate::json;
 use crate::record::{ClientMeta, StreamEnd, Usage, now_ms};
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::{Action, Hit, RuleSet, Scope, redact};
@@ -216,14 +215,9 @@ fn judge(
         let what = "The session's configuration";
         Box::new(respond::unreadable(dialect, &error, Some(what), request_id))
     })?;
-    let rules = state.rules.snapshot();
-    let counted = (ROUTE, Some(400));
-    let scan = scan_counted_as(state, &rules, &read.upstream, counted, &setup, request_id);
-    let (hits, decision) = (&scan.verdict.hits, scan.verdict.decision);
-    if let Some(refusal) = Refusal::of_block(&setup, hits, decision) {
-        return Err(Box::new(refusal.respond(dialect, "session", request_id)));
-    }
-    Ok((!scan.edits.is_empty()).then(|| json::splice(config, &scan.edits)))
+    let found = (&setup, "session");
+    let scan = batch::scan_or_refuse(state, &read.upstream, ROUTE, found, request_id)?;
+    Ok(scan.redacted(config))
 }
 
 type Socket = WebSocketStream<TokioIo<Upgraded>>;

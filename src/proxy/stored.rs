@@ -21,14 +21,13 @@ use std::time::Instant;
 use http::{Request, Response, header};
 use hyper::body::Incoming;
 
-use super::batch::{Refusal, scan_counted_as};
+use super::batch;
 use super::respond;
-use super::{ProxyBody, ReadRequest, Relayed, State, upstream};
+use super::{ProxyBody, Relayed, State, upstream};
 use crate::config::OnBlock;
 use crate::exchange::{self, Dialect, Endpoint, ResponseBody, Stored};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
-use crate::json;
 use crate::json::ReadError;
 use crate::risk::{self, Decision, Verdict};
 use crate::rules::Scope;
@@ -52,30 +51,9 @@ pub(super) async fn add_items(
     req: Request<Incoming>,
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let dialect = Dialect::OpenAi;
-    let read = match ReadRequest::of(state, req, dialect, request_id).await {
-        Ok(read) => read,
-        Err(answer) => return answer,
-    };
-    let items = match exchange::read_conversation_items(&read.bytes) {
-        Ok(items) => items,
-        Err(error) => return respond::unreadable(dialect, &error, None, request_id),
-    };
-    let rules = state.rules.snapshot();
-    let counted = (ITEMS, Some(400));
-    let scan = scan_counted_as(state, &rules, &read.upstream, counted, &items, request_id);
-    let (hits, decision) = (&scan.verdict.hits, scan.verdict.decision);
-    if let Some(refusal) = Refusal::of_block(&items, hits, decision) {
-        return refusal.respond(dialect, "items", request_id);
-    }
-    let body = match scan.edits.is_empty() {
-        true => read.bytes.clone(),
-        false => json::splice(&read.bytes, &scan.edits),
-    };
-    match read.send(state, body, false).await {
-        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
-        Err(failure) => respond::failure(dialect, failure, request_id),
-    }
+    let read: batch::ReadTexts =
+        |body| exchange::read_conversation_items(body).map(|items| (items, "items".into()));
+    batch::send_scanned(state, req, ITEMS, read, request_id).await
 }
 
 /// Fetches a stored answer and relays it as the guard allows.
