@@ -98,8 +98,9 @@ pub struct Text<'a> {
     pub text: Cow<'a, str>,
     pub span: Range<usize>,
     /// The text of something else the body carries, which a redaction
-    /// could not reach (the transcript of audio): a `redact` hit in it
-    /// blocks.
+    /// could not reach (the transcript of audio), or signed text that a
+    /// redaction would spoil (an Anthropic compaction's summary, which the
+    /// client must send back as it came): a `redact` hit in it blocks.
     pub whole: bool,
     /// The tool definitions of a request (`tools`, `functions`): `text`
     /// is their array's JSON text as it stands at `span`, whose texts
@@ -190,6 +191,8 @@ impl<'a> RequestBody<'a> {
                 "suffix",
                 "tools",
                 "functions",
+                "compaction",
+                "context_management",
             ];
             reader.object(keys, |reader, key| match (key, endpoint) {
                 (0, _) => {
@@ -222,6 +225,7 @@ impl<'a> RequestBody<'a> {
                 (8, Endpoint::Responses) => rest.responses_input(reader),
                 (10, Endpoint::ChatCompletions | Endpoint::Responses | Endpoint::Messages)
                 | (11, Endpoint::ChatCompletions) => first.definitions(reader),
+                (12 | 13, Endpoint::Messages) => first.compaction_instructions(reader, key == 13),
                 _ => reader.skip(),
             })?;
         }
@@ -244,6 +248,52 @@ pub fn adds_conversation_items(path: &str) -> bool {
         after_root(path).as_deref(),
         Some(["conversations"] | ["conversations", _, "items"])
     )
+}
+
+/// Whether `path` (after the API's root) compacts a conversation
+/// (`/v1/responses/compact`): a model reads it and writes a summary of it
+/// that only the API can read (an item of `encrypted_content`), which a
+/// later response reads in its place. Its texts are read where it is
+/// sent ([`read_compaction`]), the one place they can be.
+pub fn compacts_conversation(path: &str) -> bool {
+    matches!(after_root(path).as_deref(), Some(["responses", "compact"]))
+}
+
+/// The names of the texts a compaction is given ([`compacts_conversation`]),
+/// read as a Responses API request's are: its `instructions` and its `input`.
+pub const COMPACTED_TEXTS: [&str; 2] = ["instructions", "input"];
+
+/// Reads a compaction's body ([`compacts_conversation`]): its
+/// `instructions` and `input` ([`COMPACTED_TEXTS`]) as a Responses API
+/// request's are (what tools gave the model is context), each with the
+/// name of the member it is in, and its `model`.
+/// An error as for [`RequestBody::read`].
+pub fn read_compaction(body: &[u8]) -> Result<(BatchRequest<'_>, Vec<&'static str>), ReadError> {
+    let mut reader = Reader::bytes(body)?;
+    let (mut texts, mut names) = (Texts::default(), Vec::new());
+    let mut model = None;
+    if reader.is_object()? {
+        let [instructions, input] = COMPACTED_TEXTS;
+        reader.object([instructions, input, "model"], |reader, key| {
+            let found = texts.found.len();
+            match key {
+                0 => texts.text(reader, Scope::Prompt)?,
+                1 => texts.responses_input(reader)?,
+                _ => {
+                    model = reader.string()?.map(|t| t.value);
+                    return Ok(());
+                }
+            }
+            if texts.found.len() > found {
+                names.push(COMPACTED_TEXTS[key]);
+            }
+            Ok(())
+        })?;
+    }
+    reader.finish()?;
+    let mut request = BatchRequest::of_texts(texts.found);
+    request.params.model = model;
+    Ok((request, names))
 }
 
 /// Whether `path` (after the API's root) sets up a Realtime session that
@@ -948,6 +998,17 @@ impl<'a> Texts<'a> {
         Ok(())
     }
 
+    /// A string value, if the next value is one, as [`Text::whole`]: the
+    /// text of something a redaction cannot reach.
+    fn whole_text(&mut self, reader: &mut Reader<'a>, scope: Scope) -> Result<(), ReadError> {
+        let found = self.found.len();
+        self.text(reader, scope)?;
+        if let Some(text) = self.found.get_mut(found) {
+            text.whole = true;
+        }
+        Ok(())
+    }
+
     /// The `transcript` of an audio object (the reader at its start,
     /// anything else skipped): what the audio says, in [`Text::whole`].
     fn transcript(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
@@ -955,12 +1016,7 @@ impl<'a> Texts<'a> {
             return Ok(());
         }
         reader.object(["transcript"], |reader, _| {
-            let found = self.found.len();
-            self.text(reader, Scope::Response)?;
-            if let Some(text) = self.found.get_mut(found) {
-                text.whole = true;
-            }
-            Ok(())
+            self.whole_text(reader, Scope::Response)
         })
     }
 
@@ -1227,6 +1283,29 @@ impl<'a> Texts<'a> {
         }
     }
 
+    /// The instructions an Anthropic request gives the model that
+    /// summarizes its conversation, which replace the API's own prompt for
+    /// it: `compaction.instructions`, or (`edits`) the `instructions` of
+    /// each of `context_management.edits`. Prompt.
+    fn compaction_instructions(
+        &mut self,
+        reader: &mut Reader<'a>,
+        edits: bool,
+    ) -> Result<(), ReadError> {
+        let instructions = |texts: &mut Self, reader: &mut Reader<'a>| {
+            reader.object(["instructions"], |reader, _| {
+                texts.text(reader, Scope::Prompt)
+            })
+        };
+        if !reader.is_object()? {
+            return Ok(());
+        }
+        match edits {
+            true => reader.object(["edits"], |reader, _| self.objects(reader, instructions)),
+            false => instructions(self, reader),
+        }
+    }
+
     /// A Realtime session's `instructions` (0), `tools` (1) or `prompt`
     /// (2), in a setup ([`read_realtime_setup`]) or an event
     /// ([`read_realtime_event`]).
@@ -1321,8 +1400,10 @@ impl<'a> Texts<'a> {
                 (2, Endpoint::Responses) => {
                     self.objects(reader, |texts, reader| texts.output_item(reader))?
                 }
-                // The model's text, tool input and thinking; what a server
-                // tool gave it, and the text its citations quote, context.
+                // The model's text, tool input and thinking, and its
+                // summary of a compacted conversation (signed: a block's
+                // `content`); what a server tool gave it, and the text its
+                // citations quote, context.
                 (3, Endpoint::Messages) => {
                     let mut first = true;
                     self.objects(reader, |texts, reader| {
@@ -1335,6 +1416,9 @@ impl<'a> Texts<'a> {
                                     .continuing(|texts| texts.text(reader, scope))
                                     .map(drop),
                                 2 => texts.strings(reader, scope),
+                                4 if kind.as_deref() == Some("compaction") => {
+                                    texts.whole_text(reader, scope)
+                                }
                                 4 => texts.tool_result_content(reader, kind.as_deref()),
                                 5 => texts.objects(reader, |texts, reader| texts.citation(reader)),
                                 _ => texts.text(reader, scope),
@@ -1813,6 +1897,49 @@ mod tests {
                 (Scope::Prompt, "odd role".into())
             ]
         );
+    }
+
+    /// A compaction's summary is the model's text, signed: response text
+    /// that a redaction cannot reach. The instructions it is written by
+    /// are the client's: prompt.
+    #[test]
+    fn anthropic_compactions_are_read() {
+        let answer = json!({"content": [
+            {"type": "compaction", "content": "summed up", "encrypted_content": "opaque", "signature": "sig"},
+            {"type": "compaction", "content": null},
+            {"type": "text", "text": "answered"}
+        ]});
+        let body = answer.to_string();
+        let read = ResponseBody::read(Endpoint::Messages, body.as_bytes()).unwrap();
+        let texts: Vec<_> = read
+            .texts
+            .iter()
+            .map(|t| (&*t.text, t.whole, t.scope))
+            .collect();
+        let response = Scope::Response;
+        assert_eq!(
+            texts,
+            [("summed up", true, response), ("answered", false, response)]
+        );
+
+        let request = json!({"model": "claude", "messages": [{"role": "user", "content": "go on"}],
+        "compaction": {"type": "summarize", "instructions": "keep the figures"},
+        "context_management": {"edits": [
+            {"type": "clear_tool_uses_20250919"},
+            {"type": "compact_20260112", "instructions": "list the goals", "trigger": {"type": "input_tokens", "value": 50000}}
+        ]}});
+        assert_eq!(
+            collect_request(Endpoint::Messages, request.clone()),
+            [
+                (Scope::Prompt, "keep the figures".into()),
+                (Scope::Prompt, "list the goals".into()),
+                (Scope::Prompt, "go on".into()),
+            ]
+        );
+        // Another API's request has no such members.
+        let mut chat = request;
+        chat["messages"] = json!([]);
+        assert!(collect_request(Endpoint::ChatCompletions, chat).is_empty());
     }
 
     #[test]
@@ -2309,6 +2436,42 @@ mod tests {
             .collect();
         let owned = |text: Option<Cow<str>>| text.map(Cow::into_owned);
         (owned(read.kind), owned(read.event_id), texts)
+    }
+
+    #[test]
+    fn compactions_are_found_by_path_and_read_as_responses_input() {
+        for (path, compacts) in [
+            ("/v1/responses/compact", true),
+            ("/openai/v1/responses/compact/", true),
+            ("/openai/responses/compact", true),
+            ("/v1/responses/resp_1", false),
+            ("/v1/responses", false),
+            ("/v1/compact", false),
+        ] {
+            assert_eq!(compacts_conversation(path), compacts, "{path}");
+        }
+        let body = json!({"model": "gpt-5", "instructions": "Keep it short.", "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "asked"}]},
+            {"type": "function_call_output", "call_id": "c", "output": "looked up"},
+            {"type": "compaction", "encrypted_content": "gAAAA"}
+        ], "previous_response_id": "resp_1"})
+        .to_string();
+        let (read, names) = read_compaction(body.as_bytes()).unwrap();
+        assert_eq!(read.params.model.as_deref(), Some("gpt-5"));
+        assert_eq!(names, ["input", "instructions"]);
+        let texts: Vec<_> = (read.params.texts.iter())
+            .map(|t| (t.scope, &*t.text))
+            .collect();
+        assert_eq!(
+            texts,
+            [
+                (Scope::Prompt, "asked"),
+                (Scope::Context, "looked up"),
+                (Scope::Prompt, "Keep it short.")
+            ]
+        );
+        // A key given twice: which one the API reads cannot be told.
+        assert!(read_compaction(br#"{"input": "hi", "input": "again"}"#).is_err());
     }
 
     #[test]

@@ -55,7 +55,8 @@
 //! `thinking` blocks, whose signature covers their text, the Responses
 //! API's reasoning summaries and text, the `reasoning_content` or
 //! `reasoning` of OpenAI-compatible servers, Mistral's `thinking` parts of
-//! a chat completion's content; the transcript of a chat
+//! a chat completion's content; the summary of an Anthropic compaction
+//! block, signed too; the transcript of a chat
 //! completion's audio, with the audio that says it) is response text too. In
 //! `holdback` its events are held back as text is, but whole: an event
 //! goes out unchanged, as it came, once all of its text lies before any
@@ -1517,6 +1518,16 @@ impl Guard {
                         self.scan_tool_results(data);
                         Kind::Other
                     }
+                    // A compaction's summary, signed as thinking is.
+                    (Some(kind), _) if kind == "compaction_delta" => Kind::Held {
+                        text: delta
+                            .content
+                            .as_ref()
+                            .map_or_else(String::new, |t| t.value.to_string()),
+                        finished: false,
+                        opens: None,
+                        whole: false,
+                    },
                     _ => match delta.held_text() {
                         Some(text) => Kind::Held {
                             text,
@@ -1529,13 +1540,20 @@ impl Guard {
                 }
             }
             // A thinking block's events are held, its start too: its text
-            // is signed, so it can be neither re-framed nor redacted.
+            // is signed, so it can be neither re-framed nor redacted. So
+            // is a compaction block's, whose text is the model's summary
+            // of the conversation (`content`, in its start or its delta).
             Some("content_block_start")
-                if event.content_block.kind.as_deref() == Some("thinking") =>
+                if matches!(
+                    event.content_block.kind.as_deref(),
+                    Some("thinking" | "compaction")
+                ) =>
             {
                 self.separate_held();
+                let block = &event.content_block;
+                let summary = block.content.as_ref().map(|t| &*t.value);
                 Kind::Held {
-                    text: event.content_block.held_text().unwrap_or_default(),
+                    text: block.held_text().unwrap_or_default() + summary.unwrap_or_default(),
                     finished: false,
                     opens: Some(event.index.unwrap_or(0)),
                     whole: false,

@@ -488,6 +488,18 @@ pub(super) fn scan_or_refuse(
     }
 }
 
+/// What a refusal names: the members its texts were read from, in
+/// order, each once (a block has at least one).
+pub(super) fn place(names: &[&'static str]) -> String {
+    let mut named: Vec<&str> = Vec::new();
+    for name in names {
+        if !named.contains(name) {
+            named.push(name);
+        }
+    }
+    named.join(" and ")
+}
+
 /// Reads a JSON body's texts that reach a model outside an exchange, and
 /// the place a refusal names them by.
 pub(super) type ReadTexts = for<'a> fn(&'a [u8]) -> Result<(BatchRequest<'a>, String), ReadError>;

@@ -50,7 +50,7 @@ pub(super) async fn handle(
         None => {
             let read: batch::ReadTexts = |body| {
                 let (request, names) = exchange::read_media_request(body)?;
-                Ok((request, place(&names)))
+                Ok((request, batch::place(&names)))
             };
             batch::send_scanned(state, req, ROUTE, read, request_id).await
         }
@@ -146,19 +146,7 @@ fn as_request(texts: &[FormText]) -> (BatchRequest<'_>, String) {
     });
     let request = BatchRequest::of_texts(found.collect());
     let names: Vec<&'static str> = texts.iter().map(|text| text.name).collect();
-    (request, place(&names))
-}
-
-/// What a refusal names: the texts read, in order, each once (a block
-/// has at least one).
-fn place(names: &[&'static str]) -> String {
-    let mut named: Vec<&str> = Vec::new();
-    for name in names {
-        if !named.contains(name) {
-            named.push(name);
-        }
-    }
-    named.join(" and ")
+    (request, batch::place(&names))
 }
 
 /// Why a form read on its way is not read whole.

@@ -782,6 +782,7 @@ async fn handle(
         Reading::Feedback => feedback(state, req, request_id).await,
         Reading::Stored(stored) => stored::fetch(state, req, stored, request_id).await,
         Reading::ConversationItems => stored::add_items(state, req, request_id).await,
+        Reading::Compaction => stored::compact(state, req, request_id).await,
         Reading::RealtimeSetup => realtime::setup(state, req, request_id).await,
         Reading::Media => media::handle(state, req, request_id).await,
         Reading::Batch(batch) => batch::handle(state, req, batch, request_id).await,
@@ -802,6 +803,8 @@ enum Reading {
     Stored(Stored),
     /// `POST` of items to a stored conversation.
     ConversationItems,
+    /// `POST` of a conversation to compact.
+    Compaction,
     /// `POST` that sets up a Realtime session held elsewhere.
     RealtimeSetup,
     /// `POST` that asks for an image, a video, speech or a transcript.
@@ -823,6 +826,9 @@ impl Reading {
             }
             if exchange::adds_conversation_items(path) {
                 return Reading::ConversationItems;
+            }
+            if exchange::compacts_conversation(path) {
+                return Reading::Compaction;
             }
             if exchange::sets_up_realtime(path) {
                 return Reading::RealtimeSetup;

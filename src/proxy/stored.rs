@@ -6,7 +6,9 @@
 //! could fetch, by its id, a response whose creation fairgate refused.
 //! And the items a client adds to a stored conversation ([`add_items`]),
 //! read as a response's input: a later response reads them without their
-//! being sent again.
+//! being sent again; and a conversation given to be compacted
+//! ([`compact`]), which a later response reads as a summary no one else
+//! can.
 //!
 //! A stored response or chat completion that a rule blocks comes back as
 //! the refusal its creation got (or the 400 error, with `on_block:
@@ -39,6 +41,9 @@ const ROUTE: &str = "stored";
 /// The route label of items added to a conversation.
 const ITEMS: &str = "conversation_items";
 
+/// The route label of conversations given to be compacted.
+const COMPACTION: &str = "compaction";
+
 /// `POST /v1/conversations` and `POST /v1/conversations/{id}/items`: the
 /// items added to a stored conversation, which a later response reads as
 /// its input (`"conversation": "conv_..."`) without sending them again,
@@ -54,6 +59,27 @@ pub(super) async fn add_items(
     let read: batch::ReadTexts =
         |body| exchange::read_conversation_items(body).map(|items| (items, "items".into()));
     batch::send_scanned(state, req, ITEMS, read, request_id).await
+}
+
+/// `POST /v1/responses/compact`: a conversation given to a model to
+/// summarize into an item only the API can read, which a later response
+/// reads in the conversation's place. Its `instructions` and `input` are
+/// read as a response's request's are, before it goes up: one that a
+/// rule blocks refuses the request with the 400 a blocked prompt gets,
+/// naming them; `redact` hits are redacted in place. The answer (the
+/// user's messages, as given, and the encrypted summary) passes as it
+/// comes, and there is no exchange record: nothing the client reads
+/// answers it.
+pub(super) async fn compact(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let read: batch::ReadTexts = |body| {
+        let (request, names) = exchange::read_compaction(body)?;
+        Ok((request, batch::place(&names)))
+    };
+    batch::send_scanned(state, req, COMPACTION, read, request_id).await
 }
 
 /// Fetches a stored answer and relays it as the guard allows.
