@@ -529,7 +529,8 @@ pub fn definition_texts(json: &str, at: usize) -> Result<Vec<Text<'_>>, ReadErro
 /// hosted or server tool gave the model, in context: of a Responses API
 /// event, its `item` (as an output item is read, see
 /// [`Texts::tool_results`]); of an Anthropic one, its `content_block`
-/// when that is a server tool's result, and the text a `citations_delta`
+/// when that is a server tool's result or an MCP server's tool listing,
+/// and the text a `citations_delta`
 /// quotes (see [`Texts::citation`]). An error as for
 /// [`RequestBody::read`].
 pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_>>, ReadError> {
@@ -556,9 +557,12 @@ pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_
             match (dialect, at) {
                 (Dialect::OpenAi, 0) => texts.output_item(reader),
                 (Dialect::Anthropic, 0) => reader.decided_object(
-                    ["type", "content"],
+                    ["type", "content", "tools"],
                     |reader| Ok(reader.string()?.map(|t| t.value)),
-                    |reader, kind, _| texts.tool_result_content(reader, kind.as_deref()),
+                    |reader, kind, key| match key {
+                        1 => texts.tool_result_content(reader, kind.as_deref()),
+                        _ => texts.listed_tools(reader, kind.as_deref()),
+                    },
                 ),
                 (Dialect::Anthropic, _) => {
                     reader.object(["citation"], |reader, _| texts.citation(reader))
@@ -1136,8 +1140,11 @@ impl<'a> Texts<'a> {
 
     /// The `content` of a server tool's result (Anthropic), the reader at
     /// it: a fetched page (`web_fetch_result`, its document), the output
-    /// of code (`stdout`, `stderr`), or web search results (an array, of
-    /// which the titles: the pages' text is encrypted), all context.
+    /// of code (`stdout`, `stderr`), a file the text editor viewed (its
+    /// `content`) and the lines it wrote (`lines`), an advisor model's
+    /// answer (`advisor_result`, its `text`), or web search results (an
+    /// array, of which the titles: the pages' text is encrypted), all
+    /// context.
     fn server_tool_result(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         if reader.jiter.peek()? == Peek::Array {
             return self.objects(reader, |texts, reader| {
@@ -1147,11 +1154,29 @@ impl<'a> Texts<'a> {
         if !reader.is_object()? {
             return Ok(());
         }
-        reader.object(["content", "stdout", "stderr"], |reader, key| match key {
-            0 if reader.is_object()? => self.block(reader, Scope::Context),
-            0 => Ok(()),
+        let keys = ["content", "stdout", "stderr", "text", "lines"];
+        reader.object(keys, |reader, key| match (key, reader.jiter.peek()?) {
+            (0, Peek::Object) => self.block(reader, Scope::Context),
+            (4, _) => self.strings(reader, Scope::Context),
             _ => self.text(reader, Scope::Context),
         })
+    }
+
+    /// What a server tool's block of type `kind` (Anthropic), other than
+    /// a result, holds that the model was given, the reader at its `tools`:
+    /// the tools an MCP server listed (`mcp_tool_listing`), each tool's
+    /// definition, context.
+    fn listed_tools(
+        &mut self,
+        reader: &mut Reader<'a>,
+        kind: Option<&str>,
+    ) -> Result<(), ReadError> {
+        match kind {
+            Some("mcp_tool_listing") => {
+                self.objects(reader, |texts, reader| texts.tool_definition(reader))
+            }
+            _ => reader.skip(),
+        }
     }
 
     /// A document's `source`, the reader at its start: its `data` when its
@@ -1222,9 +1247,11 @@ impl<'a> Texts<'a> {
 
     /// An assistant turn's content (Anthropic, or a chat message's). Of
     /// its blocks, the results of server tools (Anthropic's web search and
-    /// fetch, code execution, an MCP connector's tools), which the API
-    /// puts there: not the model's words but what it was given, so
-    /// context. The rest of the turn is not read, but for the text it ends
+    /// fetch, code execution, an advisor, an MCP connector's tools), which
+    /// the API puts there: not the model's words but what it was given, so
+    /// context; and the tools an MCP server listed (`mcp_tool_listing`),
+    /// which later requests use as the server's tools: definitions. The
+    /// rest of the turn is not read, but for the text it ends
     /// with (a string, or a last block of text), kept as
     /// [`Texts::prefill`].
     fn assistant_content(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
@@ -1234,11 +1261,12 @@ impl<'a> Texts<'a> {
         self.objects(reader, |texts, reader| {
             texts.prefill = None;
             reader.decided_object(
-                ["type", "content", "text"],
+                ["type", "content", "text", "tools"],
                 |reader| Ok(reader.string()?.map(|t| t.value)),
                 |reader, kind, key| match (kind.as_deref(), key) {
                     (Some("text"), 2) => texts.prefill_text(reader),
                     (kind, 1) => texts.tool_result_content(reader, kind),
+                    (Some("mcp_tool_listing"), 3) => texts.definitions(reader),
                     _ => reader.skip(),
                 },
             )
@@ -1408,8 +1436,17 @@ impl<'a> Texts<'a> {
                     let mut first = true;
                     self.objects(reader, |texts, reader| {
                         let first = std::mem::take(&mut first);
+                        let keys = [
+                            "type",
+                            "text",
+                            "input",
+                            "thinking",
+                            "content",
+                            "citations",
+                            "tools",
+                        ];
                         reader.decided_object(
-                            ["type", "text", "input", "thinking", "content", "citations"],
+                            keys,
                             |reader| Ok(reader.string()?.map(|t| t.value)),
                             |reader, kind, key| match key {
                                 1 if first && kind.as_deref() == Some("text") => texts
@@ -1421,6 +1458,7 @@ impl<'a> Texts<'a> {
                                 }
                                 4 => texts.tool_result_content(reader, kind.as_deref()),
                                 5 => texts.objects(reader, |texts, reader| texts.citation(reader)),
+                                6 => texts.listed_tools(reader, kind.as_deref()),
                                 _ => texts.text(reader, scope),
                             },
                         )
@@ -1768,7 +1806,13 @@ mod tests {
                     "type": "code_execution_result", "stdout": "out", "stderr": "err", "return_code": 0, "content": []}},
                 {"type": "web_search_tool_result", "tool_use_id": "d", "content": [
                     {"type": "web_search_result", "url": "https://example.com", "title": "result title",
-                        "encrypted_content": "Eq0=", "page_age": null}]}
+                        "encrypted_content": "Eq0=", "page_age": null}]},
+                {"type": "text_editor_code_execution_tool_result", "tool_use_id": "e", "content": {
+                    "type": "text_editor_code_execution_view_result", "content": "viewed", "file_type": "text"}},
+                {"type": "text_editor_code_execution_tool_result", "tool_use_id": "f", "content": {
+                    "type": "text_editor_code_execution_str_replace_result", "lines": ["written"]}},
+                {"type": "advisor_tool_result", "tool_use_id": "g", "content": {
+                    "type": "advisor_result", "text": "advised"}}
             ]},
         ]});
         // An assistant turn's own words are not read; what server tools
@@ -1778,15 +1822,29 @@ mod tests {
         assert_eq!(
             found,
             [
+                (Scope::Context, "advised".into()),
                 (Scope::Context, "err".into()),
                 (Scope::Prompt, "find it".into()),
                 (Scope::Context, "mcp said".into()),
                 (Scope::Context, "out".into()),
                 (Scope::Context, "page text".into()),
                 (Scope::Context, "page title".into()),
-                (Scope::Context, "result title".into())
+                (Scope::Context, "result title".into()),
+                (Scope::Context, "viewed".into()),
+                (Scope::Context, "written".into())
             ]
         );
+        // The tools an MCP server listed, given back: the server's tools.
+        let listed = json!({"messages": [{"role": "assistant", "content": [
+            {"type": "mcp_tool_listing", "mcp_server_name": "m", "tools": [{"name": "t", "description": "lists"}]}
+        ]}]})
+        .to_string();
+        let read = RequestBody::read(Endpoint::Messages, listed.as_bytes()).unwrap();
+        let [tools] = &read.texts[..] else {
+            panic!("{:?}", read.texts)
+        };
+        assert!(tools.definition, "{tools:?}");
+        assert_eq!(tools.text, r#"[{"description":"lists","name":"t"}]"#);
 
         let responses = json!({"model": "gpt", "input": [
             {"role": "user", "content": "find it"},

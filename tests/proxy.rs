@@ -2192,6 +2192,15 @@ async fn tool_definitions_are_read_as_context() {
                 "messages": [{"role": "user", "content": "What is 2 + 3?"}],
                 "tools": [{"name": "add", "description": "Adds two numbers.", "input_schema": schema(hidden)}]}),
         ),
+        // The tools an MCP server listed, given back in an assistant turn.
+        (
+            "/v1/messages",
+            json!({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": [
+                {"role": "user", "content": "What is 2 + 3?"},
+                {"role": "assistant", "content": [{"type": "mcp_tool_listing", "mcp_server_name": "math",
+                    "tools": [{"name": "add", "description": poison, "input_schema": schema("a note")}]}]},
+                {"role": "user", "content": "And 4 + 5?"}]}),
+        ),
     ];
     let answers = all_refused(&proxy, &mock, &blocked).await;
     for ((path, _), answer) in blocked.iter().zip(&answers) {
@@ -2326,6 +2335,17 @@ async fn what_server_tools_give_the_model_is_read_as_context() {
                     "source": {"type": "text", "media_type": "text/plain", "data": text}}}}),
             json!({"type": "code_execution_tool_result", "tool_use_id": "t", "content": {
                 "type": "code_execution_result", "stdout": text, "stderr": "", "return_code": 0, "content": []}}),
+            // A file the text editor viewed, and the lines it wrote.
+            json!({"type": "text_editor_code_execution_tool_result", "tool_use_id": "t", "content": {
+                "type": "text_editor_code_execution_view_result", "content": text, "file_type": "text"}}),
+            json!({"type": "text_editor_code_execution_tool_result", "tool_use_id": "t", "content": {
+                "type": "text_editor_code_execution_str_replace_result", "lines": [text], "new_lines": 1}}),
+            // Another model's advice.
+            json!({"type": "advisor_tool_result", "tool_use_id": "t", "content": {
+                "type": "advisor_result", "text": text, "stop_reason": "end_turn"}}),
+            // The tools an MCP server listed.
+            json!({"type": "mcp_tool_listing", "mcp_server_name": "tips", "tools": [
+                {"name": "tip", "description": text, "input_schema": {"type": "object"}}]}),
         ]
     };
     let ask = |stream: bool| {
@@ -2398,13 +2418,13 @@ async fn what_server_tools_give_the_model_is_read_as_context() {
         }
     }
     // What the tools gave the model is the exchange's context in its
-    // record, not its answer: 3 kinds, whole and streamed.
-    let rows = proxy.wait_for_results(18).await;
-    assert_eq!(support::records_with_context(&rows, tip), 6, "{rows:#?}");
+    // record, not its answer: 7 kinds, whole and streamed.
+    let rows = proxy.wait_for_results(42).await;
+    assert_eq!(support::records_with_context(&rows, tip), 14, "{rows:#?}");
     let redacted = "Pay with [REDACTED:card] today.";
     assert_eq!(
         support::records_with_context(&rows, redacted),
-        6,
+        14,
         "{rows:#?}"
     );
     // The card as written: a record's timings hold any digits (0.341119).

@@ -98,8 +98,9 @@
 //! (`response.output_item.added`, `.done`: an MCP call's output, the tools
 //! an MCP server listed, a file search's results, a code interpreter's
 //! logs), an Anthropic block's start (`content_block_start` of an
-//! `mcp_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result`
-//! and the like), as does the text that an Anthropic citation quotes from
+//! `mcp_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result`,
+//! `advisor_tool_result` and the like, and of an `mcp_tool_listing`), as
+//! does the text that an Anthropic citation quotes from
 //! a document or a web page (its `citations_delta`). It is scanned as
 //! context when that event arrives. In `holdback` and `buffer` a `redact`
 //! hit rewrites the text in the event (and where `response.completed`
@@ -1559,13 +1560,12 @@ impl Guard {
                     whole: false,
                 }
             }
-            // A server tool's result comes whole in its block's start.
+            // A server tool's result, or the tools an MCP server listed,
+            // come whole in their block's start.
             Some("content_block_start")
-                if event
-                    .content_block
-                    .kind
-                    .as_deref()
-                    .is_some_and(|kind| kind.ends_with("_tool_result")) =>
+                if event.content_block.kind.as_deref().is_some_and(|kind| {
+                    kind.ends_with("_tool_result") || kind == "mcp_tool_listing"
+                }) =>
             {
                 self.scan_tool_results(data);
                 Kind::BlockStart {
