@@ -540,7 +540,8 @@ pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_
         data.match_indices(*kind)
             .any(|(at, _)| data[..at].ends_with('"') && data[at + kind.len()..].starts_with('"'))
     };
-    if dialect == Dialect::OpenAi && !HOSTED_TOOL_ITEMS.iter().any(quoted) {
+    let shell_output = [SHELL_OUTPUT_DONE];
+    if dialect == Dialect::OpenAi && !HOSTED_TOOL_ITEMS.iter().chain(&shell_output).any(quoted) {
         return Ok(Vec::new());
     }
     let mut reader = Reader::new(data);
@@ -550,7 +551,11 @@ pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_
             Dialect::OpenAi => "item",
             Dialect::Anthropic => "content_block",
         };
-        reader.object([key, "delta"], |reader, at| {
+        reader.object([key, "delta", "output"], |reader, at| {
+            // A shell's output, whole in its `.done` event.
+            if (dialect, at) == (Dialect::OpenAi, 2) {
+                return texts.tool_results_in(reader, "shell_call_output");
+            }
             if !reader.is_object()? {
                 return Ok(());
             }
@@ -913,12 +918,17 @@ const OUTPUT_ITEM: [&str; 5] = ["arguments", "input", "code", "content", "summar
 
 /// The types of Responses API items in an answer in which a hosted tool
 /// gives the model something (see [`Texts::tool_results`]).
-const HOSTED_TOOL_ITEMS: [&str; 4] = [
+const HOSTED_TOOL_ITEMS: [&str; 5] = [
     "mcp_call",
     "mcp_list_tools",
     "file_search_call",
     "code_interpreter_call",
+    "shell_call_output",
 ];
+
+/// The Responses API event that carries a shell's output whole, in its
+/// `output` (after the deltas of `response.shell_call_output_content.delta`).
+const SHELL_OUTPUT_DONE: &str = "response.shell_call_output_content.done";
 
 /// The members of a Responses API item that hold what a tool gave the
 /// model (see [`Texts::tool_results`]).
@@ -1473,13 +1483,26 @@ impl<'a> Texts<'a> {
 
     /// A Responses API output item, the reader at its start: a call's
     /// arguments, input or code, a message's content, a reasoning item's
-    /// summary and content; and what a hosted tool gave the model
+    /// summary and content, what a hosted tool's call tells it to do
+    /// ([`Texts::call_words`]); and what a hosted tool gave the model
     /// ([`Texts::tool_results`]), context.
     fn output_item(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         let [arguments, input, code, content, summary] = OUTPUT_ITEM;
         let [output, results, outputs, tools] = TOOL_RESULTS;
         let keys = [
-            arguments, input, code, content, summary, "type", output, results, outputs, tools,
+            arguments,
+            input,
+            code,
+            content,
+            summary,
+            "type",
+            output,
+            results,
+            outputs,
+            tools,
+            "action",
+            "operation",
+            "actions",
         ];
         let (mut kind, mut found) = (None, ToolResults::default());
         reader.object(keys, |reader, key| match key {
@@ -1488,18 +1511,35 @@ impl<'a> Texts<'a> {
                 kind = reader.string()?.map(|t| t.value);
                 Ok(())
             }
-            _ => {
+            6..10 => {
                 found[key - 6] = Some(reader.span()?);
                 Ok(())
             }
+            10 | 11 => self.call_words(reader),
+            _ => self.objects(reader, |texts, reader| texts.call_words(reader)),
         })?;
         self.tool_results(reader, kind.as_deref(), &found, false)
+    }
+
+    /// What the model's call of a hosted tool tells the tool to do (the
+    /// reader at its `action` or `operation`, or at an item of a
+    /// computer's `actions`): a shell's `commands` (a local shell's
+    /// `command`), the `text` a computer is to type, a search's `query`,
+    /// the `diff` of a patch to apply. The model's words, carried out
+    /// where the client runs them: response text.
+    fn call_words(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        if !reader.is_object()? {
+            return Ok(());
+        }
+        let keys = ["commands", "command", "text", "query", "diff"];
+        reader.object(keys, |reader, _| self.strings(reader, Scope::Response))
     }
 
     /// What a Responses API item of type `kind` holds that a tool gave the
     /// model, at the places `found` of its [`TOOL_RESULTS`] members, read
     /// as context: a tool call's output (`*_call_output`, an `mcp_call`'s
-    /// `output`), the text of the files a search retrieved, the logs of
+    /// `output`; a shell's, each command's `stdout` and `stderr`), the
+    /// text of the files a search retrieved, the logs of
     /// code run, and the tools an MCP server listed (`mcp_list_tools`):
     /// as one [`Text::definition`] when `definitions`, else text by text.
     fn tool_results(
@@ -1523,17 +1563,22 @@ impl<'a> Texts<'a> {
         let mut part = reader.part(span);
         match kind {
             "mcp_list_tools" if definitions => self.definitions(&mut part),
-            "mcp_list_tools" => {
-                self.objects(&mut part, |texts, reader| texts.tool_definition(reader))
-            }
-            "file_search_call" | "code_interpreter_call" => {
-                self.objects(&mut part, |texts, reader| {
-                    reader.object(["text", "logs"], |reader, _| {
-                        texts.text(reader, Scope::Context)
-                    })
+            kind => self.tool_results_in(&mut part, kind),
+        }
+    }
+
+    /// What a tool gave the model, the reader at the member of an item of
+    /// type `kind` that holds it ([`Texts::tool_results`]): context.
+    fn tool_results_in(&mut self, reader: &mut Reader<'a>, kind: &str) -> Result<(), ReadError> {
+        match kind {
+            "mcp_list_tools" => self.objects(reader, |texts, reader| texts.tool_definition(reader)),
+            "file_search_call" | "code_interpreter_call" | "shell_call_output" => {
+                let keys = ["text", "logs", "stdout", "stderr"];
+                self.objects(reader, |texts, reader| {
+                    reader.object(keys, |reader, _| texts.text(reader, Scope::Context))
                 })
             }
-            _ => self.content(&mut part, Scope::Context),
+            _ => self.content(reader, Scope::Context),
         }
     }
 
@@ -1852,14 +1897,19 @@ mod tests {
                 "results": [{"file_id": "file_1", "filename": "a.txt", "score": 0.9, "text": "found text"}]},
             {"type": "code_interpreter_call", "id": "c", "code": "print(1)",
                 "outputs": [{"type": "logs", "logs": "1"}, {"type": "image", "url": "https://x"}]},
-            {"type": "file_search_call", "outputs": [{"logs": "not a search's"}]}
+            {"type": "file_search_call", "outputs": [{"logs": "not a search's"}]},
+            {"type": "shell_call_output", "call_id": "s", "output": [
+                {"stdout": "printed", "stderr": "warned", "outcome": {"type": "exit", "exit_code": 0}}]}
         ]});
         assert_eq!(
             collect_request(Endpoint::Responses, responses),
             [
                 (Scope::Prompt, "find it".into()),
                 (Scope::Context, "found text".into()),
-                (Scope::Context, "1".into())
+                (Scope::Context, "1".into()),
+                // `json!` sorts keys.
+                (Scope::Context, "warned".into()),
+                (Scope::Context, "printed".into())
             ]
         );
     }

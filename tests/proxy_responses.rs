@@ -838,6 +838,8 @@ async fn what_hosted_tools_give_the_model_is_read_as_context() {
                 "results": [{"file_id": "file_1", "filename": "tips.txt", "score": 0.9, "text": text}]}),
             json!({"id": "ci_1", "type": "code_interpreter_call", "status": "completed", "code": "print(tip)",
                 "outputs": [{"type": "logs", "logs": text}]}),
+            json!({"id": "sho_1", "type": "shell_call_output", "call_id": "c", "status": "completed",
+                "output": [{"stdout": text, "stderr": "", "outcome": {"type": "exit", "exit_code": 0}}]}),
         ]
     };
     // The item in a whole answer, before the answer's text.
@@ -910,16 +912,175 @@ async fn what_hosted_tools_give_the_model_is_read_as_context() {
     }
     // What the tools gave the model is the exchange's context in its
     // record, not its answer.
-    let rows = proxy.wait_for_results(28).await;
-    assert_eq!(support::records_with_context(&rows, tip), 4, "{rows:#?}");
+    let rows = proxy.wait_for_results(35).await;
+    assert_eq!(support::records_with_context(&rows, tip), 5, "{rows:#?}");
     let redacted = "Pay with [REDACTED:card] today.";
     assert_eq!(
         support::records_with_context(&rows, redacted),
-        12,
+        15,
         "{rows:#?}"
     );
     // The card as written: a record's timings hold any digits (0.341119).
     let card = |row: &&Value| row.to_string().contains("4111 1111");
     assert_eq!(rows.iter().find(card), None);
+    proxy.stop().await;
+}
+
+/// The calls of hosted tools that the client carries out: a shell's
+/// commands (a local shell's too), a patch to apply, the text a computer
+/// is to type, each with what the model wrote in it.
+fn hosted_calls(text: &str) -> [Value; 5] {
+    [
+        json!({"id": "sh_1", "type": "shell_call", "call_id": "c", "status": "completed",
+            "action": {"commands": ["ls", text], "timeout_ms": 1000}}),
+        json!({"id": "lsh_1", "type": "local_shell_call", "call_id": "c", "status": "completed",
+            "action": {"type": "exec", "command": ["echo", text], "env": {}}}),
+        json!({"id": "ap_1", "type": "apply_patch_call", "call_id": "c", "status": "completed",
+            "operation": {"type": "create_file", "path": "note.md", "diff": format!("+{text}")}}),
+        json!({"id": "cu_1", "type": "computer_call", "call_id": "c", "status": "completed",
+            "pending_safety_checks": [], "action": {"type": "type", "text": text}}),
+        json!({"id": "cu_2", "type": "computer_call", "call_id": "c", "status": "completed",
+            "pending_safety_checks": [], "actions": [{"type": "click", "button": "left", "x": 1, "y": 2},
+                {"type": "type", "text": text}]}),
+    ]
+}
+
+/// A stream of one shell call whose command comes in `pieces`, then the
+/// shell's output, streamed in `printed`, then the answer's text.
+fn shell_stream(pieces: &[&str], printed: &[&str]) -> String {
+    let command = pieces.concat();
+    let call = |commands: Value| {
+        json!({"id": "sh_1", "type": "shell_call", "call_id": "c",
+        "status": "completed", "action": {"commands": commands}})
+    };
+    let output = json!([{"stdout": printed.concat(), "stderr": "", "outcome": {"type": "exit", "exit_code": 0}}]);
+    let shell_output = |output: Value| {
+        json!({"id": "sho_1", "type": "shell_call_output", "call_id": "c",
+        "status": "completed", "output": output})
+    };
+    let at = json!({"item_id": "msg_1", "output_index": 2, "content_index": 0});
+    let with = |extra: Value| support::merged(&at, extra);
+    let text = "Here is your note.";
+    let message = json!({"id": "msg_1", "type": "message", "role": "assistant",
+        "content": [{"type": "output_text", "text": text}]});
+    let mut events = vec![
+        (
+            "response.created",
+            json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}}),
+        ),
+        (
+            "response.output_item.added",
+            json!({"output_index": 0, "item": call(json!([]))}),
+        ),
+        (
+            "response.shell_call_command.added",
+            json!({"output_index": 0, "command_index": 0, "command": ""}),
+        ),
+    ];
+    for piece in pieces {
+        events.push((
+            "response.shell_call_command.delta",
+            json!({"output_index": 0, "command_index": 0, "delta": piece}),
+        ));
+    }
+    events.extend([
+        (
+            "response.shell_call_command.done",
+            json!({"output_index": 0, "command_index": 0, "command": command}),
+        ),
+        (
+            "response.output_item.done",
+            json!({"output_index": 0, "item": call(json!([command]))}),
+        ),
+        (
+            "response.output_item.added",
+            json!({"output_index": 1, "item": shell_output(json!([]))}),
+        ),
+    ]);
+    for piece in printed {
+        events.push((
+            "response.shell_call_output_content.delta",
+            json!({"item_id": "sho_1", "output_index": 1, "command_index": 0, "delta": {"stdout": piece}}),
+        ));
+    }
+    let done = json!({"item_id": "sho_1", "output_index": 1, "command_index": 0, "output": output});
+    events.extend([
+        ("response.shell_call_output_content.done", done),
+        ("response.output_item.done", json!({"output_index": 1, "item": shell_output(output.clone())})),
+        (
+            "response.output_item.added",
+            json!({"output_index": 2, "item": {"id": "msg_1", "type": "message", "role": "assistant", "content": []}}),
+        ),
+        ("response.content_part.added", with(json!({"part": {"type": "output_text", "text": ""}}))),
+        ("response.output_text.delta", with(json!({"delta": text}))),
+        ("response.output_text.done", with(json!({"text": text}))),
+        ("response.output_item.done", json!({"output_index": 2, "item": message})),
+        (
+            "response.completed",
+            json!({"response": {"id": "resp_mock", "status": "completed",
+                "output": [call(json!([command])), shell_output(output), message]}}),
+        ),
+    ]);
+    support::numbered_stream(events)
+}
+
+/// What the model tells a hosted tool to do, which the client carries
+/// out (a shell's commands, a patch, the text a computer types), is its
+/// answer's text, whole and streamed; what a shell printed, streamed, is
+/// held until it is whole and read as context.
+#[tokio::test]
+async fn hosted_tools_calls_and_shell_output_are_guarded() {
+    let (_mock, proxy) = start().await;
+    let advice = "Put all your savings into Dogecoin right now.";
+    for call in hosted_calls(advice) {
+        let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",
+            "output": [call], "usage": {"total_tokens": 12}});
+        let response = proxy
+            .post(
+                "/v1/responses",
+                json!({"raw_json": answer.to_string()}),
+                &request("Write my note.", false),
+            )
+            .await;
+        assert_eq!(response.headers()["x-fairgate-verdict"], "block", "{call}");
+        let text = response.text().await.unwrap();
+        assert!(!text.contains("Dogecoin"), "{text}");
+        // Whole in the item's events of a stream.
+        let body = relay(&proxy, hosted_tool_stream(call.clone(), true)).await;
+        assert!(!body.contains("Dogecoin"), "{call}: {body}");
+        assert_blocked_ending(&events(&body));
+    }
+    // A card number in a patch is redacted in place.
+    let card = "Pay with 4111 1111 1111 1111 today.";
+    let [.., patch, _, _] = hosted_calls(card);
+    let body = relay(&proxy, hosted_tool_stream(patch, true)).await;
+    assert!(!body.contains("4111"), "{body}");
+    assert!(body.contains("+Pay with [REDACTED:card] today."), "{body}");
+    assert_eq!(events(&body).last().unwrap().0, "response.completed");
+
+    // A command streamed in pieces, and a shell's output.
+    let cut = ["echo Put all your sav", "ings into Dogecoin right now."];
+    for (pieces, printed) in [(&cut[..], &["ok"][..]), (&["ls"][..], &cut[..])] {
+        let body = relay(&proxy, shell_stream(pieces, printed)).await;
+        assert!(!body.contains("Dogecoin"), "{body}");
+        assert!(!body.contains("all your sav"), "{body}");
+        let sent = events(&body);
+        assert_eq!(delta_text(&sent), "");
+        assert_blocked_ending(&sent);
+    }
+    // Allowed, the shell's events arrive as they were sent; the answer's
+    // text is re-framed.
+    let harmless = shell_stream(&["echo Budget ", "first."], &["Budget ", "first."]);
+    let sent = events(&relay(&proxy, harmless.clone()).await);
+    assert_eq!(delta_text(&sent), "Here is your note.");
+    let shell = |events: Vec<(String, Value)>| -> Vec<(String, Value)> {
+        let shell = events
+            .into_iter()
+            .filter(|(name, _)| name.contains("shell_call"));
+        shell.collect()
+    };
+    let sent = shell(sent);
+    assert_eq!(sent.len(), 7);
+    assert_eq!(sent, shell(events(&harmless)));
     proxy.stop().await;
 }

@@ -51,7 +51,8 @@
 //!   hits are counted and recorded only. *Cost*: none; guarantees nothing.
 //!
 //! Text the guard cannot re-frame (tool-call arguments and refusals,
-//! OpenAI; a tool's `input_json_delta`, Anthropic; reasoning: Anthropic
+//! OpenAI, and a hosted shell's commands in the Responses API; a tool's
+//! `input_json_delta`, Anthropic; reasoning: Anthropic
 //! `thinking` blocks, whose signature covers their text, the Responses
 //! API's reasoning summaries and text, the `reasoning_content` or
 //! `reasoning` of OpenAI-compatible servers, Mistral's `thinking` parts of
@@ -97,7 +98,9 @@
 //! whole in one event: a Responses API item's start or end
 //! (`response.output_item.added`, `.done`: an MCP call's output, the tools
 //! an MCP server listed, a file search's results, a code interpreter's
-//! logs), an Anthropic block's start (`content_block_start` of an
+//! logs, a shell's output; a shell's output streamed in
+//! `response.shell_call_output_content.delta` events is held until its
+//! `.done` event brings it whole), an Anthropic block's start (`content_block_start` of an
 //! `mcp_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result`,
 //! `advisor_tool_result` and the like, and of an `mcp_tool_listing`), as
 //! does the text that an Anthropic citation quotes from
@@ -1461,7 +1464,8 @@ impl Guard {
                 | "response.code_interpreter_call_code.delta"
                 | "response.refusal.delta"
                 | "response.reasoning_summary_text.delta"
-                | "response.reasoning_text.delta",
+                | "response.reasoning_text.delta"
+                | "response.shell_call_command.delta",
             ) => Kind::Held {
                 text: event
                     .delta_text
@@ -1482,6 +1486,8 @@ impl Guard {
                 | "response.refusal.done"
                 | "response.reasoning_summary_text.done"
                 | "response.reasoning_text.done"
+                | "response.shell_call_command.added"
+                | "response.shell_call_command.done"
                 | "response.output_text.annotation.added",
             ) => Kind::Held {
                 text: String::new(),
@@ -1489,6 +1495,18 @@ impl Guard {
                 opens: None,
                 whole: false,
             },
+            // What a shell printed, streamed: held until its `.done`, which
+            // carries it whole, is read as context.
+            Some("response.shell_call_output_content.delta") => Kind::Held {
+                text: String::new(),
+                finished: false,
+                opens: None,
+                whole: true,
+            },
+            Some("response.shell_call_output_content.done") => {
+                self.scan_tool_results(data);
+                Kind::BlockEnd
+            }
             Some("response.completed" | "response.incomplete" | "response.failed") => Kind::Final,
             Some("response.created" | "response.in_progress" | "response.queued") => {
                 if let Ok(mut json) = serde_json::from_str::<Value>(data)
@@ -2402,20 +2420,31 @@ fn sse_text(event: Option<&str>, data: &str) -> Bytes {
 }
 
 /// The strings of a Responses API event that repeat response text: a
-/// done event's `text`, `refusal`, `arguments`, `input` (a custom tool's)
-/// or `code`, and those of the `part`, the `item` (its `content` or
-/// reasoning `summary`) or the `response.output` it carries.
+/// done event's `text`, `refusal`, `arguments`, `input` (a custom tool's),
+/// `code` or `command` (a shell's), and those of the `part`, the `item`
+/// (its `content` or reasoning `summary`; what a hosted tool's call tells
+/// it to do, in its `action`, `actions` or `operation`: see
+/// `exchange::Texts::call_words`) or the `response.output` it carries.
 fn repeated_texts<'a>(value: &'a mut Value, out: &mut Vec<&'a mut String>) {
     let Value::Object(members) = value else {
         return;
     };
     for (key, value) in members.iter_mut() {
         match (key.as_str(), value) {
-            ("text" | "refusal" | "arguments" | "input" | "code", Value::String(text)) => {
-                out.push(text)
+            (
+                "text" | "refusal" | "arguments" | "input" | "code" | "command" | "query" | "diff",
+                Value::String(text),
+            ) => out.push(text),
+            ("commands" | "command", Value::Array(items)) => {
+                out.extend(items.iter_mut().filter_map(|item| match item {
+                    Value::String(text) => Some(text),
+                    _ => None,
+                }))
             }
-            ("part" | "item" | "response", value @ Value::Object(_)) => repeated_texts(value, out),
-            ("content" | "output" | "summary", Value::Array(items)) => {
+            ("part" | "item" | "response" | "action" | "operation", value @ Value::Object(_)) => {
+                repeated_texts(value, out)
+            }
+            ("content" | "output" | "summary" | "actions", Value::Array(items)) => {
                 for item in items {
                     repeated_texts(item, out);
                 }
