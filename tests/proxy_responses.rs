@@ -928,8 +928,9 @@ async fn what_hosted_tools_give_the_model_is_read_as_context() {
 
 /// The calls of hosted tools that the client carries out: a shell's
 /// commands (a local shell's too), a patch to apply, the text a computer
-/// is to type, each with what the model wrote in it.
-fn hosted_calls(text: &str) -> [Value; 5] {
+/// is to type; and a web search's query. Each with what the model wrote
+/// in it.
+fn hosted_calls(text: &str) -> [Value; 6] {
     [
         json!({"id": "sh_1", "type": "shell_call", "call_id": "c", "status": "completed",
             "action": {"commands": ["ls", text], "timeout_ms": 1000}}),
@@ -942,6 +943,8 @@ fn hosted_calls(text: &str) -> [Value; 5] {
         json!({"id": "cu_2", "type": "computer_call", "call_id": "c", "status": "completed",
             "pending_safety_checks": [], "actions": [{"type": "click", "button": "left", "x": 1, "y": 2},
                 {"type": "type", "text": text}]}),
+        json!({"id": "ws_1", "type": "web_search_call", "status": "completed",
+            "action": {"type": "search", "query": text}}),
     ]
 }
 
@@ -1052,7 +1055,7 @@ async fn hosted_tools_calls_and_shell_output_are_guarded() {
     }
     // A card number in a patch is redacted in place.
     let card = "Pay with 4111 1111 1111 1111 today.";
-    let [.., patch, _, _] = hosted_calls(card);
+    let [_, _, patch, ..] = hosted_calls(card);
     let body = relay(&proxy, hosted_tool_stream(patch, true)).await;
     assert!(!body.contains("4111"), "{body}");
     assert!(body.contains("+Pay with [REDACTED:card] today."), "{body}");
