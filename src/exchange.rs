@@ -528,7 +528,9 @@ pub fn definition_texts(json: &str, at: usize) -> Result<Vec<Text<'_>>, ReadErro
 /// What a streamed event that carries a whole item or block holds that a
 /// hosted or server tool gave the model, in context: of a Responses API
 /// event, its `item` (as an output item is read, see
-/// [`Texts::tool_results`]); of an Anthropic one, its `content_block`
+/// [`Texts::tool_results`]), a shell's output whole, and the pages an
+/// answer's text cites (an annotation's, or a chat chunk's annotations'
+/// titles, see [`Texts::annotation`]); of an Anthropic one, its `content_block`
 /// when that is a server tool's result or an MCP server's tool listing,
 /// and the text a `citations_delta`
 /// quotes (see [`Texts::citation`]). An error as for
@@ -540,8 +542,8 @@ pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_
         data.match_indices(*kind)
             .any(|(at, _)| data[..at].ends_with('"') && data[at + kind.len()..].starts_with('"'))
     };
-    let shell_output = [SHELL_OUTPUT_DONE];
-    if dialect == Dialect::OpenAi && !HOSTED_TOOL_ITEMS.iter().chain(&shell_output).any(quoted) {
+    let also = [SHELL_OUTPUT_DONE, "url_citation"];
+    if dialect == Dialect::OpenAi && !HOSTED_TOOL_ITEMS.iter().chain(&also).any(quoted) {
         return Ok(Vec::new());
     }
     let mut reader = Reader::new(data);
@@ -551,30 +553,47 @@ pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_
             Dialect::OpenAi => "item",
             Dialect::Anthropic => "content_block",
         };
-        reader.object([key, "delta", "output"], |reader, at| {
-            // A shell's output, whole in its `.done` event.
-            if (dialect, at) == (Dialect::OpenAi, 2) {
-                return texts.tool_results_in(reader, "shell_call_output");
-            }
-            if !reader.is_object()? {
-                return Ok(());
-            }
-            match (dialect, at) {
-                (Dialect::OpenAi, 0) => texts.output_item(reader),
-                (Dialect::Anthropic, 0) => reader.decided_object(
-                    ["type", "content", "tools"],
-                    |reader| Ok(reader.string()?.map(|t| t.value)),
-                    |reader, kind, key| match key {
-                        1 => texts.tool_result_content(reader, kind.as_deref()),
-                        _ => texts.listed_tools(reader, kind.as_deref()),
-                    },
-                ),
-                (Dialect::Anthropic, _) => {
-                    reader.object(["citation"], |reader, _| texts.citation(reader))
+        reader.object(
+            [key, "delta", "output", "annotation", "choices"],
+            |reader, at| {
+                match (dialect, at) {
+                    // A shell's output, whole in its `.done` event.
+                    (Dialect::OpenAi, 2) => {
+                        return texts.tool_results_in(reader, "shell_call_output");
+                    }
+                    // An annotation of a part's text, or of a chat answer's.
+                    (Dialect::OpenAi, 3) if reader.is_object()? => return texts.annotation(reader),
+                    (Dialect::OpenAi, 4) => {
+                        return texts.objects(reader, |texts, reader| {
+                            reader.object(["delta"], |reader, _| match reader.is_object()? {
+                                true => reader
+                                    .object(["annotations"], |reader, _| texts.annotations(reader)),
+                                false => Ok(()),
+                            })
+                        });
+                    }
+                    _ => {}
                 }
-                _ => reader.skip(),
-            }
-        })?;
+                if !reader.is_object()? {
+                    return Ok(());
+                }
+                match (dialect, at) {
+                    (Dialect::OpenAi, 0) => texts.output_item(reader),
+                    (Dialect::Anthropic, 0) => reader.decided_object(
+                        ["type", "content", "tools"],
+                        |reader| Ok(reader.string()?.map(|t| t.value)),
+                        |reader, kind, key| match key {
+                            1 => texts.tool_result_content(reader, kind.as_deref()),
+                            _ => texts.listed_tools(reader, kind.as_deref()),
+                        },
+                    ),
+                    (Dialect::Anthropic, _) => {
+                        reader.object(["citation"], |reader, _| texts.citation(reader))
+                    }
+                    _ => reader.skip(),
+                }
+            },
+        )?;
     }
     texts.found.retain(|text| text.scope == Scope::Context);
     Ok(texts.found)
@@ -1588,9 +1607,33 @@ impl<'a> Texts<'a> {
         match key {
             _ if key < OUTPUT_ITEM_STRINGS => self.text(reader, scope),
             _ => self.objects(reader, |texts, reader| {
-                reader.object(["text", "refusal"], |reader, _| texts.text(reader, scope))
+                reader.object(
+                    ["text", "refusal", "annotations"],
+                    |reader, key| match key {
+                        2 => texts.annotations(reader),
+                        _ => texts.text(reader, scope),
+                    },
+                )
             }),
         }
+    }
+
+    /// The annotations of an OpenAI answer's text, the reader at their
+    /// array ([`Texts::annotation`]).
+    fn annotations(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        self.objects(reader, |texts, reader| texts.annotation(reader))
+    }
+
+    /// An annotation of an OpenAI answer's text, the reader at its start:
+    /// the title of the web page a `url_citation` cites (the Responses
+    /// API's `title`, a chat completion's `url_citation.title`). Context:
+    /// the page's words, which the client shows beside the answer.
+    fn annotation(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        reader.object(["title", "url_citation"], |reader, key| match key {
+            0 => self.text(reader, Scope::Context),
+            _ if reader.is_object()? => self.annotation(reader),
+            _ => Ok(()),
+        })
     }
 
     /// A stored conversation item, the reader at its start: read as an
@@ -1654,8 +1697,10 @@ impl<'a> Texts<'a> {
                 "reasoning_content",
                 "reasoning",
                 "function_call",
+                "annotations",
             ],
             |reader, key| match key {
+                7 => self.annotations(reader),
                 // The deprecated functions API's one call.
                 6 => match reader.is_object()? {
                     true => reader.object(["arguments"], |reader, _| self.text(reader, scope)),

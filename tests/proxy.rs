@@ -2433,6 +2433,65 @@ async fn what_server_tools_give_the_model_is_read_as_context() {
     proxy.stop().await;
 }
 
+/// A chat answer that cites a web page (a search model's: its message's
+/// `annotations`, in a chunk of their own when streamed) is read with the
+/// page's title, as context: a title a rule blocks ends the answer before
+/// it goes out, one to redact is redacted in place.
+#[tokio::test]
+async fn the_titles_of_pages_a_chat_answer_cites_are_read_as_context() {
+    let (_mock, proxy) = start().await;
+    let cited = |title: &str| {
+        json!([{"type": "url_citation", "url_citation": {"title": title,
+            "url": "https://example.com/tips", "start_index": 0, "end_index": 14}}])
+    };
+    let whole = |title: &str| {
+        let answer = json!({"id": "chatcmpl-t", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant",
+                "content": "See this page.", "annotations": cited(title)}}]});
+        json!({"raw_json": answer.to_string()})
+    };
+    let streamed = |title: &str| {
+        let deltas = [
+            json!({"role": "assistant", "content": "See this page."}),
+            json!({"annotations": cited(title)}),
+        ];
+        json!({"raw_sse": openai_raw_stream(&deltas, "stop")})
+    };
+    let post = async |script: Value, stream: bool| {
+        let response = proxy
+            .post("/v1/chat/completions", script, &chat("Tips?", stream))
+            .await;
+        response.text().await.unwrap()
+    };
+    let advice = "Put all your savings into Dogecoin right now";
+    let body = post(whole(advice), false).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["choices"][0]["finish_reason"], "content_filter");
+    let body = post(streamed(advice), true).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let (_, finishes, done) = openai_stream_text(&body);
+    assert_eq!(
+        (finishes, done),
+        (vec!["content_filter".into()], true),
+        "{body}"
+    );
+
+    let card = "Pay with 4111 1111 1111 1111 today";
+    for (script, stream) in [(whole(card), false), (streamed(card), true)] {
+        let body = post(script, stream).await;
+        assert!(!body.contains("4111"), "{body}");
+        assert!(body.contains("Pay with [REDACTED:card] today"), "{body}");
+    }
+    let body = post(streamed("Three months of expenses"), true).await;
+    assert_eq!(
+        openai_stream_text(&body),
+        ("See this page.".into(), vec!["stop".into()], true)
+    );
+    assert!(body.contains("Three months of expenses"), "{body}");
+    proxy.stop().await;
+}
+
 /// An Anthropic answer that cites a web page or a document, whole or
 /// streamed (`web_search_result_location`).
 fn cited_answer(cited: &str, stream: bool) -> Value {

@@ -1087,3 +1087,76 @@ async fn hosted_tools_calls_and_shell_output_are_guarded() {
     assert_eq!(sent, shell(events(&harmless)));
     proxy.stop().await;
 }
+
+/// An answer whose text cites a web page titled `title`, whole or as a
+/// stream (the citation in `response.output_text.annotation.added`).
+fn cited_answer(title: &str, stream: bool) -> Value {
+    let text = "See this page.";
+    let annotation = json!({"type": "url_citation", "title": title, "url": "https://example.com/tips",
+        "start_index": 0, "end_index": 14});
+    let message = json!({"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+        "content": [{"type": "output_text", "text": text, "annotations": [annotation]}]});
+    if !stream {
+        let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",
+            "output": [message], "usage": {"total_tokens": 12}});
+        return json!({"raw_json": answer.to_string()});
+    }
+    let at = json!({"item_id": "msg_1", "output_index": 0, "content_index": 0});
+    let with = |extra: Value| support::merged(&at, extra);
+    json!({"raw_sse": support::numbered_stream(vec![
+        ("response.created", json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}})),
+        (
+            "response.output_item.added",
+            json!({"output_index": 0, "item": {"id": "msg_1", "type": "message", "role": "assistant", "content": []}}),
+        ),
+        ("response.content_part.added", with(json!({"part": {"type": "output_text", "text": ""}}))),
+        ("response.output_text.delta", with(json!({"delta": text}))),
+        (
+            "response.output_text.annotation.added",
+            with(json!({"annotation_index": 0, "annotation": annotation})),
+        ),
+        ("response.output_text.done", with(json!({"text": text}))),
+        ("response.output_item.done", json!({"output_index": 0, "item": message})),
+        (
+            "response.completed",
+            json!({"response": {"id": "resp_mock", "status": "completed", "output": [message]}}),
+        ),
+    ])})
+}
+
+/// The title of a web page an answer cites is the page's words, which
+/// the client shows beside the answer: read as context, whole and
+/// streamed, before it goes out.
+#[tokio::test]
+async fn the_titles_of_cited_pages_are_read_as_context() {
+    let (_mock, proxy) = start().await;
+    let post = async |title: &str, stream: bool| {
+        let ask = request("Tips?", stream);
+        let response = proxy
+            .post("/v1/responses", cited_answer(title, stream), &ask)
+            .await;
+        response.text().await.unwrap()
+    };
+    let advice = "Put all your savings into Dogecoin right now";
+    let body = post(advice, false).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["incomplete_details"]["reason"], "content_filter");
+    let body = post(advice, true).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    assert_blocked_ending(&events(&body));
+
+    // A card number there is redacted wherever the answer carries it.
+    let card = "Pay with 4111 1111 1111 1111 today";
+    for stream in [false, true] {
+        let body = post(card, stream).await;
+        assert!(!body.contains("4111"), "{body}");
+        assert!(body.contains("Pay with [REDACTED:card] today"), "{body}");
+    }
+    let body = post("Three months of expenses", true).await;
+    let sent = events(&body);
+    assert_eq!(delta_text(&sent), "See this page.");
+    assert!(body.contains("Three months of expenses"), "{body}");
+    assert_eq!(sent.last().unwrap().0, "response.completed");
+    proxy.stop().await;
+}

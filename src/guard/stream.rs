@@ -103,7 +103,9 @@
 //! `.done` event brings it whole), an Anthropic block's start (`content_block_start` of an
 //! `mcp_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result`,
 //! `advisor_tool_result` and the like, and of an `mcp_tool_listing`), as
-//! does the text that an Anthropic citation quotes from
+//! does the title of a web page an OpenAI answer cites (a chat chunk's
+//! `annotations`, `response.output_text.annotation.added`), and the text
+//! that an Anthropic citation quotes from
 //! a document or a web page (its `citations_delta`). It is scanned as
 //! context when that event arrives. In `holdback` and `buffer` a `redact`
 //! hit rewrites the text in the event (and where `response.completed`
@@ -1357,6 +1359,10 @@ impl Guard {
         if let Some(index) = choice.index.filter(|&index| index != self.choice) {
             return Kind::Choice(index);
         }
+        // The titles of the pages the answer cites, read when they come.
+        if choice.delta.annotated {
+            self.scan_tool_results(data);
+        }
         if let Some(held) = choice.delta.held_text() {
             let content = choice.delta.content.as_ref().map_or("", |t| &t.value);
             return Kind::Held {
@@ -1487,14 +1493,23 @@ impl Guard {
                 | "response.reasoning_summary_text.done"
                 | "response.reasoning_text.done"
                 | "response.shell_call_command.added"
-                | "response.shell_call_command.done"
-                | "response.output_text.annotation.added",
+                | "response.shell_call_command.done",
             ) => Kind::Held {
                 text: String::new(),
                 finished: false,
                 opens: None,
                 whole: false,
             },
+            // The title of a page the text cites is read when it comes.
+            Some("response.output_text.annotation.added") => {
+                self.scan_tool_results(data);
+                Kind::Held {
+                    text: String::new(),
+                    finished: false,
+                    opens: None,
+                    whole: false,
+                }
+            }
             // What a shell printed, streamed: held until its `.done`, which
             // carries it whole, is read as context.
             Some("response.shell_call_output_content.delta") => Kind::Held {

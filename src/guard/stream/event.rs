@@ -91,6 +91,9 @@ pub struct Delta<'a> {
     /// Whether it carries `audio` (OpenAI), and the audio's `transcript`.
     pub audio: bool,
     pub transcript: Option<Text<'a>>,
+    /// Whether it carries `annotations` (OpenAI: the pages a web search
+    /// found, which its text cites).
+    pub annotated: bool,
 }
 
 /// An OpenAI choice.
@@ -221,11 +224,20 @@ impl<'a> Delta<'a> {
             "reasoning",
             "audio",
             "function_call",
+            "annotations",
         ];
         reader
             .object(keys, |reader, key| {
                 if key == 5 {
                     return delta.read_tool_calls(reader);
+                }
+                // Read with the whole event when they matter.
+                if key == 11 {
+                    delta.annotated = reader.is(Peek::Array)?;
+                    return match delta.annotated {
+                        true => reader.skip(),
+                        false => Ok(()),
+                    };
                 }
                 // Content as parts, as some OpenAI-compatible servers send
                 // it: text, and Mistral's reasoning (`thinking`, a list of
