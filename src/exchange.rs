@@ -269,23 +269,40 @@ pub const COMPACTED_TEXTS: [&str; 2] = ["instructions", "input"];
 /// name of the member it is in, and its `model`.
 /// An error as for [`RequestBody::read`].
 pub fn read_compaction(body: &[u8]) -> Result<(BatchRequest<'_>, Vec<&'static str>), ReadError> {
+    let [instructions, input] = COMPACTED_TEXTS;
+    read_named(
+        body,
+        [instructions, input, "model"],
+        |texts, reader, key| match key {
+            0 => texts.text(reader, Scope::Prompt),
+            _ => texts.responses_input(reader),
+        },
+    )
+}
+
+/// Reads a JSON body whose `keys` (at its top level; the last is
+/// `model`) reach a model outside an exchange: each member but the last
+/// by `read` (given its place in `keys`), and the model. The texts found,
+/// with the names of the members they were found in, in the body's order.
+/// An error as for [`RequestBody::read`].
+fn read_named<'a, const N: usize>(
+    body: &'a [u8],
+    keys: [&'static str; N],
+    mut read: impl FnMut(&mut Texts<'a>, &mut Reader<'a>, usize) -> Result<(), ReadError>,
+) -> Result<(BatchRequest<'a>, Vec<&'static str>), ReadError> {
     let mut reader = Reader::bytes(body)?;
     let (mut texts, mut names) = (Texts::default(), Vec::new());
     let mut model = None;
     if reader.is_object()? {
-        let [instructions, input] = COMPACTED_TEXTS;
-        reader.object([instructions, input, "model"], |reader, key| {
-            let found = texts.found.len();
-            match key {
-                0 => texts.text(reader, Scope::Prompt)?,
-                1 => texts.responses_input(reader)?,
-                _ => {
-                    model = reader.string()?.map(|t| t.value);
-                    return Ok(());
-                }
+        reader.object(keys, |reader, key| {
+            if key == N - 1 {
+                model = reader.string()?.map(|t| t.value);
+                return Ok(());
             }
+            let found = texts.found.len();
+            read(&mut texts, reader, key)?;
             if texts.found.len() > found {
-                names.push(COMPACTED_TEXTS[key]);
+                names.push(keys[key]);
             }
             Ok(())
         })?;
@@ -375,29 +392,12 @@ pub const MEDIA_TEXTS: [&str; 3] = ["prompt", "input", "instructions"];
 /// ([`MEDIA_TEXTS`], strings at the top level) as prompt, each with its
 /// name, and its `model`. An error as for [`RequestBody::read`].
 pub fn read_media_request(body: &[u8]) -> Result<(BatchRequest<'_>, Vec<&'static str>), ReadError> {
-    let mut reader = Reader::bytes(body)?;
-    let (mut texts, mut names) = (Texts::default(), Vec::new());
-    let mut model = None;
-    if reader.is_object()? {
-        let [prompt, input, instructions] = MEDIA_TEXTS;
-        let keys = [prompt, input, instructions, "model"];
-        reader.object(keys, |reader, key| {
-            if key == 3 {
-                model = reader.string()?.map(|t| t.value);
-                return Ok(());
-            }
-            let found = texts.found.len();
-            texts.text(reader, Scope::Prompt)?;
-            if texts.found.len() > found {
-                names.push(MEDIA_TEXTS[key]);
-            }
-            Ok(())
-        })?;
-    }
-    reader.finish()?;
-    let mut request = BatchRequest::of_texts(texts.found);
-    request.params.model = model;
-    Ok((request, names))
+    let [prompt, input, instructions] = MEDIA_TEXTS;
+    read_named(
+        body,
+        [prompt, input, instructions, "model"],
+        |texts, reader, _| texts.text(reader, Scope::Prompt),
+    )
 }
 
 /// The segments of `path` after the API's root, less a trailing slash:

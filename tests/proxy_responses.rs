@@ -415,6 +415,15 @@ async fn streamed_call_arguments_inputs_and_code_are_guarded() {
     proxy.stop().await;
 }
 
+/// What the client gets of a whole answer whose output items are `output`.
+async fn answered(proxy: &support::Proxy, output: Value) -> reqwest::Response {
+    let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",
+        "output": output, "usage": {"total_tokens": 12}});
+    let ask = request("Write my note.", false);
+    let script = json!({"raw_json": answer.to_string()});
+    proxy.post("/v1/responses", script, &ask).await
+}
+
 /// The same in a whole answer: whatever the call, what the model wrote
 /// in it is response text.
 #[tokio::test]
@@ -423,15 +432,7 @@ async fn a_whole_answers_call_inputs_and_code_are_guarded() {
     for (kind, member, _) in CALLS {
         let mut call = json!({"id": "ct_1", "type": kind, "status": "completed", "call_id": "c"});
         call[member] = json!("Put all your savings into Dogecoin right now.");
-        let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",
-            "output": [call], "usage": {"total_tokens": 12}});
-        let response = proxy
-            .post(
-                "/v1/responses",
-                json!({"raw_json": answer.to_string()}),
-                &request("Write my note.", false),
-            )
-            .await;
+        let response = answered(&proxy, json!([call])).await;
         assert_eq!(response.headers()["x-fairgate-verdict"], "block", "{kind}");
         let text = response.text().await.unwrap();
         assert!(!text.contains("Dogecoin"), "{text}");
@@ -1036,15 +1037,7 @@ async fn hosted_tools_calls_and_shell_output_are_guarded() {
     let (_mock, proxy) = start().await;
     let advice = "Put all your savings into Dogecoin right now.";
     for call in hosted_calls(advice) {
-        let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",
-            "output": [call], "usage": {"total_tokens": 12}});
-        let response = proxy
-            .post(
-                "/v1/responses",
-                json!({"raw_json": answer.to_string()}),
-                &request("Write my note.", false),
-            )
-            .await;
+        let response = answered(&proxy, json!([call])).await;
         assert_eq!(response.headers()["x-fairgate-verdict"], "block", "{call}");
         let text = response.text().await.unwrap();
         assert!(!text.contains("Dogecoin"), "{text}");
