@@ -104,7 +104,8 @@ pub struct Text<'a> {
     pub whole: bool,
     /// The tool definitions of a request (`tools`, `functions`): `text`
     /// is their array's JSON text as it stands at `span`, whose texts
-    /// [`definition_texts`] reads. The model reads them as context, and
+    /// [`definition_texts`] reads; or the format its answer is to take
+    /// (an object's JSON text: its schema, read as a tool's is). The model reads them as context, and
     /// they may come from a third party (an MCP server's tool list); they
     /// are sent again with every request, so the guard remembers what it
     /// found in them by their JSON text, and reads that only when it is
@@ -193,6 +194,10 @@ impl<'a> RequestBody<'a> {
                 "functions",
                 "compaction",
                 "context_management",
+                "response_format",
+                "text",
+                "output_format",
+                "output_config",
             ];
             reader.object(keys, |reader, key| match (key, endpoint) {
                 (0, _) => {
@@ -226,6 +231,9 @@ impl<'a> RequestBody<'a> {
                 (10, Endpoint::ChatCompletions | Endpoint::Responses | Endpoint::Messages)
                 | (11, Endpoint::ChatCompletions) => first.definitions(reader),
                 (12 | 13, Endpoint::Messages) => first.compaction_instructions(reader, key == 13),
+                (14, Endpoint::ChatCompletions)
+                | (15, Endpoint::Responses)
+                | (16 | 17, Endpoint::Messages) => first.answer_format(reader),
                 _ => reader.skip(),
             })?;
         }
@@ -514,13 +522,19 @@ pub fn read_realtime_event(body: &[u8]) -> Result<RealtimeEvent<'_>, ReadError> 
 /// of an MCP server in the Responses API) and every string of its
 /// parameters' schema (`parameters`, `input_schema`: descriptions,
 /// titles, enum values, defaults), in context, with their places in the
-/// body. Instructions hidden there reach the model as surely as in a
+/// body; of an answer's format (an object), likewise its description and
+/// every string of its `schema` (in a chat's `json_schema`, in a
+/// `format`). Instructions hidden there reach the model as surely as in a
 /// tool's result (tool poisoning). An error only for a text that is not
 /// JSON.
 pub fn definition_texts(json: &str, at: usize) -> Result<Vec<Text<'_>>, ReadError> {
     let mut reader = Reader::at_base(json, at);
     let mut texts = Texts::default();
-    texts.objects(&mut reader, |texts, reader| texts.tool_definition(reader))?;
+    match reader.jiter.peek()? {
+        // An answer's format.
+        Peek::Object => texts.tool_definition(&mut reader)?,
+        _ => texts.objects(&mut reader, |texts, reader| texts.tool_definition(reader))?,
+    }
     reader.finish()?;
     Ok(texts.found)
 }
@@ -1087,7 +1101,21 @@ impl<'a> Texts<'a> {
     /// at their value: an array is one [`Text::definition`], read later
     /// by [`definition_texts`] if need be.
     fn definitions(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
-        if let Some((text, span)) = reader.array_text()? {
+        self.definition_of(reader, Peek::Array)
+    }
+
+    /// The format an answer is to take (a chat's `response_format`, the
+    /// Responses API's `text`, Anthropic's `output_format` and
+    /// `output_config`), the reader at its value: its schema is sent with
+    /// every request, as tools are, and the model reads it as it reads a
+    /// tool's; an object is one [`Text::definition`].
+    fn answer_format(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        self.definition_of(reader, Peek::Object)
+    }
+
+    /// The next value, if of type `kind`, as one [`Text::definition`].
+    fn definition_of(&mut self, reader: &mut Reader<'a>, kind: Peek) -> Result<(), ReadError> {
+        if let Some((text, span)) = reader.text_of(kind)? {
             self.found.push(Text {
                 scope: Scope::Context,
                 text: Cow::Borrowed(text),
@@ -1100,20 +1128,24 @@ impl<'a> Texts<'a> {
         Ok(())
     }
 
-    /// One tool's definition, the reader at its start (see
-    /// [`definition_texts`]). A key given twice is read both times.
+    /// One tool's definition, or an answer's format, the reader at its
+    /// start (see [`definition_texts`]). A key given twice is read both
+    /// times.
     fn tool_definition(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         let keys = [
             "description",
             "server_description",
             "parameters",
             "input_schema",
+            "schema",
             "function",
             "custom",
+            "json_schema",
+            "format",
         ];
         reader.every_member(keys, |reader, key| match key {
             0 | 1 => self.text(reader, Scope::Context),
-            2 | 3 => self.strings(reader, Scope::Context),
+            2..5 => self.strings(reader, Scope::Context),
             _ => match reader.is_object()? {
                 true => self.tool_definition(reader),
                 false => Ok(()),

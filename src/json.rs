@@ -349,12 +349,17 @@ impl<'a> Reader<'a> {
     /// The JSON text of the next value if it is an array, and where it
     /// lies in the whole text.
     pub fn array_text(&mut self) -> Result<Option<(&'a str, Range<usize>)>, ReadError> {
+        self.text_of(Peek::Array)
+    }
+
+    /// The JSON text of the next value if it is of type `kind`, and where
+    /// it lies in the whole text.
+    pub fn text_of(&mut self, kind: Peek) -> Result<Option<(&'a str, Range<usize>)>, ReadError> {
         let peek = self.jiter.peek()?;
         let start = self.jiter.current_index();
         self.jiter.known_skip(peek)?;
         let end = self.jiter.current_index();
-        Ok((peek == Peek::Array)
-            .then(|| (&self.data[start..end], self.base + start..self.base + end)))
+        Ok((peek == kind).then(|| (&self.data[start..end], self.base + start..self.base + end)))
     }
 
     /// The JSON text of the next value if it is an object.

@@ -2192,6 +2192,23 @@ async fn tool_definitions_are_read_as_context() {
                 "messages": [{"role": "user", "content": "What is 2 + 3?"}],
                 "tools": [{"name": "add", "description": "Adds two numbers.", "input_schema": schema(hidden)}]}),
         ),
+        // The format an answer is to take: its schema is read as a tool's.
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema(hidden)}}}),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "gpt-4o", "input": "What is 2 + 3?", "text": {"format": {"type": "json_schema",
+                "name": "sum", "description": poison, "schema": schema("a note")}}}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "claude-sonnet-4-5", "max_tokens": 100,
+                "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+                "output_config": {"format": {"type": "json_schema", "schema": schema(hidden)}}}),
+        ),
         // The tools an MCP server listed, given back in an assistant turn.
         (
             "/v1/messages",
@@ -2244,8 +2261,20 @@ async fn tool_definitions_are_read_as_context() {
     let id = support::request_id(&response);
     let sent: Value = serde_json::from_str(&mock.requests()[2].body).unwrap();
     assert_eq!(sent, harmless);
-    // Every exchange has its record: the refused ones, the three sent.
-    let rows = proxy.wait_for_results(blocked.len() + 4).await;
+
+    // And in an answer's format.
+    let card = "the card, for example 4111 1111 1111 1111";
+    let format = json!({"model": "gpt-4o", "input": "Pay my bill.",
+        "text": {"format": {"type": "json_schema", "name": "bill", "schema": schema(card)}}});
+    let response = proxy.post("/v1/responses", json!({}), &format).await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "redact");
+    let sent: Value = serde_json::from_str(&mock.requests()[3].body).unwrap();
+    assert_eq!(
+        sent["text"]["format"]["schema"]["properties"]["sidenote"]["description"],
+        "the card, for example [REDACTED:card]"
+    );
+    // Every exchange has its record: the refused ones, the four sent.
+    let rows = proxy.wait_for_results(blocked.len() + 5).await;
     let record = rows
         .iter()
         .find(|row| row["kind"] == "exchange" && row["request_id"] == id.as_str())

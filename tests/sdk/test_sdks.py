@@ -835,6 +835,10 @@ routes:
                 (anthropic.BadRequestError, lambda: an.messages.create(
                     model="claude-x", max_tokens=100, messages=[{"role": "user", "content": "What is 2 + 3?"}],
                     tools=[{"name": "add", "description": poison, "input_schema": schema}])),
+                # The format an answer is to take: its schema is read as a tool's.
+                (openai.BadRequestError, lambda: oa.responses.create(
+                    model="gpt-4o-mini", input="What is 2 + 3?",
+                    text={"format": {"type": "json_schema", "name": "sum", "description": poison, "schema": schema}})),
             ]
             for error, call in calls:
                 try:
@@ -927,7 +931,8 @@ routes:
               "compactions with a blocked prompt raise BadRequestError; an allowed image edit and "
               "compaction go up",
               openai_blocked_inputs_outside_messages)
-        check("openai and anthropic tools whose descriptions hide instructions raise BadRequestError",
+        check("openai and anthropic tools (and an answer's format) whose descriptions hide instructions "
+              "raise BadRequestError",
               poisoned_tool_definitions)
         def within(seconds, fn):
             """`fn`, failed if it has not returned within `seconds` (a
