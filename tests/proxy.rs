@@ -375,6 +375,10 @@ async fn blocked_response_becomes_a_refusal_anthropic() {
             .unwrap()
             .contains("essentials")
     );
+    // As the API details its own refusals: no category of its own applies.
+    let details =
+        json!({"type": "refusal", "category": null, "explanation": body["content"][0]["text"]});
+    assert_eq!(body["stop_details"], details);
     assert_eq!(body["usage"]["output_tokens"], 7);
     proxy.stop().await;
 }
@@ -562,6 +566,21 @@ async fn blocked_stream_ends_with_refusal_anthropic() {
     assert_eq!(
         tail,
         ["content_block_stop", "message_delta", "message_stop"]
+    );
+    let delta = body
+        .split("\n\n")
+        .find(|e| e.starts_with("event: message_delta"));
+    let data = delta
+        .and_then(|e| e.split_once("data: "))
+        .map(|(_, data)| data);
+    let delta: Value = serde_json::from_str(data.unwrap()).unwrap();
+    let details = &delta["delta"]["stop_details"];
+    assert_eq!(details["type"], "refusal", "{delta}");
+    assert_eq!(details["category"], Value::Null, "{delta}");
+    let explanation = details["explanation"].as_str().unwrap_or_default();
+    assert!(
+        explanation.contains("borrowing money"),
+        "the rule's message: {delta}"
     );
     proxy.stop().await;
 }

@@ -31,7 +31,8 @@
 //!   of several choices, `n` > 1, is guarded choice by choice, each a text
 //!   of its own, and a block ends every choice not yet finished);
 //!   Anthropic, `content_block_stop`, a `message_delta` with
-//!   `stop_reason: "refusal"`, and `message_stop`. Redactions apply before
+//!   `stop_reason: "refusal"` (its `stop_details` explained by the rule's
+//!   message), and `message_stop`. Redactions apply before
 //!   release. *Cost*: text that no match may cover goes out at the next
 //!   check; a phrase that a rule would block if it went on waits until it
 //!   ends or turns harmless. A check rescans a window of the longest
@@ -2216,9 +2217,11 @@ impl Guard {
                     &json!({"type": "content_block_stop", "index": self.block}),
                 ));
             }
+            let details = respond::refusal_details(&super::block_message(&self.all_hits()));
             frames.push(sse(
                 Some("message_delta"),
-                &json!({"type": "message_delta", "delta": {"stop_reason": "refusal", "stop_sequence": null}, "usage": {"output_tokens": 0}}),
+                &json!({"type": "message_delta", "delta": {"stop_reason": "refusal", "stop_sequence": null,
+                    "stop_details": details}, "usage": {"output_tokens": 0}}),
             ));
             frames.push(sse(Some("message_stop"), &json!({"type": "message_stop"})));
             return frames;
@@ -3646,7 +3649,14 @@ mod tests {
             match value {
                 Value::String(s) => strings.push(s.clone()),
                 Value::Array(items) => stack.extend(items),
-                Value::Object(members) => stack.extend(members.values()),
+                // But fairgate's own account of a refusal: the rule's
+                // message, written to be shown (a whole refusal's text).
+                Value::Object(members) => stack.extend(
+                    members
+                        .iter()
+                        .filter(|(key, _)| *key != "stop_details")
+                        .map(|(_, value)| value),
+                ),
                 _ => {}
             }
         }

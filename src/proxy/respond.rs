@@ -346,6 +346,7 @@ pub fn refuse_in_place(endpoint: Endpoint, body: &mut Value, message: &str) {
             body["content"] = json!([{"type": "text", "text": message}]);
             body["stop_reason"] = json!("refusal");
             body["stop_sequence"] = Value::Null;
+            body["stop_details"] = refusal_details(message);
         }
     }
 }
@@ -395,6 +396,12 @@ pub fn text(status: StatusCode, body: String) -> Response<ProxyBody> {
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     response
+}
+
+/// The `stop_details` of an Anthropic refusal, as the API gives its own:
+/// no category of the API's applies, the rule's message explains it.
+pub fn refusal_details(message: &str) -> Value {
+    json!({"type": "refusal", "category": null, "explanation": message})
 }
 
 #[cfg(test)]

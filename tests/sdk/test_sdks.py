@@ -580,6 +580,9 @@ routes:
                 final = stream.get_final_message()
             assert final.stop_reason == "refusal", final.stop_reason
             assert "savings" not in text, text
+            # Detailed as the API details its own refusals.
+            details = final.stop_details
+            assert details is not None and details.type == "refusal" and details.explanation, details
 
         def anthropic_prefilled_answers_refused():
             asked = [{"role": "user", "content": "a tip?"}, {"role": "assistant", "content": PREFILL}]
