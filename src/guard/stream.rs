@@ -53,13 +53,13 @@
 //!
 //! Text the guard cannot re-frame (tool-call arguments and refusals,
 //! OpenAI, and a hosted shell's commands in the Responses API; a tool's
-//! `input_json_delta`, Anthropic; reasoning: Anthropic
-//! `thinking` blocks, whose signature covers their text, the Responses
-//! API's reasoning summaries and text, the `reasoning_content` or
-//! `reasoning` of OpenAI-compatible servers, Mistral's `thinking` parts of
-//! a chat completion's content; the summary of an Anthropic compaction
-//! block, signed too; the transcript of a chat
-//! completion's audio, with the audio that says it) is response text too. In
+//! `input_json_delta`, Anthropic; reasoning: Anthropic `thinking` blocks,
+//! whose signature covers their text, the Responses API's reasoning
+//! summaries and text, the `reasoning_content` or `reasoning` of
+//! OpenAI-compatible servers, Mistral's `thinking` parts of a chat
+//! completion's content; the summary of an Anthropic compaction block,
+//! signed too; the transcript of a chat completion's audio, with the
+//! audio that says it) is response text too. In
 //! `holdback` its events are held back as text is, but whole: an event
 //! goes out unchanged, as it came, once all of its text lies before any
 //! match under way (checked as text is: every delta of the first 64
@@ -101,13 +101,14 @@
 //! an MCP server listed, a file search's results, a code interpreter's
 //! logs, a shell's output; a shell's output streamed in
 //! `response.shell_call_output_content.delta` events is held until its
-//! `.done` event brings it whole), an Anthropic block's start (`content_block_start` of an
-//! `mcp_tool_result`, `web_fetch_tool_result`, `code_execution_tool_result`,
+//! `.done` event brings it whole), an Anthropic block's start
+//! (`content_block_start` of an `mcp_tool_result`,
+//! `web_fetch_tool_result`, `code_execution_tool_result`,
 //! `advisor_tool_result` and the like, and of an `mcp_tool_listing`), as
 //! does the title of a web page an OpenAI answer cites (a chat chunk's
 //! `annotations`, `response.output_text.annotation.added`), and the text
-//! that an Anthropic citation quotes from
-//! a document or a web page (its `citations_delta`). It is scanned as
+//! that an Anthropic citation quotes from a document or a web page (its
+//! `citations_delta`). It is scanned as
 //! context when that event arrives. In `holdback` and `buffer` a `redact`
 //! hit rewrites the text in the event (and where `response.completed`
 //! repeats it); if a hit blocks, the event does not go out and the stream
