@@ -533,7 +533,7 @@ pub fn definition_texts(json: &str, at: usize) -> Result<Vec<Text<'_>>, ReadErro
     match reader.jiter.peek()? {
         // An answer's format.
         Peek::Object => texts.tool_definition(&mut reader)?,
-        _ => texts.objects(&mut reader, |texts, reader| texts.tool_definition(reader))?,
+        _ => texts.tool_definitions(&mut reader)?,
     }
     reader.finish()?;
     Ok(texts.found)
@@ -1128,6 +1128,12 @@ impl<'a> Texts<'a> {
         Ok(())
     }
 
+    /// Each tool's definition of a list of them, the reader at the list
+    /// ([`Texts::tool_definition`]).
+    fn tool_definitions(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
+        self.objects(reader, |texts, reader| texts.tool_definition(reader))
+    }
+
     /// One tool's definition, or an answer's format, the reader at its
     /// start (see [`definition_texts`]). A key given twice is read both
     /// times.
@@ -1233,9 +1239,7 @@ impl<'a> Texts<'a> {
         kind: Option<&str>,
     ) -> Result<(), ReadError> {
         match kind {
-            Some("mcp_tool_listing") => {
-                self.objects(reader, |texts, reader| texts.tool_definition(reader))
-            }
+            Some("mcp_tool_listing") => self.tool_definitions(reader),
             _ => reader.skip(),
         }
     }
@@ -1622,7 +1626,7 @@ impl<'a> Texts<'a> {
     /// type `kind` that holds it ([`Texts::tool_results`]): context.
     fn tool_results_in(&mut self, reader: &mut Reader<'a>, kind: &str) -> Result<(), ReadError> {
         match kind {
-            "mcp_list_tools" => self.objects(reader, |texts, reader| texts.tool_definition(reader)),
+            "mcp_list_tools" => self.tool_definitions(reader),
             "file_search_call" | "code_interpreter_call" | "shell_call_output" => {
                 let keys = ["text", "logs", "stdout", "stderr"];
                 self.objects(reader, |texts, reader| {

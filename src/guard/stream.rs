@@ -724,6 +724,20 @@ enum Kind {
     Malformed,
 }
 
+impl Kind {
+    /// Held text (see [`Kind::Held`]) of an event that neither ends the
+    /// response nor opens a block, and may go out before all of its kind
+    /// is read.
+    fn held(text: String) -> Kind {
+        Kind::Held {
+            text,
+            finished: false,
+            opens: None,
+            whole: false,
+        }
+    }
+}
+
 /// The bytes of answer text a stream guard makes room for at once.
 const ANSWER_ROOM: usize = 1024;
 
@@ -1474,16 +1488,13 @@ impl Guard {
                 | "response.reasoning_summary_text.delta"
                 | "response.reasoning_text.delta"
                 | "response.shell_call_command.delta",
-            ) => Kind::Held {
-                text: event
+            ) => Kind::held(
+                event
                     .delta_text
                     .as_ref()
                     .map(|t| t.value.to_string())
                     .unwrap_or_default(),
-                finished: false,
-                opens: None,
-                whole: false,
-            },
+            ),
             // They repeat the text of the deltas held before them, or (an
             // annotation) point into text that may not be released yet.
             Some(
@@ -1496,21 +1507,11 @@ impl Guard {
                 | "response.reasoning_text.done"
                 | "response.shell_call_command.added"
                 | "response.shell_call_command.done",
-            ) => Kind::Held {
-                text: String::new(),
-                finished: false,
-                opens: None,
-                whole: false,
-            },
+            ) => Kind::held(String::new()),
             // The title of a page the text cites is read when it comes.
             Some("response.output_text.annotation.added") => {
                 self.scan_tool_results(data);
-                Kind::Held {
-                    text: String::new(),
-                    finished: false,
-                    opens: None,
-                    whole: false,
-                }
+                Kind::held(String::new())
             }
             // What a shell printed, streamed: held until its `.done`, which
             // carries it whole, is read as context.
@@ -1555,24 +1556,13 @@ impl Guard {
                         Kind::Other
                     }
                     // A compaction's summary, signed as thinking is.
-                    (Some(kind), _) if kind == "compaction_delta" => Kind::Held {
-                        text: delta
+                    (Some(kind), _) if kind == "compaction_delta" => Kind::held(
+                        delta
                             .content
                             .as_ref()
                             .map_or_else(String::new, |t| t.value.to_string()),
-                        finished: false,
-                        opens: None,
-                        whole: false,
-                    },
-                    _ => match delta.held_text() {
-                        Some(text) => Kind::Held {
-                            text,
-                            finished: false,
-                            opens: None,
-                            whole: false,
-                        },
-                        None => Kind::Other,
-                    },
+                    ),
+                    _ => delta.held_text().map_or(Kind::Other, Kind::held),
                 }
             }
             // A thinking block's events are held, its start too: its text
