@@ -2228,6 +2228,12 @@ async fn tool_definitions_are_read_as_context() {
                 "messages": [{"role": "user", "content": "What is 2 + 3?"}],
                 "output_config": {"format": {"type": "json_schema", "schema": schema(hidden)}}}),
         ),
+        (
+            "/v1/messages",
+            json!({"model": "claude-sonnet-4-5", "max_tokens": 100,
+                "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+                "output_format": {"type": "json_schema", "schema": schema(hidden)}}),
+        ),
         // The tools an MCP server listed, given back in an assistant turn.
         (
             "/v1/messages",

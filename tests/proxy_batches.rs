@@ -487,10 +487,7 @@ async fn an_upload_too_large_to_hold_goes_on_and_a_batch_s_is_read_on_the_way() 
     ] {
         let response = upload(&proxy, form.clone()).await;
         assert_eq!(response.status(), 200);
-        let sent = mock.requests().last().unwrap().clone();
-        assert_eq!(sent.body, form, "sent whole, start and rest");
-        let length = form.len().to_string();
-        assert_eq!(sent.header("content-length"), Some(length.as_str()));
+        mock.assert_last_sent_whole(&form);
     }
     proxy.stop().await;
 }

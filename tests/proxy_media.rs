@@ -200,10 +200,7 @@ async fn a_media_form_too_large_to_hold_is_read_on_its_way() {
     ] {
         let response = proxy.post_form("/v1/images/edits", allowed.clone()).await;
         assert_eq!(response.status(), 200);
-        let sent = mock.requests().last().unwrap().clone();
-        assert_eq!(sent.body, allowed, "sent whole, start and rest");
-        let length = allowed.len().to_string();
-        assert_eq!(sent.header("content-length"), Some(length.as_str()));
+        mock.assert_last_sent_whole(&allowed);
     }
     proxy.stop().await;
 }

@@ -65,6 +65,15 @@ impl Mock {
     pub fn requests(&self) -> Vec<Received> {
         self.received.lock().unwrap().clone()
     }
+
+    /// Checks that the last request the mock got has `body` as its body,
+    /// sent whole (start and rest), with the length the client gave.
+    pub fn assert_last_sent_whole(&self, body: &str) {
+        let sent = self.requests().last().unwrap().clone();
+        assert_eq!(sent.body, body, "sent whole, start and rest");
+        let length = body.len().to_string();
+        assert_eq!(sent.header("content-length"), Some(length.as_str()));
+    }
 }
 
 pub async fn start_mock() -> Mock {
@@ -577,21 +586,26 @@ impl Proxy {
     /// POSTs `body` as written (key order, spacing and all) as JSON to
     /// `path`; the mock answers its default.
     pub async fn post_text(&self, path: &str, body: impl Into<reqwest::Body>) -> reqwest::Response {
-        client()
-            .post(self.url(path))
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .expect("the proxy answers")
+        self.post_as(path, "application/json", body.into()).await
     }
 
     /// POSTs `form` to `path` as a form whose boundary is `XyZ`.
     pub async fn post_form(&self, path: &str, form: String) -> reqwest::Response {
+        let form_type = "multipart/form-data; boundary=XyZ";
+        self.post_as(path, form_type, form.into()).await
+    }
+
+    /// POSTs `body` to `path` as of `content_type`.
+    async fn post_as(
+        &self,
+        path: &str,
+        content_type: &str,
+        body: reqwest::Body,
+    ) -> reqwest::Response {
         client()
             .post(self.url(path))
-            .header("content-type", "multipart/form-data; boundary=XyZ")
-            .body(form)
+            .header("content-type", content_type)
+            .body(body)
             .send()
             .await
             .expect("the proxy answers")
