@@ -267,6 +267,32 @@ pub fn compacts_conversation(path: &str) -> bool {
     matches!(after_root(path).as_deref(), Some(["responses", "compact"]))
 }
 
+/// Whether `path` (after the API's root) counts the tokens of a request
+/// without answering it, and if so, which endpoint's request its body is:
+/// Anthropic's `/v1/messages/count_tokens` and the Responses API's
+/// `/v1/responses/input_tokens`. An app counts a request before it sends
+/// it, so every text of the request reaches the API's servers this way
+/// first: the body is read as that endpoint's request
+/// ([`read_token_count`]), so that what a rule redacts or blocks does not
+/// leave by this other door.
+pub fn counts_tokens(path: &str) -> Option<Endpoint> {
+    match after_root(path).as_deref() {
+        Some(["messages", "count_tokens"]) => Some(Endpoint::Messages),
+        Some(["responses", "input_tokens"]) => Some(Endpoint::Responses),
+        _ => None,
+    }
+}
+
+/// Reads a token count's body ([`counts_tokens`]) as a request to
+/// `endpoint`; an error as for [`RequestBody::read`].
+pub fn read_token_count(endpoint: Endpoint, body: &[u8]) -> Result<BatchRequest<'_>, ReadError> {
+    let params = RequestBody::read(endpoint, body)?;
+    Ok(BatchRequest {
+        custom_id: None,
+        params,
+    })
+}
+
 /// The names of the texts a compaction is given ([`compacts_conversation`]),
 /// read as a Responses API request's are: its `instructions` and its `input`.
 pub const COMPACTED_TEXTS: [&str; 2] = ["instructions", "input"];
@@ -2661,6 +2687,62 @@ mod tests {
         );
         // A key given twice: which one the API reads cannot be told.
         assert!(read_compaction(br#"{"input": "hi", "input": "again"}"#).is_err());
+    }
+
+    #[test]
+    fn token_counts_are_found_by_path_and_read_as_their_endpoints_requests() {
+        for (path, counts) in [
+            ("/v1/messages/count_tokens", Some(Endpoint::Messages)),
+            (
+                "/anthropic/v1/messages/count_tokens/",
+                Some(Endpoint::Messages),
+            ),
+            ("/v1/responses/input_tokens", Some(Endpoint::Responses)),
+            (
+                "/openai/v1/responses/input_tokens",
+                Some(Endpoint::Responses),
+            ),
+            ("/v1/messages", None),
+            ("/v1/responses/resp_1/input_items", None),
+            ("/v1/count_tokens", None),
+            ("/v1/messages/batches", None),
+        ] {
+            assert_eq!(counts_tokens(path), counts, "{path}");
+        }
+        let body = json!({"model": "claude-sonnet-4-5", "system": "Be brief.",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "asked"},
+                {"type": "tool_result", "tool_use_id": "t", "content": "looked up"}]}],
+            "tools": [{"name": "quote", "description": "Gets a quote.",
+                "input_schema": {"type": "object"}}]})
+        .to_string();
+        let read = read_token_count(Endpoint::Messages, body.as_bytes()).unwrap();
+        assert_eq!(read.params.model.as_deref(), Some("claude-sonnet-4-5"));
+        let texts: Vec<_> = (read.params.texts.iter())
+            .filter(|t| !t.definition)
+            .map(|t| (t.scope, &*t.text))
+            .collect();
+        assert_eq!(
+            texts,
+            [
+                (Scope::Prompt, "Be brief."),
+                (Scope::Prompt, "asked"),
+                (Scope::Context, "looked up")
+            ]
+        );
+        assert!(read.params.texts.iter().any(|t| t.definition));
+        let body = json!({"model": "gpt-5", "instructions": "Be brief.", "input": "asked"});
+        let body = body.to_string();
+        let read = read_token_count(Endpoint::Responses, body.as_bytes()).unwrap();
+        let texts: Vec<_> = (read.params.texts.iter())
+            .map(|t| (t.scope, &*t.text))
+            .collect();
+        assert_eq!(
+            texts,
+            [(Scope::Prompt, "Be brief."), (Scope::Prompt, "asked")]
+        );
+        assert!(
+            read_token_count(Endpoint::Messages, br#"{"system": "a", "system": "b"}"#).is_err()
+        );
     }
 
     #[test]

@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::{anthropic_stream_text, client, openai_stream_text, start};
+use support::{anthropic_stream_text, client, openai_stream_text, start, start_with};
 
 fn chat(content: &str, stream: bool) -> Value {
     json!({"model": "gpt-4o-mini", "stream": stream, "messages": [{"role": "user", "content": content}]})
@@ -608,16 +608,6 @@ async fn stream_redacts_pii() {
     );
     assert_eq!(finishes, ["stop"]);
     proxy.stop().await;
-}
-
-async fn start_with(
-    configure: impl FnOnce(&mut fairgate::config::Config),
-) -> (support::Mock, support::Proxy) {
-    let mock = support::start_mock().await;
-    let mut config = support::config(&mock.url(), std::path::Path::new("rules"));
-    configure(&mut config);
-    let proxy = support::start_proxy(config).await;
-    (mock, proxy)
 }
 
 #[tokio::test]

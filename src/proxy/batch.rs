@@ -463,13 +463,14 @@ pub(super) fn scan_counted(
     scan_counted_as(state, rules, upstream, counted, request, request_id)
 }
 
-/// The texts of a request that reach a model outside an exchange (a
-/// conversation's items, a Realtime session's setup, a media request),
-/// scanned as a prompt and counted under `route`: the scan, or the 400
-/// that refuses the request, naming `place`.
+/// The texts of a request that reach a model (or the API) outside an
+/// exchange (a conversation's items, a Realtime session's setup, a media
+/// request, a token count), scanned as a prompt and counted under
+/// `route`: the scan, or the 400 in `dialect` that refuses the request,
+/// naming `place` (nothing when it is empty: the whole request).
 pub(super) fn scan_or_refuse(
     state: &State,
-    upstream: &str,
+    (upstream, dialect): (&str, Dialect),
     route: &'static str,
     (request, place): (&BatchRequest, &str),
     request_id: &str,
@@ -479,11 +480,7 @@ pub(super) fn scan_or_refuse(
     let scan = scan_counted_as(state, &rules, upstream, counted, request, request_id);
     let (hits, decision) = (&scan.verdict.hits, scan.verdict.decision);
     match Refusal::of_block(request, hits, decision) {
-        Some(refusal) => Err(Box::new(refusal.respond(
-            Dialect::OpenAi,
-            place,
-            request_id,
-        ))),
+        Some(refusal) => Err(Box::new(refusal.respond(dialect, place, request_id))),
         None => Ok(scan),
     }
 }
@@ -506,28 +503,29 @@ pub(super) type ReadTexts = for<'a> fn(&'a [u8]) -> Result<(BatchRequest<'a>, St
 
 /// Sends on a request with a JSON body (read as JSON whatever its content
 /// type says: the API may) once the texts `read` finds in it are scanned
-/// ([`scan_or_refuse`]): refused when blocked, redacted in place.
+/// ([`scan_or_refuse`]): refused when blocked (in `dialect`), redacted in
+/// place. It goes to the upstream its path and model route it to.
 pub(super) async fn send_scanned(
     state: &Arc<State>,
-    req: Request<Incoming>,
+    (req, dialect): (Request<Incoming>, Dialect),
     route: &'static str,
     read: ReadTexts,
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let dialect = Dialect::OpenAi;
-    let body = match ReadRequest::of(state, req, dialect, request_id).await {
+    let mut body = match ReadRequest::of(state, req, dialect, request_id).await {
         Ok(body) => body,
         Err(answer) => return answer,
     };
-    let (request, place) = match read(&body.bytes) {
+    let bytes = body.bytes.clone();
+    let (request, place) = match read(&bytes) {
         Ok(read) => read,
         Err(error) => return respond::unreadable(dialect, &error, None, request_id),
     };
+    body.route_model(state, request.params.model.as_deref());
     let found = (&request, place.as_str());
-    let sent = match scan_or_refuse(state, &body.upstream, route, found, request_id) {
-        Ok(scan) => scan
-            .redacted(&body.bytes)
-            .unwrap_or_else(|| body.bytes.clone()),
+    let at = (body.upstream.as_str(), dialect);
+    let sent = match scan_or_refuse(state, at, route, found, request_id) {
+        Ok(scan) => scan.redacted(&bytes).unwrap_or(bytes.clone()),
         Err(refused) => return *refused,
     };
     match body.send(state, sent, false).await {
@@ -608,7 +606,10 @@ impl Refusal {
             Some(id) => format!("{place} (custom_id {id:?})"),
             None => place.to_owned(),
         };
-        let message = format!("{named}: {}", self.reason);
+        let message = match named.as_str() {
+            "" => self.reason.clone(),
+            named => format!("{named}: {}", self.reason),
+        };
         tracing::info!(request_id, named, rules = ?self.rules, "batch request refused");
         respond::blocked(dialect, self.scope, &message, &self.rules, request_id)
     }

@@ -52,7 +52,7 @@ pub(super) async fn handle(
                 let (request, names) = exchange::read_media_request(body)?;
                 Ok((request, batch::place(&names)))
             };
-            batch::send_scanned(state, req, ROUTE, read, request_id).await
+            batch::send_scanned(state, (req, Dialect::OpenAi), ROUTE, read, request_id).await
         }
     }
 }
@@ -101,10 +101,11 @@ async fn form(
         .collect();
     let (request, place) = as_request(&texts);
     let found = (&request, place.as_str());
-    let edits = match batch::scan_or_refuse(state, upstream, ROUTE, found, request_id) {
-        Ok(scan) => scan.edits,
-        Err(refused) => return *refused,
-    };
+    let edits =
+        match batch::scan_or_refuse(state, (upstream, Dialect::OpenAi), ROUTE, found, request_id) {
+            Ok(scan) => scan.edits,
+            Err(refused) => return *refused,
+        };
     if !edits.is_empty() {
         for (span, text) in edits {
             fields[span.start].1 = Bytes::from(text);
@@ -218,7 +219,13 @@ fn judge_on_the_way(
         }
     };
     let (request, place) = as_request(&texts);
-    match batch::scan_or_refuse(state, upstream, ROUTE, (&request, &place), request_id) {
+    match batch::scan_or_refuse(
+        state,
+        (upstream, Dialect::OpenAi),
+        ROUTE,
+        (&request, &place),
+        request_id,
+    ) {
         Err(refused) => Some(*refused),
         Ok(scan) if scan.edits.is_empty() => None,
         Ok(scan) => {

@@ -783,6 +783,9 @@ async fn handle(
         Reading::Stored(stored) => stored::fetch(state, req, stored, request_id).await,
         Reading::ConversationItems => stored::add_items(state, req, request_id).await,
         Reading::Compaction => stored::compact(state, req, request_id).await,
+        Reading::TokenCount(endpoint) => {
+            stored::count_tokens(state, req, endpoint, request_id).await
+        }
         Reading::RealtimeSetup => realtime::setup(state, req, request_id).await,
         Reading::Media => media::handle(state, req, request_id).await,
         Reading::Batch(batch) => batch::handle(state, req, batch, request_id).await,
@@ -805,6 +808,8 @@ enum Reading {
     ConversationItems,
     /// `POST` of a conversation to compact.
     Compaction,
+    /// `POST` of a request to an endpoint, to count its tokens.
+    TokenCount(Endpoint),
     /// `POST` that sets up a Realtime session held elsewhere.
     RealtimeSetup,
     /// `POST` that asks for an image, a video, speech or a transcript.
@@ -829,6 +834,9 @@ impl Reading {
             }
             if exchange::compacts_conversation(path) {
                 return Reading::Compaction;
+            }
+            if let Some(endpoint) = exchange::counts_tokens(path) {
+                return Reading::TokenCount(endpoint);
             }
             if exchange::sets_up_realtime(path) {
                 return Reading::RealtimeSetup;
@@ -1736,6 +1744,15 @@ impl ReadRequest {
             upstream,
             dialect,
         })
+    }
+
+    /// Routes the request by its `model` too, once that is read: a route
+    /// may pick its upstream by the model's name.
+    pub(super) fn route_model(&mut self, state: &State, model: Option<&str>) {
+        let path = self.parts.uri.path();
+        if let Some(route) = model.and_then(|_| state.config.route(path, model)) {
+            self.upstream.clone_from(&route.upstream);
+        }
     }
 
     /// Sends the request upstream with `body` (what was read, redacted or

@@ -216,7 +216,7 @@ fn judge(
         Box::new(respond::unreadable(dialect, &error, Some(what), request_id))
     })?;
     let found = (&setup, "session");
-    let scan = batch::scan_or_refuse(state, &read.upstream, ROUTE, found, request_id)?;
+    let scan = batch::scan_or_refuse(state, (&read.upstream, dialect), ROUTE, found, request_id)?;
     Ok(scan.redacted(config))
 }
 

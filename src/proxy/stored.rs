@@ -8,7 +8,8 @@
 //! read as a response's input: a later response reads them without their
 //! being sent again; and a conversation given to be compacted
 //! ([`compact`]), which a later response reads as a summary no one else
-//! can.
+//! can; and a request given to count its tokens ([`count_tokens`]),
+//! which carries every text of the request it counts to the API.
 //!
 //! A stored response or chat completion that a rule blocks comes back as
 //! the refusal its creation got (or the 400 error, with `on_block:
@@ -44,6 +45,9 @@ const ITEMS: &str = "conversation_items";
 /// The route label of conversations given to be compacted.
 const COMPACTION: &str = "compaction";
 
+/// The route label of requests whose tokens are counted.
+const TOKEN_COUNT: &str = "token_count";
+
 /// `POST /v1/conversations` and `POST /v1/conversations/{id}/items`: the
 /// items added to a stored conversation, which a later response reads as
 /// its input (`"conversation": "conv_..."`) without sending them again,
@@ -58,7 +62,7 @@ pub(super) async fn add_items(
 ) -> Response<ProxyBody> {
     let read: batch::ReadTexts =
         |body| exchange::read_conversation_items(body).map(|items| (items, "items".into()));
-    batch::send_scanned(state, req, ITEMS, read, request_id).await
+    batch::send_scanned(state, (req, Dialect::OpenAi), ITEMS, read, request_id).await
 }
 
 /// `POST /v1/responses/compact`: a conversation given to a model to
@@ -79,7 +83,39 @@ pub(super) async fn compact(
         let (request, names) = exchange::read_compaction(body)?;
         Ok((request, batch::place(&names)))
     };
-    batch::send_scanned(state, req, COMPACTION, read, request_id).await
+    batch::send_scanned(state, (req, Dialect::OpenAi), COMPACTION, read, request_id).await
+}
+
+/// `POST /v1/messages/count_tokens` and `POST /v1/responses/input_tokens`:
+/// a request given to the API to count its tokens, not to answer it. An
+/// app counts what it is about to send, so without this every text a rule
+/// redacts would reach the API's servers anyway, unredacted. The body is
+/// read as `endpoint`'s request is, before it goes up: one that a rule
+/// blocks gets the 400 that request would get, in its dialect; `redact`
+/// hits are redacted in place, so the count is of the text the request
+/// will carry. The answer (a number) passes as it comes; there is no
+/// exchange record: no model answers it.
+pub(super) async fn count_tokens(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    endpoint: Endpoint,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    // The two endpoints whose tokens are counted (`exchange::counts_tokens`).
+    let read: batch::ReadTexts = match endpoint {
+        Endpoint::Messages => |body| read_counted(Endpoint::Messages, body),
+        _ => |body| read_counted(Endpoint::Responses, body),
+    };
+    let counted = (req, endpoint.dialect());
+    batch::send_scanned(state, counted, TOKEN_COUNT, read, request_id).await
+}
+
+/// A token count's body read as `endpoint`'s request, named as a whole.
+fn read_counted(
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(exchange::BatchRequest<'_>, String), ReadError> {
+    exchange::read_token_count(endpoint, body).map(|request| (request, String::new()))
 }
 
 /// Fetches a stored answer and relays it as the guard allows.

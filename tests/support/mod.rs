@@ -800,8 +800,15 @@ pub async fn start_holding(limit: usize) -> (Mock, Proxy) {
 
 /// Proxy in front of a fresh mock, with the shipped rules.
 pub async fn start() -> (Mock, Proxy) {
+    start_with(|_| ()).await
+}
+
+/// The same, with the configuration changed by `configure` first.
+pub async fn start_with(configure: impl FnOnce(&mut Config)) -> (Mock, Proxy) {
     let mock = start_mock().await;
-    let proxy = start_proxy(config(&mock.url(), Path::new("rules"))).await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    configure(&mut config);
+    let proxy = start_proxy(config).await;
     (mock, proxy)
 }
 
