@@ -246,8 +246,14 @@ pub enum OnBlock {
 pub struct GuardConfig {
     pub stream_mode: StreamMode,
     pub on_block: OnBlock,
-    /// Larger request bodies get 413.
+    /// Larger request bodies get 413. The default is no less than what
+    /// the APIs themselves take: 32 MB for Anthropic's Messages API, 50 MB
+    /// of images in an OpenAI request.
     pub max_body_bytes: usize,
+    /// Larger bodies of a message batch's creation (`POST
+    /// /v1/messages/batches`, read whole so that each of its requests is
+    /// scanned) get 413. The default is the Batch API's own limit.
+    pub max_batch_bytes: usize,
     /// Largest non-streaming response body the guard reads.
     pub max_response_bytes: usize,
     /// Tags that mark retrieved context inside a prompt text: with
@@ -283,7 +289,8 @@ impl Default for GuardConfig {
         GuardConfig {
             stream_mode: StreamMode::Holdback,
             on_block: OnBlock::Refusal,
-            max_body_bytes: 10 << 20,
+            max_body_bytes: 50 << 20,
+            max_batch_bytes: 256 << 20,
             max_response_bytes: 50 << 20,
             context_tags: Vec::new(),
             upgrades: Upgrades::Tunnel,
@@ -671,6 +678,9 @@ impl Config {
         }
         if self.guard.max_body_bytes == 0 {
             problems.push("guard.max_body_bytes: must be at least 1".into());
+        }
+        if self.guard.max_batch_bytes == 0 {
+            problems.push("guard.max_batch_bytes: must be at least 1".into());
         }
         problems.extend(self.metrics.problems());
         problems

@@ -402,11 +402,17 @@ fn any_setting_can_come_from_the_environment() {
         );
     }
     // A value that fits but is not valid: the same problems as the file's.
-    let out = check(&[("FAIRGATE__GUARD__MAX_BODY_BYTES", "0")], &[]);
+    let zero = [
+        ("FAIRGATE__GUARD__MAX_BODY_BYTES", "0"),
+        ("FAIRGATE__GUARD__MAX_BATCH_BYTES", "0"),
+    ];
+    let out = check(&zero, &[]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("guard.max_body_bytes: must be at least 1"),
-        "{err}"
-    );
+    for key in ["max_body_bytes", "max_batch_bytes"] {
+        assert!(
+            err.contains(&format!("guard.{key}: must be at least 1")),
+            "{err}"
+        );
+    }
 }

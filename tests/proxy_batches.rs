@@ -798,3 +798,39 @@ async fn an_upload_whose_body_stops_arriving_gets_408() {
     );
     proxy.stop().await;
 }
+
+/// A message batch's creation is read whole up to its own limit
+/// (`guard.max_batch_bytes`, by default the Batch API's 256 MiB), not a
+/// single request's: a batch of many requests is larger than any one.
+#[tokio::test]
+async fn a_batch_is_held_up_to_its_own_limit() {
+    let mock = support::start_mock().await;
+    let mut config = support::config(&mock.url(), std::path::Path::new("rules"));
+    config.guard.max_body_bytes = 1024;
+    config.guard.max_batch_bytes = 16 << 10;
+    let proxy = support::start_proxy(config).await;
+    let requests = |n: usize| -> Vec<Value> {
+        (0..n)
+            .map(|i| request(&format!("r{i}"), "How do I start a budget?"))
+            .collect()
+    };
+    let batch = json!({"requests": requests(20)});
+    assert!(batch.to_string().len() > 1024);
+    let response = proxy.post("/v1/messages/batches", json!({}), &batch).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(mock.requests().len(), 1);
+    let batch = json!({"requests": requests(200)});
+    assert!(batch.to_string().len() > 16 << 10);
+    let response = proxy.post("/v1/messages/batches", json!({}), &batch).await;
+    assert_eq!(response.status(), 413);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "request_too_large", "{body}");
+    // A single request of the same size as the first batch is over its
+    // limit.
+    let one = json!({"model": "claude-x", "max_tokens": 5,
+        "messages": [{"role": "user", "content": "a".repeat(2048)}]});
+    let response = proxy.post("/v1/messages", json!({}), &one).await;
+    assert_eq!(response.status(), 413);
+    assert_eq!(mock.requests().len(), 1);
+    proxy.stop().await;
+}

@@ -512,7 +512,8 @@ pub(super) async fn send_scanned(
     read: ReadTexts,
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let mut body = match ReadRequest::of(state, req, dialect, request_id).await {
+    let limit = state.config.guard.max_body_bytes;
+    let mut body = match ReadRequest::of(state, req, (dialect, limit), request_id).await {
         Ok(body) => body,
         Err(answer) => return answer,
     };
@@ -623,7 +624,8 @@ async fn create(
 ) -> Response<ProxyBody> {
     let dialect = Dialect::Anthropic;
     let origin = client_origin(req.headers(), req.uri());
-    let read = match ReadRequest::of(state, req, dialect, request_id).await {
+    let limit = state.config.guard.max_batch_bytes;
+    let read = match ReadRequest::of(state, req, (dialect, limit), request_id).await {
         Ok(read) => read,
         Err(answer) => return answer,
     };

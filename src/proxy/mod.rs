@@ -1409,7 +1409,8 @@ async fn guarded(
     let dialect = endpoint.dialect();
     let route_label = endpoint.route();
     let (parts, body) = req.into_parts();
-    let (bytes, decoded) = match read_request(state, &parts.headers, body).await {
+    let limit = state.config.guard.max_body_bytes;
+    let (bytes, decoded) = match read_request(state, &parts.headers, body, limit).await {
         Ok(read) => read,
         Err(failure) => return respond::failure(dialect, failure, request_id),
     };
@@ -1690,15 +1691,15 @@ async fn guarded(
     out
 }
 
-/// A guarded request's body, read whole (to at most
-/// `guard.max_body_bytes`) and decompressed as its `Content-Encoding`
-/// says; whether it was compressed (it goes upstream uncompressed).
+/// A guarded request's body, read whole (to at most `limit` bytes, read
+/// or decompressed) and decompressed as its `Content-Encoding` says;
+/// whether it was compressed (it goes upstream uncompressed).
 async fn read_request(
     state: &State,
     headers: &HeaderMap,
     body: Incoming,
+    limit: usize,
 ) -> Result<(Bytes, bool), Failure> {
-    let limit = state.config.guard.max_body_bytes;
     let bytes = read_whole(state, body, limit).await?;
     let encoding = headers.get(header::CONTENT_ENCODING);
     match encoding.is_some_and(|e| e.as_bytes() != b"identity") {
@@ -1720,16 +1721,17 @@ pub(super) struct ReadRequest {
 }
 
 impl ReadRequest {
-    /// Reads `req`'s body ([`read_request`]) and finds its upstream; the
-    /// error answer in `dialect` when either fails.
+    /// Reads `req`'s body ([`read_request`], to at most `limit` bytes)
+    /// and finds its upstream; the error answer in `dialect` when either
+    /// fails.
     pub(super) async fn of(
         state: &State,
         req: Request<Incoming>,
-        dialect: Dialect,
+        (dialect, limit): (Dialect, usize),
         request_id: &str,
     ) -> Result<ReadRequest, Response<ProxyBody>> {
         let (parts, body) = req.into_parts();
-        let (bytes, decoded) = match read_request(state, &parts.headers, body).await {
+        let (bytes, decoded) = match read_request(state, &parts.headers, body, limit).await {
             Ok(read) => read,
             Err(failure) => return Err(respond::failure(dialect, failure, request_id)),
         };
@@ -1785,7 +1787,11 @@ impl ReadRequest {
 /// `client_body_timeout_ms`, [`Failure::InvalidJson`] when the client
 /// breaks it off. A body that came in one frame is not copied.
 async fn read_whole(state: &State, body: Incoming, limit: usize) -> Result<Bytes, Failure> {
-    if http_body::Body::size_hint(&body).lower() > limit as u64 {
+    // The length the client declared: a body of many parts is gathered in
+    // one allocation of it, not in a buffer doubled again and again (a
+    // body may be tens of megabytes).
+    let declared = http_body::Body::size_hint(&body).lower();
+    if declared > limit as u64 {
         return Err(Failure::TooLarge);
     }
     let mut body = client_body(state, body);
@@ -1801,6 +1807,9 @@ async fn read_whole(state: &State, body: Incoming, limit: usize) -> Result<Bytes
         match first.take() {
             None if more.is_empty() => first = Some(data),
             earlier => {
+                if more.is_empty() {
+                    more.reserve((declared as usize).max(read + data.len()));
+                }
                 more.extend_from_slice(&earlier.unwrap_or_default());
                 more.extend_from_slice(&data);
             }

@@ -157,7 +157,8 @@ pub(super) async fn setup(
         .headers()
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"application/sdp"));
-    let read = match ReadRequest::of(state, req, dialect, request_id).await {
+    let limit = state.config.guard.max_body_bytes;
+    let read = match ReadRequest::of(state, req, (dialect, limit), request_id).await {
         Ok(read) => read,
         Err(answer) => return answer,
     };
