@@ -185,7 +185,10 @@ pub struct UpstreamConfig {
     /// the client's own `Authorization` / `x-api-key` is forwarded.
     pub api_key_env: Option<String>,
     pub connect_timeout_ms: u64,
-    /// The whole exchange, streams included.
+    /// The longest the upstream may send nothing: before its answer's
+    /// head, and between two parts of its body. Each wait, as the SDKs'
+    /// own read timeout, not the whole exchange: a stream goes on as long
+    /// as the upstream keeps sending.
     pub timeout_ms: u64,
 }
 

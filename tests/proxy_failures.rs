@@ -297,6 +297,53 @@ async fn unreachable_upstream_gets_502() {
     proxy.stop().await;
 }
 
+/// An upstream's `timeout_ms` bounds each wait on it, as the SDKs' own
+/// read timeout does, not the whole exchange: a stream that keeps coming
+/// goes on past it (a long answer streams for many minutes), and one that
+/// falls silent for that long ends with the API's error event.
+#[tokio::test]
+async fn the_upstream_timeout_bounds_each_wait_not_the_whole_stream() {
+    let mock = start_mock().await;
+    let mut config = config(&mock.url(), Path::new("rules"));
+    for upstream in config.upstreams.values_mut() {
+        upstream.timeout_ms = 300;
+    }
+    let proxy = start_proxy(config).await;
+    let chunks: Vec<String> = ["Start with ", "a budget, ", "then save."]
+        .map(String::from)
+        .to_vec();
+    let raw = support::openai_stream(&chunks, false);
+    // Sent in pieces of 7 bytes, 10 ms apart: longer than the timeout.
+    assert!(raw.len() / 7 * 10 > 3 * 300, "{}", raw.len());
+    let slow = json!({"raw_sse": raw, "piece_delay_ms": 10});
+    let response = proxy
+        .post("/v1/chat/completions", slow, &chat("hello", true))
+        .await;
+    assert_eq!(response.status(), 200);
+    let body = response.text().await.unwrap();
+    let (text, finishes, done) = support::openai_stream_text(&body);
+    assert_eq!(text, chunks.concat(), "{body}");
+    assert_eq!((finishes, done), (vec!["stop".to_owned()], true), "{body}");
+
+    // The first events, then silence.
+    let first = &raw[..raw.find("a budget").unwrap()];
+    let first = &first[..first.rfind("\n\n").unwrap() + 2];
+    let silent = json!({"raw_sse": first, "hold_open": true});
+    let response = proxy
+        .post("/v1/chat/completions", silent, &chat("hello", true))
+        .await;
+    let body = tokio::time::timeout(Duration::from_secs(10), response.text())
+        .await
+        .expect("no hang")
+        .unwrap();
+    let (text, ..) = support::openai_stream_text(&body);
+    assert_eq!(text, "Start with ", "{body}");
+    let last = sse_events(&body).pop().unwrap().1;
+    assert_eq!(last["error"]["code"], "upstream_error", "{body}");
+    assert!(!body.contains("[DONE]"), "{body}");
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn slow_upstream_gets_504() {
     let mock = start_mock().await;

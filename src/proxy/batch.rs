@@ -114,7 +114,7 @@ async fn upload(
     };
     let (uri, upstream) = (&form.parts.uri, &form.upstream);
     match super::forward(state, upstream, Method::POST, uri, form.headers, body).await {
-        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
 }
@@ -277,7 +277,7 @@ pub(super) async fn send_judged(
         return refused;
     }
     match forwarded {
-        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
 }
@@ -530,7 +530,7 @@ pub(super) async fn send_scanned(
         Err(refused) => return *refused,
     };
     match body.send(state, sent, false).await {
-        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
 }
@@ -650,12 +650,12 @@ async fn create(
         false => json::splice(&read.bytes, &edits),
     };
     match read.send(state, body, true).await {
-        Ok((response, deadline)) => {
+        Ok((response, timeout)) => {
             let relayed = Relayed {
                 upstream,
                 stream_mode: None,
                 response,
-                deadline,
+                timeout,
             };
             with_results_here(state, relayed, origin, request_id).await
         }
@@ -703,13 +703,13 @@ async fn with_results_here(
     let Relayed {
         upstream,
         response,
-        deadline,
+        timeout,
         ..
     } = relayed;
     let dialect = Dialect::Anthropic;
     let config = state.config.upstreams.get(&upstream);
     let (Some(origin), Some(config)) = (origin, config) else {
-        return super::stream_back(response, deadline, request_id, None);
+        return super::stream_back(response, timeout, request_id, None);
     };
     if super::is_encoded(response.headers()) {
         // Asked for uncompressed: a body that is not could not be rewritten.
@@ -717,7 +717,7 @@ async fn with_results_here(
     }
     let (head, body) = response.into_parts();
     let limit = state.config.guard.max_response_bytes;
-    let body = match upstream::read_body(body, limit, deadline).await {
+    let body = match upstream::read_body(body, limit, timeout).await {
         Ok(body) => body,
         Err(error) => {
             tracing::warn!(%error, "batch object could not be read");
@@ -775,14 +775,14 @@ async fn results(
     let Relayed {
         upstream,
         response,
-        deadline,
+        timeout,
         ..
     } = match super::relay(state, req, dialect, request_id, true).await {
         Ok(relayed) => relayed,
         Err(out) => return out,
     };
     if !response.status().is_success() {
-        return super::stream_back(response, deadline, request_id, None);
+        return super::stream_back(response, timeout, request_id, None);
     }
     let (head, body) = response.into_parts();
     if super::is_encoded(&head.headers) {
@@ -798,7 +798,7 @@ async fn results(
         reading: (dialect == Dialect::Anthropic).then_some(true),
         pending: Vec::new(),
     };
-    let chunks = upstream::body_stream(body, deadline);
+    let chunks = upstream::body_stream(body, timeout);
     let body = futures_util::stream::unfold(Some((lines, chunks)), |state| async move {
         let (mut lines, mut chunks) = state?;
         loop {

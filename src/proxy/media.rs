@@ -115,7 +115,7 @@ async fn form(
     let body = http_body_util::Either::Left(http_body_util::Full::new(form));
     let uri = &held.parts.uri;
     match super::forward(state, upstream, http::Method::POST, uri, held.headers, body).await {
-        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
         Err(failure) => respond::failure(Dialect::OpenAi, failure, request_id),
     }
 }

@@ -963,8 +963,9 @@ fn upstream_headers(
 
 /// Sends a request to `upstream` for the client's method and path, with
 /// `headers`, `body` and the upstream's timeout. Returns the response head
-/// and the deadline the rest of the exchange must meet; a failure is counted
-/// and mapped to what the caller sees.
+/// and that timeout, which each later wait on the upstream (for a part of
+/// its body) is held to; a failure is counted and mapped to what the
+/// caller sees.
 async fn forward(
     state: &State,
     upstream: &str,
@@ -972,7 +973,7 @@ async fn forward(
     uri: &http::Uri,
     headers: HeaderMap,
     body: UpstreamBody,
-) -> Result<(Response<upstream::Answer>, tokio::time::Instant), Failure> {
+) -> Result<(Response<upstream::Answer>, Duration), Failure> {
     forward_on(state, upstream, method, uri, headers, body, false).await
 }
 
@@ -986,7 +987,7 @@ async fn forward_on(
     headers: HeaderMap,
     body: UpstreamBody,
     upgrade: bool,
-) -> Result<(Response<upstream::Answer>, tokio::time::Instant), Failure> {
+) -> Result<(Response<upstream::Answer>, Duration), Failure> {
     let Some(config) = state.config.upstreams.get(upstream) else {
         return Err(Failure::NoRoute);
     };
@@ -994,9 +995,9 @@ async fn forward_on(
         return Err(Failure::NoRoute);
     };
     let path = uri.path_and_query().map_or("/", |p| p.as_str());
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(config.timeout_ms);
-    match upstream::send(&client, method, path, headers, body, deadline, upgrade).await {
-        Ok(response) => Ok((response, deadline)),
+    let timeout = Duration::from_millis(config.timeout_ms);
+    match upstream::send(&client, method, path, headers, body, timeout, upgrade).await {
+        Ok(response) => Ok((response, timeout)),
         // The client's fault, not the upstream's.
         Err((Failure::ClientTimeout, ..)) => {
             tracing::debug!(upstream, "a request body stopped arriving on its way up");
@@ -1257,7 +1258,7 @@ async fn passthrough(
 ) -> Response<ProxyBody> {
     let dialect = dialect_of_path(req.uri().path());
     match relay(state, req, dialect, request_id, false).await {
-        Ok(relayed) => stream_back(relayed.response, relayed.deadline, request_id, None),
+        Ok(relayed) => stream_back(relayed.response, relayed.timeout, request_id, None),
         Err(out) => out,
     }
 }
@@ -1279,7 +1280,7 @@ struct Relayed {
     upstream: String,
     stream_mode: Option<StreamMode>,
     response: Response<upstream::Answer>,
-    deadline: tokio::time::Instant,
+    timeout: Duration,
 }
 
 /// Sends `req` upstream as it came (method, path and query, headers less
@@ -1307,25 +1308,26 @@ async fn relay(
     }
     let body = Either::Right(Either::Left(client_body(state, body)));
     match forward(state, &upstream, parts.method, &parts.uri, headers, body).await {
-        Ok((response, deadline)) => Ok(Relayed {
+        Ok((response, timeout)) => Ok(Relayed {
             upstream,
             stream_mode,
             response,
-            deadline,
+            timeout,
         }),
         Err(failure) => Err(respond::failure(dialect, failure, request_id)),
     }
 }
 
-/// Relays an upstream response as it arrives, until `deadline`.
+/// Relays an upstream response as it arrives, the upstream silent for no
+/// more than `timeout` at a time.
 fn stream_back(
     response: Response<upstream::Answer>,
-    deadline: tokio::time::Instant,
+    timeout: Duration,
     request_id: &str,
     verdict: Option<&str>,
 ) -> Response<ProxyBody> {
     let (parts, body) = response.into_parts();
-    let body = upstream::body_stream(body, deadline).map(|chunk| chunk.map(Frame::data));
+    let body = upstream::body_stream(body, timeout).map(|chunk| chunk.map(Frame::data));
     let mut out = Response::new(StreamBody::new(body).boxed_unsync());
     *out.status_mut() = parts.status;
     *out.headers_mut() = response_headers(parts.headers);
@@ -1504,7 +1506,7 @@ async fn guarded(
         Either::Left(Full::new(body)),
     )
     .await;
-    let (response, deadline) = match forwarded {
+    let (response, timeout) = match forwarded {
         Ok(sent) => sent,
         Err(failure) => {
             state
@@ -1536,7 +1538,7 @@ async fn guarded(
             .with_label_values(&[route_label, &upstream, model_label, "upstream_error"])
             .inc();
         pending.end_early(response.status(), Some(upstream_time));
-        return stream_back(response, deadline, request_id, Some(prompt_verdict));
+        return stream_back(response, timeout, request_id, Some(prompt_verdict));
     }
     let is_stream = response
         .headers()
@@ -1551,7 +1553,7 @@ async fn guarded(
             state,
             endpoint,
             response,
-            deadline,
+            timeout,
             stream_mode,
             rules,
             &scan,
@@ -1580,14 +1582,14 @@ async fn guarded(
         tracing::warn!("upstream answer is compressed although fairgate asked for it uncompressed");
         return broken("encoded", pending);
     }
-    let body =
-        match upstream::read_body(body, state.config.guard.max_response_bytes, deadline).await {
-            Ok(body) => body,
-            Err(error) => {
-                tracing::warn!(%error, "upstream body could not be read");
-                return broken("body", pending);
-            }
-        };
+    let body = match upstream::read_body(body, state.config.guard.max_response_bytes, timeout).await
+    {
+        Ok(body) => body,
+        Err(error) => {
+            tracing::warn!(%error, "upstream body could not be read");
+            return broken("body", pending);
+        }
+    };
     let (scanned, usage, unreadable) = match ResponseBody::read(endpoint, &body) {
         Ok(read) => (
             guard::scan_response(&rules, &body, &read.texts, scan.prefill.as_deref()),
@@ -1765,7 +1767,7 @@ impl ReadRequest {
         state: &State,
         body: Bytes,
         identity: bool,
-    ) -> Result<(Response<upstream::Answer>, tokio::time::Instant), Failure> {
+    ) -> Result<(Response<upstream::Answer>, Duration), Failure> {
         let head = self.parts.headers.clone();
         let mut headers = upstream_headers(state, &self.upstream, self.dialect, head);
         if self.decoded {
@@ -1867,7 +1869,7 @@ fn guarded_stream(
     state: &Arc<State>,
     endpoint: Endpoint,
     response: Response<upstream::Answer>,
-    deadline: tokio::time::Instant,
+    timeout: Duration,
     mode: StreamMode,
     rules: Arc<RuleSet>,
     scan: &guard::RequestScan,
@@ -1975,7 +1977,7 @@ fn guarded_stream(
             },
         );
     };
-    let body = guard_body(setup, upstream::body_stream(body, deadline), done);
+    let body = guard_body(setup, upstream::body_stream(body, timeout), done);
     let verdict = Some(scan.verdict.decision.as_str());
     guarded_response(status, headers, body, &request_id, verdict)
 }

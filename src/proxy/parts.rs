@@ -27,6 +27,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
@@ -162,7 +163,7 @@ async fn relay_read(
         state,
         &relayed.upstream,
         relayed.response,
-        relayed.deadline,
+        relayed.timeout,
         request_id,
     )
     .await
@@ -173,7 +174,7 @@ async fn read_answer(
     state: &State,
     upstream: &str,
     response: Response<upstream::Answer>,
-    deadline: tokio::time::Instant,
+    timeout: Duration,
     request_id: &str,
 ) -> Result<(StatusCode, http::HeaderMap, Bytes), Response<ProxyBody>> {
     let dialect = Dialect::OpenAi;
@@ -184,7 +185,7 @@ async fn read_answer(
     }
     let (head, body) = response.into_parts();
     let limit = state.config.guard.max_response_bytes;
-    match upstream::read_body(body, limit, deadline).await {
+    match upstream::read_body(body, limit, timeout).await {
         Ok(body) => Ok((head.status, head.headers, body)),
         Err(error) => {
             tracing::warn!(%error, "an upload's answer could not be read");
@@ -228,12 +229,12 @@ async fn part(
     let frames = super::client_body(state, body).into_frames();
     let body = lines::tee(frames, copies, None);
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
-    let (response, deadline) = match forwarded.await {
+    let (response, timeout) = match forwarded.await {
         Ok(forwarded) => forwarded,
         Err(failure) => return respond::failure(dialect, failure, request_id),
     };
     let (status, head, body) =
-        match read_answer(state, &upstream, response, deadline, request_id).await {
+        match read_answer(state, &upstream, response, timeout, request_id).await {
             Ok(read) => read,
             Err(out) => return out,
         };
@@ -242,7 +243,7 @@ async fn part(
         .and_then(|part| Some(part["id"].as_str()?.to_owned()));
     if status.is_success()
         && let Some(part) = part
-        && let Ok(Ok(read)) = tokio::time::timeout_at(deadline, reading).await
+        && let Ok(Ok(read)) = tokio::time::timeout(timeout, reading).await
     {
         state.uploads.add_part(&upload, part, read.part);
     }
@@ -303,11 +304,11 @@ async fn complete(
     let body = Either::Left(Full::new(body));
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
     match forwarded.await {
-        Ok((response, deadline)) => {
+        Ok((response, timeout)) => {
             if response.status().is_success() {
                 state.uploads.end(&upload);
             }
-            super::stream_back(response, deadline, request_id, None)
+            super::stream_back(response, timeout, request_id, None)
         }
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
@@ -335,7 +336,7 @@ async fn complete_unknown(
         state,
         &upstream,
         relayed.response,
-        relayed.deadline,
+        relayed.timeout,
         request_id,
     );
     let (status, head, body) = match answer.await {

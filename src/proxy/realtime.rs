@@ -198,7 +198,7 @@ pub(super) async fn setup(
         }
     };
     match read.send(state, body, false).await {
-        Ok((response, deadline)) => super::stream_back(response, deadline, request_id, None),
+        Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
 }

@@ -130,14 +130,14 @@ pub(super) async fn fetch(
         upstream,
         stream_mode,
         response,
-        deadline,
+        timeout,
     } = match super::relay(state, req, dialect, request_id, true).await {
         Ok(relayed) => relayed,
         Err(out) => return out,
     };
     let stream_mode = stream_mode.unwrap_or(state.config.guard.stream_mode);
     if !response.status().is_success() {
-        return super::stream_back(response, deadline, request_id, None);
+        return super::stream_back(response, timeout, request_id, None);
     }
     let rules = state.rules.snapshot();
     let (head, body) = response.into_parts();
@@ -171,14 +171,14 @@ pub(super) async fn fetch(
             };
             count(&counted, scanned_in, &outcome.verdict)
         };
-        let body = guard_body(setup, upstream::body_stream(body, deadline), done);
+        let body = guard_body(setup, upstream::body_stream(body, timeout), done);
         return super::guarded_response(head.status, head.headers, body, request_id, None);
     }
     if super::is_encoded(&head.headers) {
         return broken("encoded");
     }
     let limit = state.config.guard.max_response_bytes;
-    let body = match upstream::read_body(body, limit, deadline).await {
+    let body = match upstream::read_body(body, limit, timeout).await {
         Ok(body) => body,
         Err(error) => {
             tracing::warn!(%error, "stored answer could not be read");

@@ -110,12 +110,12 @@ pub async fn relay(
         body,
         true,
     );
-    let (mut response, deadline) = match forwarded.await {
+    let (mut response, timeout) = match forwarded.await {
         Ok(forwarded) => forwarded,
         Err(failure) => return respond::failure(dialect, failure, request_id),
     };
     if response.status() != StatusCode::SWITCHING_PROTOCOLS {
-        return stream_back(response, deadline, request_id, None);
+        return stream_back(response, timeout, request_id, None);
     }
     if handshake.is_some()
         && response

@@ -1,7 +1,7 @@
 //! The client side of the proxy: the connections to each upstream, kept
 //! open between requests (HTTP/1.1 keep-alive, HTTP/2 when the upstream
 //! offers it by ALPN, TLS by rustls with the webpki roots), and the
-//! deadline of one upstream exchange.
+//! timeout of each wait on an upstream.
 //!
 //! Each serving thread has its own [`UpstreamClient`] per upstream, so that
 //! a connection is driven by the thread that uses it. Its pool is a short
@@ -66,37 +66,56 @@ pub fn read_on(start: Bytes, rest: ClientBody) -> UpstreamBody {
     Either::Right(Either::Right(BodyExt::boxed(body)))
 }
 
+/// A body that fails when nothing of it has come for a while, while it
+/// is waited on: the timer is armed only when its next frame is not
+/// already there.
+pub struct Watched<B> {
+    body: B,
+    stall: super::stall::Stall,
+    /// The error it fails with.
+    silent: fn() -> BoxError,
+}
+
 /// A client's body, read whole by the proxy or going upstream as it
 /// arrives. It fails with [`Stalled`]
 /// when no part of it has come for `idle` (`client_body_timeout_ms`), so
 /// that a client that stops sending holds neither its request nor an
-/// upstream connection for as long as the upstream's own timeout. The timer
-/// is armed only when the client's next frame is not already there.
-pub struct ClientBody {
-    body: Incoming,
-    stall: super::stall::Stall,
-}
+/// upstream connection for as long as the upstream's own timeout.
+pub type ClientBody = Watched<Incoming>;
 
 /// The error of a [`ClientBody`] whose client stopped sending it.
 #[derive(Debug, thiserror::Error)]
 #[error("the client's request body stopped arriving")]
 pub struct Stalled;
 
+/// The error of an upstream's answer that stopped arriving
+/// ([`Answer::watched`]).
+#[derive(Debug, thiserror::Error)]
+#[error("the upstream sent nothing more within its timeout")]
+pub struct Silent;
+
 impl ClientBody {
     pub fn new(body: Incoming, idle: Option<Duration>) -> ClientBody {
-        ClientBody {
+        Watched {
             body,
             stall: super::stall::Stall::new(idle),
+            silent: || Box::new(Stalled),
         }
     }
+}
 
+impl<B> Watched<B> {
     /// The body's frames as a stream.
-    pub fn into_frames(self) -> http_body_util::BodyStream<ClientBody> {
+    pub fn into_frames(self) -> http_body_util::BodyStream<Watched<B>> {
         http_body_util::BodyStream::new(self)
     }
 }
 
-impl Body for ClientBody {
+impl<B> Body for Watched<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
     type Data = Bytes;
     type Error = BoxError;
 
@@ -107,8 +126,8 @@ impl Body for ClientBody {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.body).poll_frame(cx);
         this.stall.watch(polled, cx).map(|frame| match frame {
-            Some(frame) => frame.map(|frame| frame.map_err(BoxError::from)),
-            None => Some(Err(Box::new(Stalled) as BoxError)),
+            Some(frame) => frame.map(|frame| frame.map_err(Into::into)),
+            None => Some(Err((this.silent)())),
         })
     }
 
@@ -131,6 +150,16 @@ pub struct Answer {
 }
 
 impl Answer {
+    /// The body, failing with [`Silent`] when the upstream has sent
+    /// nothing of it for `timeout` (its `timeout_ms`).
+    pub fn watched(self, timeout: Duration) -> Watched<Answer> {
+        Watched {
+            body: self,
+            stall: super::stall::Stall::new(Some(timeout)),
+            silent: || Box::new(Silent),
+        }
+    }
+
     /// Puts the connection back, if it goes back and has not yet.
     fn give_back(&mut self) {
         if let Some((pool, sender)) = self.back.take() {
@@ -531,23 +560,29 @@ fn stalled(error: &SendError) -> bool {
     false
 }
 
-/// The failure of an exchange that ran past its deadline.
+/// The failure of an exchange whose upstream was silent for its timeout.
 pub const TIMED_OUT: (Failure, &str) = (Failure::UpstreamTimeout, "timeout");
 
 /// Sends `method path_and_query` with `headers` and `body` on `client`, and
-/// waits for the response head until `deadline`; with `upgrade`, on a
+/// waits for the response head for up to `timeout`; with `upgrade`, on a
 /// connection of its own (see [`UpstreamClient`]).
+///
+/// An upstream's `timeout_ms` bounds each wait on it, as the SDKs' own
+/// read timeout does: for the answer's head here, then for each part of
+/// its body ([`read_body`], [`body_stream`]). It is not a deadline on the
+/// whole exchange: a stream goes on for as long as the upstream keeps
+/// sending (a model writing 64,000 tokens takes some twenty minutes).
 pub async fn send(
     client: &UpstreamClient,
     method: Method,
     path_and_query: &str,
     headers: HeaderMap,
     body: UpstreamBody,
-    deadline: tokio::time::Instant,
+    timeout: Duration,
     upgrade: bool,
 ) -> Result<Response<Answer>, (Failure, &'static str, Option<BoxError>)> {
     let sent = client.request(method, path_and_query, headers, body, upgrade);
-    match tokio::time::timeout_at(deadline, sent).await {
+    match tokio::time::timeout(timeout, sent).await {
         Ok(Ok(response)) => Ok(response),
         Ok(Err(error)) => {
             let (failure, kind) = classify(&error);
@@ -557,40 +592,24 @@ pub async fn send(
     }
 }
 
-/// Reads a whole response body of at most `limit` bytes until `deadline`.
-pub async fn read_body(
-    body: Answer,
-    limit: usize,
-    deadline: tokio::time::Instant,
-) -> Result<Bytes, BoxError> {
-    match tokio::time::timeout_at(deadline, Limited::new(body, limit).collect()).await {
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-        Ok(Err(error)) => Err(error),
-        Err(_) => Err("the upstream did not finish the response in time".into()),
-    }
+/// Reads a whole response body of at most `limit` bytes, the upstream
+/// silent for no more than `timeout` at a time.
+pub async fn read_body(body: Answer, limit: usize, timeout: Duration) -> Result<Bytes, BoxError> {
+    let collected = Limited::new(body.watched(timeout), limit).collect().await?;
+    Ok(collected.to_bytes())
 }
 
-/// A response body as a stream of chunks that fails at `deadline`.
+/// A response body as a stream of chunks that fails when the upstream has
+/// been silent for `timeout`, and ends at its first error.
 pub fn body_stream(
     body: Answer,
-    deadline: tokio::time::Instant,
+    timeout: Duration,
 ) -> Pin<Box<dyn Stream<Item = Result<Bytes, BoxError>> + Send>> {
-    let frames = body.into_data_stream();
-    Box::pin(futures_util::stream::unfold(
-        Some(frames),
-        move |frames| async move {
-            let mut frames = frames?;
-            match tokio::time::timeout_at(deadline, frames.next()).await {
-                Ok(Some(Ok(chunk))) => Some((Ok(chunk), Some(frames))),
-                Ok(Some(Err(error))) => Some((Err(Box::new(error) as BoxError), None)),
-                Ok(None) => None,
-                Err(_) => Some((
-                    Err("the upstream did not finish the response in time".into()),
-                    None,
-                )),
-            }
-        },
-    ))
+    let chunks = body.watched(timeout).into_data_stream();
+    Box::pin(chunks.scan(false, |failed, chunk| {
+        let ended = std::mem::replace(failed, chunk.is_err());
+        std::future::ready((!ended).then_some(chunk))
+    }))
 }
 
 #[cfg(test)]
@@ -692,8 +711,8 @@ mod tests {
         }
     }
 
-    fn deadline() -> tokio::time::Instant {
-        tokio::time::Instant::now() + Duration::from_secs(10)
+    fn timeout() -> Duration {
+        Duration::from_secs(10)
     }
 
     /// Sends a POST of `path` and reads the whole answer.
@@ -705,14 +724,14 @@ mod tests {
             path,
             HeaderMap::new(),
             body,
-            deadline(),
+            timeout(),
             false,
         );
         let response = sent
             .await
             .map_err(|(_, kind, error)| (kind, error))
             .unwrap();
-        read_body(response.into_body(), 1024, deadline())
+        read_body(response.into_body(), 1024, timeout())
             .await
             .unwrap()
     }
@@ -754,7 +773,7 @@ mod tests {
                 "/held",
                 HeaderMap::new(),
                 body,
-                deadline(),
+                timeout(),
                 false,
             );
             sent.await.map_err(|(_, kind, _)| kind).unwrap()
@@ -766,9 +785,7 @@ mod tests {
         assert_eq!(post(&client, "/second").await, "ok");
         assert_eq!(pooled(&client), 1);
         upstream.release.notify_one();
-        let first = read_body(first.into_body(), 1024, deadline())
-            .await
-            .unwrap();
+        let first = read_body(first.into_body(), 1024, timeout()).await.unwrap();
         assert_eq!(first, "ok");
         assert_eq!(pooled(&client), 2);
         // Both are reused.
