@@ -690,24 +690,8 @@ async fn on_block_error_answers_a_blocked_response_with_400() {
 
 #[tokio::test]
 async fn routes_pick_the_upstream_by_model_prefix() {
-    let other = support::start_mock().await;
-    let other_url = other.url();
-    let (mock, proxy) = start_with(move |c| {
-        c.upstreams.insert(
-            "local".into(),
-            fairgate::config::UpstreamConfig::new(&other_url),
-        );
-        c.routes.insert(
-            0,
-            fairgate::config::RouteConfig {
-                path_prefix: "/v1/chat/completions".into(),
-                model_prefix: Some("llama".into()),
-                upstream: "local".into(),
-                stream_mode: None,
-            },
-        );
-    })
-    .await;
+    let (other, mock, proxy) =
+        support::start_with_model_route("/v1/chat/completions", "llama").await;
     let mut body = chat("hello", false);
     body["model"] = json!("llama-3-8b");
     proxy.post("/v1/chat/completions", json!({}), &body).await;

@@ -297,18 +297,25 @@ async fn unreachable_upstream_gets_502() {
     proxy.stop().await;
 }
 
+/// A proxy whose upstreams time out after `ms` of silence, in front of a
+/// fresh mock.
+async fn start_timing_out_at(ms: u64) -> support::Proxy {
+    let (_mock, proxy) = support::start_with(|c| {
+        for upstream in c.upstreams.values_mut() {
+            upstream.timeout_ms = ms;
+        }
+    })
+    .await;
+    proxy
+}
+
 /// An upstream's `timeout_ms` bounds each wait on it, as the SDKs' own
 /// read timeout does, not the whole exchange: a stream that keeps coming
 /// goes on past it (a long answer streams for many minutes), and one that
 /// falls silent for that long ends with the API's error event.
 #[tokio::test]
 async fn the_upstream_timeout_bounds_each_wait_not_the_whole_stream() {
-    let mock = start_mock().await;
-    let mut config = config(&mock.url(), Path::new("rules"));
-    for upstream in config.upstreams.values_mut() {
-        upstream.timeout_ms = 300;
-    }
-    let proxy = start_proxy(config).await;
+    let proxy = start_timing_out_at(300).await;
     let chunks: Vec<String> = ["Start with ", "a budget, ", "then save."]
         .map(String::from)
         .to_vec();
@@ -346,12 +353,7 @@ async fn the_upstream_timeout_bounds_each_wait_not_the_whole_stream() {
 
 #[tokio::test]
 async fn slow_upstream_gets_504() {
-    let mock = start_mock().await;
-    let mut config = config(&mock.url(), Path::new("rules"));
-    for upstream in config.upstreams.values_mut() {
-        upstream.timeout_ms = 300;
-    }
-    let proxy = start_proxy(config).await;
+    let proxy = start_timing_out_at(300).await;
     let response = client()
         .post(proxy.url("/v1/chat/completions"))
         .header("x-mock-reply", json!({"delay_ms": 3000}).to_string())

@@ -348,24 +348,7 @@ async fn a_conversation_to_compact_is_read_as_input() {
 /// that request would get, in its dialect, and redacted in place.
 #[tokio::test]
 async fn a_request_to_count_tokens_is_read_as_the_request_it_counts() {
-    let other = support::start_mock().await;
-    let other_url = other.url();
-    let (mock, proxy) = support::start_with(move |c| {
-        c.upstreams.insert(
-            "local".into(),
-            fairgate::config::UpstreamConfig::new(&other_url),
-        );
-        c.routes.insert(
-            0,
-            fairgate::config::RouteConfig {
-                path_prefix: "/v1/messages".into(),
-                model_prefix: Some("local-".into()),
-                upstream: "local".into(),
-                stream_mode: None,
-            },
-        );
-    })
-    .await;
+    let (other, mock, proxy) = support::start_with_model_route("/v1/messages", "local-").await;
     let anthropic = |content: Value| json!({"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": content}]});
     let responses = |input: Value| json!({"model": "gpt-5", "input": input});
     let blocked = [

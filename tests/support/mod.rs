@@ -803,6 +803,27 @@ pub async fn start() -> (Mock, Proxy) {
     start_with(|_| ()).await
 }
 
+/// A proxy in front of two mocks: requests whose path starts with
+/// `path_prefix` for a model whose name starts with `model_prefix` go to
+/// the first, the others to the second.
+pub async fn start_with_model_route(path_prefix: &str, model_prefix: &str) -> (Mock, Mock, Proxy) {
+    let other = start_mock().await;
+    let other_url = other.url();
+    let (mock, proxy) = start_with(move |c| {
+        c.upstreams
+            .insert("local".into(), UpstreamConfig::new(&other_url));
+        let route = fairgate::config::RouteConfig {
+            path_prefix: path_prefix.into(),
+            model_prefix: Some(model_prefix.into()),
+            upstream: "local".into(),
+            stream_mode: None,
+        };
+        c.routes.insert(0, route);
+    })
+    .await;
+    (other, mock, proxy)
+}
+
 /// The same, with the configuration changed by `configure` first.
 pub async fn start_with(configure: impl FnOnce(&mut Config)) -> (Mock, Proxy) {
     let mock = start_mock().await;
