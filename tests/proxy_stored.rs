@@ -422,6 +422,7 @@ async fn a_request_to_count_tokens_is_read_as_the_request_it_counts() {
     ] {
         let response = proxy.post(path, json!({"raw_json": answer}), &body).await;
         assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["x-fairgate-verdict"], "redact");
         assert_eq!(response.text().await.unwrap(), answer);
         let sent = mock.requests();
         let sent = sent.last().unwrap();

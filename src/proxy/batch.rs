@@ -504,7 +504,8 @@ pub(super) type ReadTexts = for<'a> fn(&'a [u8]) -> Result<(BatchRequest<'a>, St
 /// Sends on a request with a JSON body (read as JSON whatever its content
 /// type says: the API may) once the texts `read` finds in it are scanned
 /// ([`scan_or_refuse`]): refused when blocked (in `dialect`), redacted in
-/// place. It goes to the upstream its path and model route it to.
+/// place. It goes to the upstream its path and model route it to, and its
+/// answer carries the verdict (`x-fairgate-verdict`), as an exchange's does.
 pub(super) async fn send_scanned(
     state: &Arc<State>,
     (req, dialect): (Request<Incoming>, Dialect),
@@ -525,12 +526,15 @@ pub(super) async fn send_scanned(
     body.route_model(state, request.params.model.as_deref());
     let found = (&request, place.as_str());
     let at = (body.upstream.as_str(), dialect);
-    let sent = match scan_or_refuse(state, at, route, found, request_id) {
-        Ok(scan) => scan.redacted(&bytes).unwrap_or(bytes.clone()),
+    let (sent, verdict) = match scan_or_refuse(state, at, route, found, request_id) {
+        Ok(scan) => {
+            let sent = scan.redacted(&bytes).unwrap_or(bytes.clone());
+            (sent, scan.verdict.decision.as_str())
+        }
         Err(refused) => return *refused,
     };
     match body.send(state, sent, false).await {
-        Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
+        Ok((response, timeout)) => super::stream_back(response, timeout, request_id, Some(verdict)),
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
 }
