@@ -1789,11 +1789,10 @@ impl ReadRequest {
 /// `client_body_timeout_ms`, [`Failure::InvalidJson`] when the client
 /// breaks it off. A body that came in one frame is not copied.
 async fn read_whole(state: &State, body: Incoming, limit: usize) -> Result<Bytes, Failure> {
-    // The length the client declared: a body of many parts is gathered in
-    // one allocation of it, not in a buffer doubled again and again (a
-    // body may be tens of megabytes).
-    let declared = http_body::Body::size_hint(&body).lower();
-    if declared > limit as u64 {
+    // Memory is taken as the body arrives, never for the length the
+    // client declares: a client that declares the limit and sends a byte
+    // would otherwise hold that much of it.
+    if http_body::Body::size_hint(&body).lower() > limit as u64 {
         return Err(Failure::TooLarge);
     }
     let mut body = client_body(state, body);
@@ -1809,9 +1808,6 @@ async fn read_whole(state: &State, body: Incoming, limit: usize) -> Result<Bytes
         match first.take() {
             None if more.is_empty() => first = Some(data),
             earlier => {
-                if more.is_empty() {
-                    more.reserve((declared as usize).max(read + data.len()));
-                }
                 more.extend_from_slice(&earlier.unwrap_or_default());
                 more.extend_from_slice(&data);
             }
