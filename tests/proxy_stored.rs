@@ -449,3 +449,37 @@ async fn a_request_to_count_tokens_is_read_as_the_request_it_counts() {
     assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
     proxy.stop().await;
 }
+
+/// A request scanned outside an exchange is routed as an exchange is, by
+/// its path and the model its body names: where every route of a path
+/// picks by model, a token count goes where its model's requests go, and
+/// one for a model no route takes gets the same error as the request.
+#[tokio::test]
+async fn a_token_count_is_routed_as_its_request_is() {
+    let (mock, proxy) = support::start_with(|c| {
+        c.routes = vec![fairgate::config::RouteConfig {
+            path_prefix: "/v1/".into(),
+            model_prefix: Some("claude-".into()),
+            upstream: "anthropic".into(),
+            stream_mode: None,
+        }];
+    })
+    .await;
+    let request =
+        |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "Hello."}]});
+    for path in ["/v1/messages", "/v1/messages/count_tokens"] {
+        let response = proxy.post(path, json!({}), &request("claude-x")).await;
+        assert_eq!(response.status(), 200, "{path}");
+        let response = proxy.post(path, json!({}), &request("gpt-5")).await;
+        let status = response.status();
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(
+            (status.as_u16(), &body["error"]["type"]),
+            (404, &json!("not_found_error")),
+            "{path}: {body}"
+        );
+    }
+    let sent: Vec<String> = mock.requests().into_iter().map(|r| r.path).collect();
+    assert_eq!(sent, ["/v1/messages", "/v1/messages/count_tokens"]);
+    proxy.stop().await;
+}

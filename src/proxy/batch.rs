@@ -514,26 +514,31 @@ pub(super) async fn send_scanned(
     request_id: &str,
 ) -> Response<ProxyBody> {
     let limit = state.config.guard.max_body_bytes;
-    let mut body = match ReadRequest::of(state, req, (dialect, limit), request_id).await {
+    let body = match ReadRequest::of(state, req, (dialect, limit), request_id).await {
         Ok(body) => body,
         Err(answer) => return answer,
     };
-    let bytes = body.bytes.clone();
-    let (request, place) = match read(&bytes) {
+    let (request, place) = match read(&body.bytes) {
         Ok(read) => read,
         Err(error) => return respond::unreadable(dialect, &error, None, request_id),
     };
-    body.route_model(state, request.params.model.as_deref());
+    let upstream = match body.upstream(state, request.params.model.as_deref(), request_id) {
+        Ok(upstream) => upstream,
+        Err(answer) => return *answer,
+    };
     let found = (&request, place.as_str());
-    let at = (body.upstream.as_str(), dialect);
+    let at = (upstream.as_str(), dialect);
     let (sent, verdict) = match scan_or_refuse(state, at, route, found, request_id) {
         Ok(scan) => {
-            let sent = scan.redacted(&bytes).unwrap_or(bytes.clone());
-            (sent, scan.verdict.decision.as_str())
+            let sent = scan.redacted(&body.bytes);
+            (
+                sent.unwrap_or_else(|| body.bytes.clone()),
+                scan.verdict.decision.as_str(),
+            )
         }
         Err(refused) => return *refused,
     };
-    match body.send(state, sent, false).await {
+    match body.send(state, (&upstream, sent), false).await {
         Ok((response, timeout)) => super::stream_back(response, timeout, request_id, Some(verdict)),
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
@@ -637,7 +642,11 @@ async fn create(
         Ok(requests) => requests,
         Err(error) => return respond::unreadable(dialect, &error, None, request_id),
     };
-    let upstream = read.upstream.clone();
+    // Its requests name models of their own: routed by its path.
+    let upstream = match read.upstream(state, None, request_id) {
+        Ok(upstream) => upstream,
+        Err(answer) => return *answer,
+    };
     let rules = state.rules.snapshot();
     let mut edits = Vec::new();
     for (index, request) in requests.iter().enumerate() {
@@ -653,7 +662,7 @@ async fn create(
         true => read.bytes.clone(),
         false => json::splice(&read.bytes, &edits),
     };
-    match read.send(state, body, true).await {
+    match read.send(state, (&upstream, body), true).await {
         Ok((response, timeout)) => {
             let relayed = Relayed {
                 upstream,

@@ -1711,21 +1711,19 @@ async fn read_request(
 }
 
 /// A request that fairgate reads whole to scan what it sends, outside an
-/// exchange (a message batch, items added to a conversation): its head,
-/// its body as read (decompressed), and the upstream its path routes to.
+/// exchange (a message batch, items added to a conversation): its head
+/// and its body as read (decompressed).
 pub(super) struct ReadRequest {
     pub parts: http::request::Parts,
     pub bytes: Bytes,
     /// Whether `bytes` were decompressed from the body sent.
     decoded: bool,
-    pub upstream: String,
     dialect: Dialect,
 }
 
 impl ReadRequest {
-    /// Reads `req`'s body ([`read_request`], to at most `limit` bytes)
-    /// and finds its upstream; the error answer in `dialect` when either
-    /// fails.
+    /// Reads `req`'s body ([`read_request`], to at most `limit` bytes);
+    /// the error answer in `dialect` when that fails.
     pub(super) async fn of(
         state: &State,
         req: Request<Incoming>,
@@ -1737,39 +1735,44 @@ impl ReadRequest {
             Ok(read) => read,
             Err(failure) => return Err(respond::failure(dialect, failure, request_id)),
         };
-        let Some(route) = state.config.route(parts.uri.path(), None) else {
-            return Err(respond::failure(dialect, Failure::NoRoute, request_id));
-        };
-        let upstream = route.upstream.clone();
         Ok(ReadRequest {
             parts,
             bytes,
             decoded,
-            upstream,
             dialect,
         })
     }
 
-    /// Routes the request by its `model` too, once that is read: a route
-    /// may pick its upstream by the model's name.
-    pub(super) fn route_model(&mut self, state: &State, model: Option<&str>) {
-        let path = self.parts.uri.path();
-        if let Some(route) = model.and_then(|_| state.config.route(path, model)) {
-            self.upstream.clone_from(&route.upstream);
+    /// The upstream the request's path routes it to, with the `model` its
+    /// body names (a route may pick by it), as an exchange is routed; the
+    /// error answer in its dialect when no route takes it.
+    pub(super) fn upstream(
+        &self,
+        state: &State,
+        model: Option<&str>,
+        request_id: &str,
+    ) -> Result<String, Box<Response<ProxyBody>>> {
+        match state.config.route(self.parts.uri.path(), model) {
+            Some(route) => Ok(route.upstream.clone()),
+            None => Err(Box::new(respond::failure(
+                self.dialect,
+                Failure::NoRoute,
+                request_id,
+            ))),
         }
     }
 
-    /// Sends the request upstream with `body` (what was read, redacted or
-    /// not), uncompressed; with `identity`, asking for an uncompressed
-    /// answer too.
+    /// Sends the request to `upstream` with `body` (what was read,
+    /// redacted or not), uncompressed; with `identity`, asking for an
+    /// uncompressed answer too.
     pub(super) async fn send(
         &self,
         state: &State,
-        body: Bytes,
+        (upstream, body): (&str, Bytes),
         identity: bool,
     ) -> Result<(Response<upstream::Answer>, Duration), Failure> {
         let head = self.parts.headers.clone();
-        let mut headers = upstream_headers(state, &self.upstream, self.dialect, head);
+        let mut headers = upstream_headers(state, upstream, self.dialect, head);
         if self.decoded {
             headers.remove(header::CONTENT_ENCODING);
         }
@@ -1780,7 +1783,7 @@ impl ReadRequest {
             );
         }
         let (uri, body) = (&self.parts.uri, Either::Left(Full::new(body)));
-        forward(state, &self.upstream, Method::POST, uri, headers, body).await
+        forward(state, upstream, Method::POST, uri, headers, body).await
     }
 }
 

@@ -162,6 +162,11 @@ pub(super) async fn setup(
         Ok(read) => read,
         Err(answer) => return answer,
     };
+    // By its path: an SDP offer names no model.
+    let upstream = match read.upstream(state, None, request_id) {
+        Ok(upstream) => upstream,
+        Err(answer) => return *answer,
+    };
     let body = if let Some(boundary) = boundary {
         let (mut fields, complete) = batch::fields(&read.bytes, &boundary).await;
         if !complete {
@@ -177,7 +182,7 @@ pub(super) async fn setup(
             .iter_mut()
             .filter(|(headers, _)| batch::field_name(headers) == Some("session"));
         for (_, session) in sessions {
-            match judge(state, &read, session, request_id) {
+            match judge(state, &upstream, session, request_id) {
                 Ok(Some(redacted)) => (*session, judged) = (redacted, true),
                 Ok(None) => {}
                 Err(refused) => return *refused,
@@ -192,12 +197,12 @@ pub(super) async fn setup(
         read.bytes.clone()
     } else {
         // Read as JSON whatever the content type says: the API may.
-        match judge(state, &read, &read.bytes, request_id) {
+        match judge(state, &upstream, &read.bytes, request_id) {
             Ok(judged) => judged.unwrap_or_else(|| read.bytes.clone()),
             Err(refused) => return *refused,
         }
     };
-    match read.send(state, body, false).await {
+    match read.send(state, (&upstream, body), false).await {
         Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
         Err(failure) => respond::failure(dialect, failure, request_id),
     }
@@ -207,7 +212,7 @@ pub(super) async fn setup(
 /// its redacted text, or the answer that refuses it.
 fn judge(
     state: &State,
-    read: &ReadRequest,
+    upstream: &str,
     config: &Bytes,
     request_id: &str,
 ) -> Result<Option<Bytes>, Box<Response<ProxyBody>>> {
@@ -217,7 +222,7 @@ fn judge(
         Box::new(respond::unreadable(dialect, &error, Some(what), request_id))
     })?;
     let found = (&setup, "session");
-    let scan = batch::scan_or_refuse(state, (&read.upstream, dialect), ROUTE, found, request_id)?;
+    let scan = batch::scan_or_refuse(state, (upstream, dialect), ROUTE, found, request_id)?;
     Ok(scan.redacted(config))
 }
 
