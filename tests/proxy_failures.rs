@@ -351,6 +351,120 @@ async fn the_upstream_timeout_bounds_each_wait_not_the_whole_stream() {
     proxy.stop().await;
 }
 
+/// `body` in `parts` pieces, one every 100 ms (the first after 100 ms).
+fn trickled(body: &[u8], parts: usize) -> reqwest::Body {
+    let pieces: Vec<Result<Vec<u8>, std::io::Error>> = body
+        .chunks(body.len().div_ceil(parts))
+        .map(|piece| Ok(piece.to_vec()))
+        .collect();
+    let trickle =
+        futures_util::StreamExt::then(futures_util::stream::iter(pieces), |piece| async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            piece
+        });
+    reqwest::Body::wrap_stream(trickle)
+}
+
+/// An upload passed on as it arrives is not cut off by the upstream's
+/// timeout while the client is still sending it and the upstream taking
+/// it: the wait for the answer's head starts at the body's end. Both ways
+/// a body goes up as it comes: passed through (embeddings), and a file
+/// too large to hold, its start read for its purpose.
+#[tokio::test]
+async fn an_upload_longer_than_the_upstream_timeout_goes_up_whole() {
+    let (mock, proxy) = support::start_with(|c| {
+        c.guard.max_body_bytes = 1024;
+        for upstream in c.upstreams.values_mut() {
+            upstream.timeout_ms = 300;
+        }
+    })
+    .await;
+    // Eight pieces 100 ms apart: 0.8 s in all.
+    let embeddings = json!({"model": "e", "input": "budget ".repeat(200)}).to_string();
+    let response = client()
+        .post(proxy.url("/v1/embeddings"))
+        .header("content-type", "application/json")
+        .body(trickled(embeddings.as_bytes(), 8))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let served = mock.requests().pop().unwrap();
+    assert_eq!(served.body, embeddings);
+
+    let file = "a line of notes about budgets\n".repeat(150); // 4.5 KB
+    let form = format!(
+        "--XyZ\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nassistants\r\n\
+         --XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"notes.txt\"\r\n\
+         Content-Type: text/plain\r\n\r\n{file}\r\n--XyZ--\r\n"
+    );
+    // Past the limit after its second piece; six more to come, 0.6 s.
+    assert!(form.len() / 8 * 2 > 1024, "{}", form.len());
+    let response = client()
+        .post(proxy.url("/v1/files"))
+        .header("content-type", "multipart/form-data; boundary=XyZ")
+        .body(trickled(form.as_bytes(), 8))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let served = mock.requests().pop().unwrap();
+    assert_eq!((served.path.as_str(), served.body), ("/v1/files", form));
+    proxy.stop().await;
+}
+
+/// An upstream that stops taking an upload is waited on for its timeout,
+/// then the client gets 504, however much of the upload it still has to
+/// send.
+#[tokio::test]
+async fn an_upstream_that_stops_taking_an_upload_times_out() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // It takes the connection, and never reads a byte of it.
+    let deaf = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", deaf.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = deaf.accept().await {
+            held.push(stream);
+        }
+    });
+    let mut config = config(&url, Path::new("rules"));
+    config.upstreams.get_mut("openai").unwrap().timeout_ms = 300;
+    let proxy = start_proxy(config).await;
+    let size = 256 << 20; // far more than the sockets' buffers hold
+    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut from_proxy, mut to_proxy) = stream.into_split();
+    let head = format!(
+        "POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {size}\r\n\r\n"
+    );
+    let sending = tokio::spawn(async move {
+        to_proxy.write_all(head.as_bytes()).await?;
+        let piece = vec![b' '; 64 << 10];
+        for _ in 0..size / piece.len() {
+            to_proxy.write_all(&piece).await?;
+        }
+        Ok::<_, std::io::Error>(())
+    });
+    let mut got = Vec::new();
+    let mut buf = [0; 4096];
+    let head = tokio::time::timeout(Duration::from_secs(20), async {
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = from_proxy.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed with no answer");
+            got.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    })
+    .await
+    .expect("an answer, not a hang");
+    assert!(head.starts_with("HTTP/1.1 504"), "{head}");
+    assert!(!sending.is_finished(), "the upload was still going");
+    sending.abort();
+    held.abort();
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn slow_upstream_gets_504() {
     let proxy = start_timing_out_at(300).await;

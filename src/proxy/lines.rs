@@ -135,7 +135,7 @@ pub(super) fn tee(
             }
         }
     });
-    Either::Right(Either::Right(BodyExt::boxed(StreamBody::new(stream))))
+    upstream::Upload::new(Either::Right(BodyExt::boxed(StreamBody::new(stream))))
 }
 
 /// Reads the file in `field` of a form, and its `purpose`, as the pieces

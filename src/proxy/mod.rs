@@ -1306,7 +1306,7 @@ async fn relay(
             HeaderValue::from_static("identity"),
         );
     }
-    let body = Either::Right(Either::Left(client_body(state, body)));
+    let body = upstream::Upload::new(Either::Left(client_body(state, body)));
     match forward(state, &upstream, parts.method, &parts.uri, headers, body).await {
         Ok((response, timeout)) => Ok(Relayed {
             upstream,

@@ -29,6 +29,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -51,9 +52,8 @@ use super::respond::Failure;
 use crate::config::UpstreamConfig;
 
 /// A request body sent upstream: a guarded request's (read and scanned) or
-/// a passed-through request's, streamed as it arrives (its start, when the
-/// proxy has read that, sent first: [`ReadOn`]).
-pub type UpstreamBody = Either<Full<Bytes>, Either<ClientBody, ReadOn>>;
+/// a passed-through request's, streamed as it arrives ([`Upload`]).
+pub type UpstreamBody = Either<Full<Bytes>, Upload>;
 
 /// A client's body of which the proxy read the start (a file upload too
 /// large to read whole): that start, then the rest as it arrives.
@@ -63,7 +63,90 @@ pub type ReadOn = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 pub fn read_on(start: Bytes, rest: ClientBody) -> UpstreamBody {
     let start = futures_util::stream::iter([Ok(Frame::data(start))]);
     let body = http_body_util::StreamBody::new(start.chain(rest.into_frames()));
-    Either::Right(Either::Right(BodyExt::boxed(body)))
+    Upload::new(Either::Right(BodyExt::boxed(body)))
+}
+
+/// A request body that goes upstream as it arrives from the client (its
+/// start, when the proxy has read that, sent first: [`ReadOn`]), noting
+/// when it last moved: the wait for the answer's head is counted from the
+/// upstream's taking of the body's last part, not from its first ([`send`]),
+/// so that an upload longer than the upstream's timeout is not cut off
+/// while it is still going up.
+pub struct Upload {
+    body: Either<ClientBody, ReadOn>,
+    progress: Arc<Progress>,
+    /// Whether its last poll found the client's next part not yet there.
+    waiting: bool,
+}
+
+impl Upload {
+    pub fn new(body: Either<ClientBody, ReadOn>) -> UpstreamBody {
+        Either::Right(Upload {
+            body,
+            progress: Arc::new(Progress {
+                start: tokio::time::Instant::now(),
+                moved: AtomicU64::new(0),
+            }),
+            waiting: false,
+        })
+    }
+}
+
+impl Body for Upload {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        let waiting = polled.is_pending();
+        // A wait is noted when it starts, a move every time.
+        if !(waiting && this.waiting) {
+            this.progress.note(waiting);
+        }
+        this.waiting = waiting;
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// When an [`Upload`] last moved: microseconds from its start, with
+/// [`Progress::WAITING`] set while it waits on the client (whose own
+/// `client_body_timeout_ms` then bounds the wait).
+struct Progress {
+    start: tokio::time::Instant,
+    moved: AtomicU64,
+}
+
+impl Progress {
+    const WAITING: u64 = 1 << 63;
+
+    /// Notes that the body moved now, or began to wait on the client.
+    fn note(&self, waiting: bool) {
+        let at = u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX >> 1);
+        let flag = if waiting { Progress::WAITING } else { 0 };
+        self.moved.store(at | flag, Ordering::Relaxed);
+    }
+
+    /// When the wait on the upstream ends: `timeout` after the body last
+    /// moved, or after now while the client is what it waits on.
+    fn deadline(&self, timeout: Duration) -> tokio::time::Instant {
+        let moved = self.moved.load(Ordering::Relaxed);
+        if moved & Progress::WAITING != 0 {
+            return tokio::time::Instant::now() + timeout;
+        }
+        self.start + Duration::from_micros(moved) + timeout
+    }
 }
 
 /// A body that fails when nothing of it has come for a while, while it
@@ -568,10 +651,13 @@ pub const TIMED_OUT: (Failure, &str) = (Failure::UpstreamTimeout, "timeout");
 /// connection of its own (see [`UpstreamClient`]).
 ///
 /// An upstream's `timeout_ms` bounds each wait on it, as the SDKs' own
-/// read timeout does: for the answer's head here, then for each part of
-/// its body ([`read_body`], [`body_stream`]). It is not a deadline on the
-/// whole exchange: a stream goes on for as long as the upstream keeps
-/// sending (a model writing 64,000 tokens takes some twenty minutes).
+/// read and write timeouts do: for it to take each part of a body sent as
+/// it arrives ([`Upload`]), for the answer's head here, then for each part
+/// of the answer's body ([`read_body`], [`body_stream`]). It is not a
+/// deadline on the whole exchange: an upload goes on for as long as the
+/// client keeps sending and the upstream keeps taking it, a stream for as
+/// long as the upstream keeps sending (a model writing 64,000 tokens takes
+/// some twenty minutes).
 pub async fn send(
     client: &UpstreamClient,
     method: Method,
@@ -581,14 +667,43 @@ pub async fn send(
     timeout: Duration,
     upgrade: bool,
 ) -> Result<Response<Answer>, (Failure, &'static str, Option<BoxError>)> {
+    let progress = match &body {
+        Either::Left(_) => None,
+        Either::Right(upload) => Some(upload.progress.clone()),
+    };
     let sent = client.request(method, path_and_query, headers, body, upgrade);
-    match tokio::time::timeout(timeout, sent).await {
-        Ok(Ok(response)) => Ok(response),
-        Ok(Err(error)) => {
+    let answered = match progress {
+        None => tokio::time::timeout(timeout, sent).await.ok(),
+        Some(progress) => while_uploading(sent, &progress, timeout).await,
+    };
+    match answered {
+        Some(Ok(response)) => Ok(response),
+        Some(Err(error)) => {
             let (failure, kind) = classify(&error);
             Err((failure, kind, Some(Box::new(error))))
         }
-        Err(_) => Err((TIMED_OUT.0, TIMED_OUT.1, None)),
+        None => Err((TIMED_OUT.0, TIMED_OUT.1, None)),
+    }
+}
+
+/// `sent`, or `None` once neither its upload (`progress`) nor its answer
+/// has moved for `timeout`.
+async fn while_uploading<F: Future>(
+    sent: F,
+    progress: &Progress,
+    timeout: Duration,
+) -> Option<F::Output> {
+    let mut sent = std::pin::pin!(sent);
+    let mut deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Ok(answered) = tokio::time::timeout_at(deadline, sent.as_mut()).await {
+            return Some(answered);
+        }
+        let later = progress.deadline(timeout);
+        if later <= deadline {
+            return None;
+        }
+        deadline = later;
     }
 }
 
