@@ -18,6 +18,25 @@ use crate::rules::{Action, Hit, Scope};
 /// The version of the record's JSON shape; bumped on incompatible changes.
 pub const SCHEMA_VERSION: u32 = 1;
 
+/// The `route`s of requests fairgate reads outside an exchange: it scans
+/// what they give a model and passes their answers on unread, so that
+/// their records have no response for the answer's metrics to score.
+pub mod unread_answer {
+    /// A request whose tokens are counted.
+    pub const TOKEN_COUNT: &str = "token_count";
+    /// A conversation given to be compacted.
+    pub const COMPACTION: &str = "compaction";
+    /// Items added to a conversation.
+    pub const CONVERSATION_ITEMS: &str = "conversation_items";
+    /// What an image, video or speech model is told to make.
+    pub const MEDIA: &str = "media";
+
+    /// Whether `route` is one of these.
+    pub fn is(route: &str) -> bool {
+        [TOKEN_COUNT, COMPACTION, CONVERSATION_ITEMS, MEDIA].contains(&route)
+    }
+}
+
 /// One item of the side queue.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]

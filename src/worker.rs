@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::config::Config;
 use crate::quality::{self, Answer, MetricResult, Outcome};
-use crate::record::{ExchangeRecord, QueueItem, TextMode, now_ms};
+use crate::record::{ExchangeRecord, QueueItem, TextMode, now_ms, unread_answer};
 use crate::sink::{Processed, Sinks, Stored};
 use crate::telemetry::{Metrics, QueueEvent};
 
@@ -23,6 +23,17 @@ const TEXT_METRICS: &[&str] = &[
     "answer_length",
     "politeness",
     "context_relevance",
+];
+
+/// The metrics that read the answer: a record of a request whose answer
+/// fairgate passes on unread ([`unread_answer`]) has no score for them.
+const ANSWER_METRICS: &[&str] = &[
+    "emotional_entropy",
+    "ground_truth_spearman",
+    "exact_match",
+    "keyword_recall",
+    "answer_length",
+    "politeness",
 ];
 
 /// Loads the quality metrics' settings; a missing lexicon leaves the
@@ -126,14 +137,25 @@ pub fn exchange_metrics(quality: &quality::Metrics, record: &ExchangeRecord) -> 
         hits: &record.hits,
     };
     let mut metrics = quality.answer(&answer);
-    if record.texts.mode == TextMode::Hashes {
-        for metric in &mut metrics {
-            if TEXT_METRICS.contains(&&*metric.name) {
+    let unscored = |metrics: &mut [MetricResult], names: &[&str], reason: String| {
+        for metric in metrics.iter_mut() {
+            if names.contains(&&*metric.name) {
                 metric.score = None;
-                metric.reason = "the record keeps no texts (records.texts: hashes)".into();
+                metric.reason = reason.clone().into();
                 metric.details = serde_json::Value::Null;
             }
         }
+    };
+    if record.texts.mode == TextMode::Hashes {
+        let reason = "the record keeps no texts (records.texts: hashes)";
+        unscored(&mut metrics, TEXT_METRICS, reason.into());
+    }
+    if unread_answer::is(&record.route) {
+        let reason = format!(
+            "fairgate passes the answer of a {} request on unread",
+            record.route
+        );
+        unscored(&mut metrics, ANSWER_METRICS, reason);
     }
     metrics
 }

@@ -153,6 +153,28 @@ async fn what_a_media_request_tells_the_model_is_scanned_as_a_prompt() {
             .iter()
             .all(|b| b["route"] == "media" && b["scope"] == "prompt")
     );
+    // Each request read leaves a record, in a body or a form: the twelve
+    // blocked, the two redacted and the form allowed.
+    let rows = proxy.wait_for_results(15).await;
+    let records: Vec<&Value> = rows.iter().map(|row| &row["exchange"]).collect();
+    assert_eq!(records.len(), 15, "{records:#?}");
+    assert!(
+        records.iter().all(|r| r["route"] == "media"),
+        "{records:#?}"
+    );
+    let blocked: Vec<_> = records.iter().filter(|r| r["verdict"] == "block").collect();
+    assert_eq!(blocked.len(), 12, "{records:#?}");
+    assert!(
+        blocked
+            .iter()
+            .all(|r| r["status"] == 400 && r["texts"]["prompt"].to_string().contains(ATTACK))
+    );
+    let redacted = records.iter().filter(|r| r["verdict"] == "redact");
+    assert!(
+        redacted
+            .map(|r| r["texts"]["prompt"].to_string())
+            .all(|p| p.contains("[REDACTED:card]") && !p.contains("4111"))
+    );
     proxy.stop().await;
 }
 

@@ -483,3 +483,138 @@ async fn a_token_count_is_routed_as_its_request_is() {
     assert_eq!(sent, ["/v1/messages", "/v1/messages/count_tokens"]);
     proxy.stop().await;
 }
+
+/// A request read outside an exchange (a token count, a compaction,
+/// conversation items, a media request) leaves a record, as an exchange
+/// does: what it gave the model (as sent: redacted), its verdict and hits,
+/// the status its client got and the upstream's id of it; no answer,
+/// which fairgate passes on unread, so that the answer's metrics have no
+/// score for it. A block is in the dashboard's log once, from its record;
+/// a request whose client goes away before its answer is recorded too.
+#[tokio::test]
+async fn requests_read_outside_an_exchange_leave_records() {
+    let (_mock, proxy) = start().await;
+    let count = |content: &str| json!({"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": content}]});
+    let blocked = proxy
+        .post("/v1/messages/count_tokens", json!({}), &count(ATTACK))
+        .await;
+    assert_eq!(blocked.status(), 400);
+    let blocked = support::request_id(&blocked);
+    let email = "Write to jane.doe@example.com about my budget.";
+    let answered = json!({"raw_json": json!({"input_tokens": 14}).to_string(),
+        "headers": [["request-id", "req_upstream_1"]]});
+    let counted = proxy
+        .post("/v1/messages/count_tokens", answered, &count(email))
+        .await;
+    assert_eq!(counted.status(), 200);
+    let counted = support::request_id(&counted);
+    let compact = json!({"model": "gpt-5", "input": [user_item("Summarize my budget.")]});
+    let compacted = proxy
+        .post("/v1/responses/compact", json!({}), &compact)
+        .await;
+    assert_eq!(compacted.status(), 200);
+    let compacted = support::request_id(&compacted);
+    let image = json!({"model": "gpt-image-1", "prompt": ATTACK});
+    let refused = proxy
+        .post("/v1/images/generations", json!({}), &image)
+        .await;
+    assert_eq!(refused.status(), 400);
+    let refused = support::request_id(&refused);
+    // The client gives up while the upstream is still counting.
+    let slow = json!({"delay_ms": 2000}).to_string();
+    let gone = support::client()
+        .post(proxy.url("/v1/responses/input_tokens"))
+        .header("x-mock-reply", slow)
+        .timeout(std::time::Duration::from_millis(300))
+        .json(&json!({"model": "gpt-5", "input": "How do I save?"}))
+        .send()
+        .await;
+    assert!(gone.is_err(), "{gone:?}");
+
+    let rows = proxy.wait_for_results(5).await;
+    assert_eq!(rows.len(), 5, "{rows:#?}");
+    let row = |id: &str| {
+        let row = rows.iter().find(|row| row["request_id"] == id);
+        row.unwrap_or_else(|| panic!("a record of {id}: {rows:#?}"))
+    };
+    let record = &row(&blocked)["exchange"];
+    assert_eq!(record["route"], "token_count");
+    assert_eq!(record["dialect"], "anthropic");
+    assert_eq!(record["model"], "claude-sonnet-4-5");
+    assert_eq!(
+        (&record["status"], &record["verdict"]),
+        (&json!(400), &json!("block"))
+    );
+    assert_eq!(record["texts"]["prompt"], json!([ATTACK]), "{record}");
+    assert_eq!(record["texts"]["response"], json!([]), "{record}");
+    assert_eq!(record["upstream_ms"], Value::Null, "{record}");
+    assert!(
+        record["hits"]
+            .as_array()
+            .is_some_and(|hits| !hits.is_empty()),
+        "{record}"
+    );
+
+    let record = &row(&counted)["exchange"];
+    assert_eq!(
+        (&record["status"], &record["verdict"]),
+        (&json!(200), &json!("redact"))
+    );
+    let redacted = "Write to [REDACTED:email] about my budget.";
+    assert_eq!(record["texts"]["prompt"], json!([redacted]), "{record}");
+    assert_eq!(record["upstream_request_id"], "req_upstream_1", "{record}");
+    assert!(record["upstream_ms"].is_number(), "{record}");
+    let metrics = row(&counted)["metrics"].as_array().unwrap();
+    let metric = |name: &str| metrics.iter().find(|m| m["name"] == name).unwrap();
+    let unread = "fairgate passes the answer of a token_count request on unread";
+    assert_eq!(metric("answer_length")["score"], Value::Null, "{metrics:?}");
+    assert_eq!(metric("politeness")["reason"], unread, "{metrics:?}");
+    assert!(metric("latency")["score"].is_number(), "{metrics:?}");
+
+    let record = &row(&compacted)["exchange"];
+    assert_eq!(
+        (&record["route"], &record["dialect"]),
+        (&json!("compaction"), &json!("openai"))
+    );
+    assert_eq!(
+        record["texts"]["prompt"],
+        json!(["Summarize my budget."]),
+        "{record}"
+    );
+    let record = &row(&refused)["exchange"];
+    assert_eq!(
+        (&record["route"], &record["status"]),
+        (&json!("media"), &json!(400))
+    );
+    let record = &rows
+        .iter()
+        .find(|row| row["exchange"]["status"] == 499)
+        .unwrap_or_else(|| panic!("the abandoned count's record: {rows:#?}"))["exchange"];
+    assert_eq!(record["route"], "token_count", "{record}");
+    assert_eq!(
+        record["texts"]["prompt"],
+        json!(["How do I save?"]),
+        "{record}"
+    );
+
+    // Each block once in the dashboard's log, and each request counted once.
+    let recent = proxy.recent_blocks().await;
+    let ids: Vec<&Value> = recent.iter().map(|block| &block["request_id"]).collect();
+    assert_eq!(ids, [&json!(refused), &json!(blocked)], "{recent:?}");
+    assert_eq!(recent[1]["model"], "claude-sonnet-4-5", "{recent:?}");
+    let metrics = proxy.metrics().await;
+    let requests = |upstream: &str, verdict: &str| {
+        let series = format!(
+            r#"fairgate_requests_total{{model="other",route="token_count",upstream="{upstream}",verdict="{verdict}"}}"#
+        );
+        support::metric(&metrics, &series)
+    };
+    let counted = [
+        requests("anthropic", "block"),
+        requests("anthropic", "redact"),
+        requests("openai", "allow"),
+    ];
+    assert_eq!(counted, [Some(1.0); 3], "{metrics}");
+    assert_eq!(requests("openai", "client_closed"), None, "{metrics}");
+    proxy.stop().await;
+}

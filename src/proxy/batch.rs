@@ -35,6 +35,7 @@
 use std::future::Future;
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
@@ -45,7 +46,7 @@ use serde_json::{Value, json};
 
 use super::respond::{self, Failure};
 use super::stored::{ScannedIn, count};
-use super::{BoxError, ProxyBody, ReadRequest, Relayed, State, lines, upstream};
+use super::{BoxError, Pending, ProxyBody, ReadRequest, Relayed, State, lines, upstream};
 use crate::config::OnBlock;
 use crate::exchange::{self, Batch, BatchAnswer, BatchRequest, Dialect};
 use crate::guard::{self, block_message, rule_ids};
@@ -502,10 +503,11 @@ pub(super) fn place(names: &[&'static str]) -> String {
 pub(super) type ReadTexts = for<'a> fn(&'a [u8]) -> Result<(BatchRequest<'a>, String), ReadError>;
 
 /// Sends on a request with a JSON body (read as JSON whatever its content
-/// type says: the API may) once the texts `read` finds in it are scanned
-/// ([`scan_or_refuse`]): refused when blocked (in `dialect`), redacted in
-/// place. It goes to the upstream its path and model route it to, and its
-/// answer carries the verdict (`x-fairgate-verdict`), as an exchange's does.
+/// type says: the API may) once the texts `read` finds in it are scanned:
+/// refused when blocked (in `dialect`), redacted in place. It goes to the
+/// upstream its path and model route it to, and its answer carries the
+/// verdict (`x-fairgate-verdict`), as an exchange's does. Its record
+/// ([`Pending::outside`]) has its texts, verdict and status, and no answer.
 pub(super) async fn send_scanned(
     state: &Arc<State>,
     (req, dialect): (Request<Incoming>, Dialect),
@@ -513,6 +515,7 @@ pub(super) async fn send_scanned(
     read: ReadTexts,
     request_id: &str,
 ) -> Response<ProxyBody> {
+    let started = Instant::now();
     let limit = state.config.guard.max_body_bytes;
     let body = match ReadRequest::of(state, req, (dialect, limit), request_id).await {
         Ok(body) => body,
@@ -526,21 +529,47 @@ pub(super) async fn send_scanned(
         Ok(upstream) => upstream,
         Err(answer) => return *answer,
     };
-    let found = (&request, place.as_str());
-    let at = (upstream.as_str(), dialect);
-    let (sent, verdict) = match scan_or_refuse(state, at, route, found, request_id) {
-        Ok(scan) => {
-            let sent = scan.redacted(&body.bytes);
-            (
-                sent.unwrap_or_else(|| body.bytes.clone()),
-                scan.verdict.decision.as_str(),
-            )
+    let rules = state.rules.snapshot();
+    let mut scan = scan_recorded(state, &rules, &upstream, route, &request, request_id);
+    let refusal = Refusal::of_block(&request, &scan.verdict.hits, scan.verdict.decision);
+    let sent = scan.redacted(&body.bytes);
+    let read_as = (route, dialect, upstream.as_str());
+    let of = (&body.parts.headers, &request);
+    let pending = Pending::outside(state, &mut scan, read_as, of, (request_id, started));
+    if let Some(refusal) = refusal {
+        let refused = refusal.respond(dialect, &place, request_id);
+        pending.end_early(refused.status(), None);
+        return refused;
+    }
+    let sent = sent.unwrap_or_else(|| body.bytes.clone());
+    let forwarded = body.send(state, (&upstream, sent), false);
+    answer_outside(pending, forwarded, dialect, request_id).await
+}
+
+/// The answer to a request read outside an exchange once `forwarded` has
+/// sent it (its head relayed with the body to come, or the failure's
+/// answer in `dialect`), with the verdict; its record ends with it.
+pub(super) async fn answer_outside(
+    mut pending: Pending<'_>,
+    forwarded: impl Future<Output = Result<(Response<upstream::Answer>, Duration), Failure>>,
+    dialect: Dialect,
+    request_id: &str,
+) -> Response<ProxyBody> {
+    let verdict = pending.verdict.decision.as_str();
+    pending.sent = Some(Instant::now());
+    match forwarded.await {
+        Ok((response, timeout)) => {
+            let (head, answer) = response.into_parts();
+            pending.end_answered(&head);
+            let response = Response::from_parts(head, answer);
+            super::stream_back(response, timeout, request_id, Some(verdict))
         }
-        Err(refused) => return *refused,
-    };
-    match body.send(state, (&upstream, sent), false).await {
-        Ok((response, timeout)) => super::stream_back(response, timeout, request_id, Some(verdict)),
-        Err(failure) => respond::failure(dialect, failure, request_id),
+        Err(failure) => {
+            let failed = respond::failure(dialect, failure, request_id);
+            let upstream = pending.sent.map(|sent| sent.elapsed());
+            pending.end_early(failed.status(), upstream);
+            failed
+        }
     }
 }
 
@@ -555,6 +584,32 @@ pub(super) fn scan_counted_as(
     request: &BatchRequest,
     request_id: &str,
 ) -> guard::RequestScan {
+    let counted = (route, status, true);
+    scan_logged(state, rules, upstream, counted, request, request_id)
+}
+
+/// [`scan_counted_as`] for a request that leaves a record
+/// ([`Pending::outside`]), which puts a block in the dashboard's log.
+pub(super) fn scan_recorded(
+    state: &State,
+    rules: &RuleSet,
+    upstream: &str,
+    route: &'static str,
+    request: &BatchRequest,
+    request_id: &str,
+) -> guard::RequestScan {
+    let counted = (route, Some(400), false);
+    scan_logged(state, rules, upstream, counted, request, request_id)
+}
+
+fn scan_logged(
+    state: &State,
+    rules: &RuleSet,
+    upstream: &str,
+    (route, status, logged): (&'static str, Option<u16>, bool),
+    request: &BatchRequest,
+    request_id: &str,
+) -> guard::RequestScan {
     let guard = &state.config.guard;
     let texts = &request.params.texts;
     let scan = guard::scan_request(rules, &state.config.risk, &guard.context_tags, texts);
@@ -565,6 +620,7 @@ pub(super) fn scan_counted_as(
         request_id,
         scope: Scope::Prompt,
         status,
+        logged,
     };
     count(state, scanned_in, &scan.verdict);
     scan
@@ -942,6 +998,7 @@ impl Lines {
             request_id: &self.request_id,
             scope: Scope::Response,
             status: None,
+            logged: true,
         };
         count(state, scanned_in, &verdict);
         if verdict.decision != Decision::Block {

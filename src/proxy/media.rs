@@ -24,6 +24,7 @@
 //! passes as it comes, and there is no exchange record.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -32,12 +33,12 @@ use tokio::sync::mpsc;
 
 use super::batch::{self, Held, HeldForm, Refusal};
 use super::respond;
-use super::{ProxyBody, State};
+use super::{Pending, ProxyBody, State};
 use crate::exchange::{self, BatchRequest, Dialect, MEDIA_TEXTS, Text};
 use crate::rules::Scope;
 
 /// The route label of media requests, in metrics.
-const ROUTE: &str = "media";
+const ROUTE: &str = crate::record::unread_answer::MEDIA;
 
 /// Sends a media request on as the rules allow.
 pub(super) async fn handle(
@@ -65,6 +66,7 @@ async fn form(
     boundary: String,
     request_id: &str,
 ) -> Response<ProxyBody> {
+    let started = Instant::now();
     let limit = state.config.guard.max_body_bytes;
     let held = match HeldForm::of(state, req, request_id).await {
         Ok(held) => held,
@@ -100,12 +102,18 @@ async fn form(
         })
         .collect();
     let (request, place) = as_request(&texts);
-    let found = (&request, place.as_str());
-    let edits =
-        match batch::scan_or_refuse(state, (upstream, Dialect::OpenAi), ROUTE, found, request_id) {
-            Ok(scan) => scan.edits,
-            Err(refused) => return *refused,
-        };
+    let rules = state.rules.snapshot();
+    let mut scan = batch::scan_recorded(state, &rules, upstream, ROUTE, &request, request_id);
+    let refusal = Refusal::of_block(&request, &scan.verdict.hits, scan.verdict.decision);
+    let edits = std::mem::take(&mut scan.edits);
+    let read_as = (ROUTE, Dialect::OpenAi, upstream);
+    let of = (&held.parts.headers, &request);
+    let pending = Pending::outside(state, &mut scan, read_as, of, (request_id, started));
+    if let Some(refusal) = refusal {
+        let refused = refusal.respond(Dialect::OpenAi, &place, request_id);
+        pending.end_early(refused.status(), None);
+        return refused;
+    }
     if !edits.is_empty() {
         for (span, text) in edits {
             fields[span.start].1 = Bytes::from(text);
@@ -114,10 +122,8 @@ async fn form(
     }
     let body = http_body_util::Either::Left(http_body_util::Full::new(form));
     let uri = &held.parts.uri;
-    match super::forward(state, upstream, http::Method::POST, uri, held.headers, body).await {
-        Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
-        Err(failure) => respond::failure(Dialect::OpenAi, failure, request_id),
-    }
+    let forwarded = super::forward(state, upstream, http::Method::POST, uri, held.headers, body);
+    batch::answer_outside(pending, forwarded, Dialect::OpenAi, request_id).await
 }
 
 /// The name of [`MEDIA_TEXTS`] that a form field's `name` is, if any.

@@ -1167,6 +1167,9 @@ struct Pending<'a> {
     draft: Option<RecordDraft>,
     /// When the request went upstream, once it has.
     sent: Option<Instant>,
+    /// Whether its request was counted when its prompt was scanned (one
+    /// read outside an exchange), so that a drop does not count it again.
+    counted: bool,
 }
 
 impl<'a> Pending<'a> {
@@ -1176,7 +1179,49 @@ impl<'a> Pending<'a> {
             verdict,
             draft: Some(draft),
             sent: None,
+            counted: false,
         }
+    }
+
+    /// The record of a request read outside an exchange (a token count, a
+    /// compaction, conversation items, a media request), from its `scan`
+    /// (whose texts it takes), with no answer: fairgate passes that on
+    /// unread. Its request was counted with its scan.
+    fn outside(
+        state: &'a State,
+        scan: &'a mut guard::RequestScan,
+        (route, dialect, upstream): (&'static str, Dialect, &str),
+        (headers, request): (&HeaderMap, &exchange::BatchRequest),
+        (request_id, started): (&str, Instant),
+    ) -> Pending<'a> {
+        let texts = std::mem::take(&mut scan.texts);
+        let draft = RecordDraft {
+            request_id: request_id.to_owned(),
+            started,
+            started_ms: now_ms() - started.elapsed().as_millis() as i64,
+            route,
+            dialect,
+            upstream: upstream.to_owned(),
+            upstream_request_id: None,
+            client: ClientMeta::read(headers, request.params.metadata),
+            model: request.params.model.as_deref().map(str::to_owned),
+            stream: false,
+            prompt: texts.prompt,
+            context: texts.context,
+        };
+        let mut pending = Pending::new(state, &scan.verdict, draft);
+        pending.counted = true;
+        pending
+    }
+
+    /// Records a request read outside an exchange as answered with `head`,
+    /// the upstream's share of the time counted from when it was sent.
+    fn end_answered(mut self, head: &http::response::Parts) {
+        if let Some(draft) = &mut self.draft {
+            draft.upstream_request_id = upstream_request_id(&head.headers);
+        }
+        let upstream = self.sent.map(|sent| sent.elapsed());
+        self.record_unanswered(head.status.as_u16(), upstream);
     }
 
     /// Records the exchange as ended before a response was scanned: no
@@ -1232,6 +1277,10 @@ impl Drop for Pending<'_> {
                 request_id = draft.request_id,
                 "the client closed the request before its answer"
             );
+        }
+        if self.counted {
+            self.record_unanswered(status, self.sent.map(|sent| sent.elapsed()));
+            return;
         }
         self.state
             .metrics

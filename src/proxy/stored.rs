@@ -32,6 +32,7 @@ use crate::exchange::{self, Dialect, Endpoint, ResponseBody, Stored};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json::ReadError;
+use crate::record::unread_answer;
 use crate::risk::{self, Decision, Verdict};
 use crate::rules::Scope;
 use crate::telemetry::Blocked;
@@ -40,13 +41,13 @@ use crate::telemetry::Blocked;
 const ROUTE: &str = "stored";
 
 /// The route label of items added to a conversation.
-const ITEMS: &str = "conversation_items";
+const ITEMS: &str = unread_answer::CONVERSATION_ITEMS;
 
 /// The route label of conversations given to be compacted.
-const COMPACTION: &str = "compaction";
+const COMPACTION: &str = unread_answer::COMPACTION;
 
 /// The route label of requests whose tokens are counted.
-const TOKEN_COUNT: &str = "token_count";
+const TOKEN_COUNT: &str = unread_answer::TOKEN_COUNT;
 
 /// `POST /v1/conversations` and `POST /v1/conversations/{id}/items`: the
 /// items added to a stored conversation, which a later response reads as
@@ -168,6 +169,7 @@ pub(super) async fn fetch(
                 request_id: &request_id_kept,
                 scope: Scope::Response,
                 status: None,
+                logged: true,
             };
             count(&counted, scanned_in, &outcome.verdict)
         };
@@ -208,6 +210,7 @@ pub(super) async fn fetch(
         request_id,
         scope: Scope::Response,
         status: Some(if refused_as.is_some() { 200 } else { 400 }),
+        logged: true,
     };
     count(state, scanned_in, &verdict);
     let body = if verdict.decision == Decision::Block {
@@ -241,10 +244,14 @@ pub(super) struct ScannedIn<'a> {
     pub scope: Scope,
     /// The status the client gets if it blocks (see [`Blocked::status`]).
     pub status: Option<u16>,
+    /// Whether a block goes to the dashboard's log here: not when the
+    /// request's record puts it there.
+    pub logged: bool,
 }
 
 /// Counts the verdict of a text scanned outside an exchange: its hits,
-/// risk and block; a block also goes to the dashboard's log.
+/// risk and block; a block also goes to the dashboard's log, unless it
+/// has a record to put it there.
 pub(super) fn count(state: &State, scanned: ScannedIn, verdict: &Verdict) {
     let metrics = &state.metrics;
     super::record_verdict(metrics, verdict);
@@ -261,6 +268,9 @@ pub(super) fn count(state: &State, scanned: ScannedIn, verdict: &Verdict) {
             .blocks
             .with_label_values(&[route, model, scope])
             .inc();
+        if !scanned.logged {
+            return;
+        }
         let (id, upstream, status) = (scanned.request_id, scanned.upstream, scanned.status);
         let blocked = Blocked::new(id, route, upstream, scope, status, verdict);
         state.blocked.push(blocked);
