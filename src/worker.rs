@@ -13,18 +13,6 @@ use crate::record::{ExchangeRecord, QueueItem, TextMode, now_ms, unread_answer};
 use crate::sink::{Processed, Sinks, Stored};
 use crate::telemetry::{Metrics, QueueEvent};
 
-/// The metrics that read texts: a record that keeps only hashes has no
-/// score for them.
-const TEXT_METRICS: &[&str] = &[
-    "emotional_entropy",
-    "ground_truth_spearman",
-    "exact_match",
-    "keyword_recall",
-    "answer_length",
-    "politeness",
-    "context_relevance",
-];
-
 /// The metrics that read the answer: a record of a request whose answer
 /// fairgate passes on unread ([`unread_answer`]) has no score for them.
 const ANSWER_METRICS: &[&str] = &[
@@ -35,6 +23,12 @@ const ANSWER_METRICS: &[&str] = &[
     "answer_length",
     "politeness",
 ];
+
+/// Whether metric `name` reads texts (the answer's, or the question and
+/// context): a record that keeps only hashes has no score for them.
+fn reads_texts(name: &str) -> bool {
+    ANSWER_METRICS.contains(&name) || name == "context_relevance"
+}
 
 /// Loads the quality metrics' settings; a missing lexicon leaves the
 /// emotion metrics without a score, and says why.
@@ -137,9 +131,9 @@ pub fn exchange_metrics(quality: &quality::Metrics, record: &ExchangeRecord) -> 
         hits: &record.hits,
     };
     let mut metrics = quality.answer(&answer);
-    let unscored = |metrics: &mut [MetricResult], names: &[&str], reason: String| {
+    let unscored = |metrics: &mut [MetricResult], unread: fn(&str) -> bool, reason: String| {
         for metric in metrics.iter_mut() {
-            if names.contains(&&*metric.name) {
+            if unread(&metric.name) {
                 metric.score = None;
                 metric.reason = reason.clone().into();
                 metric.details = serde_json::Value::Null;
@@ -148,14 +142,14 @@ pub fn exchange_metrics(quality: &quality::Metrics, record: &ExchangeRecord) -> 
     };
     if record.texts.mode == TextMode::Hashes {
         let reason = "the record keeps no texts (records.texts: hashes)";
-        unscored(&mut metrics, TEXT_METRICS, reason.into());
+        unscored(&mut metrics, reads_texts, reason.into());
     }
     if unread_answer::is(&record.route) {
         let reason = format!(
             "fairgate passes the answer of a {} request on unread",
             record.route
         );
-        unscored(&mut metrics, ANSWER_METRICS, reason);
+        unscored(&mut metrics, |name| ANSWER_METRICS.contains(&name), reason);
     }
     metrics
 }
