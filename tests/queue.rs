@@ -546,5 +546,7 @@ async fn hashes_mode_keeps_no_text() {
     // Hit-based metrics still score; text metrics say why they cannot.
     assert_eq!(score(&rows[0], "financial_safety"), json!(0.0));
     assert_eq!(score(&rows[0], "politeness"), Value::Null);
+    assert_eq!(score(&rows[0], "context_relevance"), Value::Null);
+    assert!(score(&rows[0], "latency").is_number());
     proxy.stop().await;
 }
