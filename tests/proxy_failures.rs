@@ -413,6 +413,73 @@ async fn an_upload_longer_than_the_upstream_timeout_goes_up_whole() {
     proxy.stop().await;
 }
 
+/// A request fairgate reads whole goes up in pieces, the upstream's
+/// timeout bounding its taking of each, not of them all: a request with
+/// megabytes of images, to an upstream that takes it slowly (a slow link),
+/// is not cut off.
+#[tokio::test]
+async fn a_large_request_taken_slowly_is_not_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // An upstream that takes at most 64 KB (its receive buffer) every
+    // 5 ms, some 12 MB/s, then answers.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(64 << 10).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let slow = socket.listen(8).unwrap();
+    let url = format!("http://{}", slow.local_addr().unwrap());
+    let taken = tokio::spawn(async move {
+        let (mut stream, _) = slow.accept().await.unwrap();
+        let mut got = Vec::new();
+        let mut piece = vec![0; 64 << 10];
+        let body_at = loop {
+            let n = stream.read(&mut piece).await.unwrap();
+            got.extend_from_slice(&piece[..n]);
+            if let Some(at) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at + 4;
+            }
+        };
+        let head = String::from_utf8_lossy(&got[..body_at]).to_lowercase();
+        let length: usize = head
+            .split("content-length: ")
+            .nth(1)
+            .and_then(|rest| rest.split("\r\n").next()?.parse().ok())
+            .unwrap_or_else(|| panic!("a content-length: {head}"));
+        while got.len() < body_at + length {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            let n = stream.read(&mut piece).await.unwrap();
+            assert!(n > 0, "the body ended early");
+            got.extend_from_slice(&piece[..n]);
+        }
+        let answer = json!({"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "A fine chart."}}]})
+        .to_string();
+        let out = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+            answer.len()
+        );
+        stream.write_all(out.as_bytes()).await.unwrap();
+        got.len() - body_at
+    });
+    let mut config = config(&url, Path::new("rules"));
+    // Less than the sending of the whole takes (some 2.5 s), more than
+    // that of a piece, or of what the sockets' buffers hold (4 MB).
+    config.upstreams.get_mut("openai").unwrap().timeout_ms = 1500;
+    let proxy = start_proxy(config).await;
+    let image = format!("data:image/png;base64,{}", "iVBORw0KGgo".repeat(2_800_000));
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What does this chart of my spending show?"},
+        {"type": "image_url", "image_url": {"url": image}}]}]});
+    let sent = body.to_string().len();
+    assert!(sent > 25 << 20, "{sent}");
+    let response = proxy.post("/v1/chat/completions", json!({}), &body).await;
+    assert_eq!(response.status(), 200);
+    let answer: Value = response.json().await.unwrap();
+    assert_eq!(answer["choices"][0]["message"]["content"], "A fine chart.");
+    assert_eq!(taken.await.unwrap(), sent, "the body went up whole");
+    proxy.stop().await;
+}
+
 /// An upstream that stops taking an upload is waited on for its timeout,
 /// then the client gets 504, however much of the upload it still has to
 /// send.

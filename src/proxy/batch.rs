@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http::{HeaderMap, Method, Request, Response, Uri, header};
-use http_body_util::{BodyExt, Full, StreamBody};
+use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
 
@@ -108,7 +108,7 @@ async fn upload(
         },
         Held::Whole(whole) => {
             match batch_input(state, &form.upstream, whole, &boundary, request_id).await {
-                Ok(whole) => http_body_util::Either::Left(Full::new(whole)),
+                Ok(whole) => upstream::whole(whole),
                 Err(refused) => return refused,
             }
         }

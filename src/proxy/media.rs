@@ -120,7 +120,7 @@ async fn form(
         }
         form = batch::form_of(&fields, &boundary, form.len());
     }
-    let body = http_body_util::Either::Left(http_body_util::Full::new(form));
+    let body = super::upstream::whole(form);
     let uri = &held.parts.uri;
     let forwarded = super::forward(state, upstream, http::Method::POST, uri, held.headers, body);
     batch::answer_outside(pending, forwarded, Dialect::OpenAi, request_id).await

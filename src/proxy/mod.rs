@@ -32,7 +32,7 @@ use futures_util::StreamExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body::Frame;
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Either, Full, Limited, StreamBody};
+use http_body_util::{BodyExt, Either, Limited, StreamBody};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -1552,7 +1552,7 @@ async fn guarded(
         Method::POST,
         &parts.uri,
         headers,
-        Either::Left(Full::new(body)),
+        upstream::whole(body),
     )
     .await;
     let (response, timeout) = match forwarded {
@@ -1831,7 +1831,7 @@ impl ReadRequest {
                 HeaderValue::from_static("identity"),
             );
         }
-        let (uri, body) = (&self.parts.uri, Either::Left(Full::new(body)));
+        let (uri, body) = (&self.parts.uri, upstream::whole(body));
         forward(state, upstream, Method::POST, uri, headers, body).await
     }
 }

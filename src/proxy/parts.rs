@@ -301,7 +301,7 @@ async fn complete(
     let upstream = route.upstream.clone();
     let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers);
     headers.remove(header::CONTENT_ENCODING);
-    let body = Either::Left(Full::new(body));
+    let body = upstream::whole(body);
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
     match forwarded.await {
         Ok((response, timeout)) => {

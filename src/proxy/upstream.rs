@@ -66,6 +66,50 @@ pub fn read_on(start: Bytes, rest: ClientBody) -> UpstreamBody {
     Upload::new(Either::Right(BodyExt::boxed(body)))
 }
 
+/// How much of a body read whole goes up at a time ([`whole`]).
+const PIECE: usize = 1 << 20;
+
+/// A body fairgate read whole (a guarded request's), to go upstream. One
+/// larger than [`PIECE`] goes in pieces of that size as an [`Upload`], so
+/// that the upstream's timeout bounds its taking of each piece rather than
+/// of them all (50 MB of images over a slow link may take longer than
+/// `timeout_ms` to send); a smaller one goes in one.
+pub fn whole(body: Bytes) -> UpstreamBody {
+    if body.len() <= PIECE {
+        return Either::Left(Full::new(body));
+    }
+    Upload::new(Either::Right(BodyExt::boxed(Pieces(body))))
+}
+
+/// A body read whole, given [`PIECE`] by [`PIECE`], its length known (so
+/// that it goes with a `content-length`, as it would in one piece).
+struct Pieces(Bytes);
+
+impl Body for Pieces {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let rest = &mut self.get_mut().0;
+        if rest.is_empty() {
+            return Poll::Ready(None);
+        }
+        let piece = rest.split_to(PIECE.min(rest.len()));
+        Poll::Ready(Some(Ok(Frame::data(piece))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.0.len() as u64)
+    }
+}
+
 /// A request body that goes upstream as it arrives from the client (its
 /// start, when the proxy has read that, sent first: [`ReadOn`]), noting
 /// when it last moved: the wait for the answer's head is counted from the
