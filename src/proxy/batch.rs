@@ -535,29 +535,29 @@ pub(super) async fn send_scanned(
     let sent = scan.redacted(&body.bytes);
     let read_as = (route, dialect, upstream.as_str());
     let of = (&body.parts.headers, &request);
-    let pending = Pending::outside(state, &mut scan, read_as, of, (request_id, started));
+    let mut pending = Pending::outside(state, &mut scan, read_as, of, (request_id, started));
     if let Some(refusal) = refusal {
         let refused = refusal.respond(dialect, &place, request_id);
         pending.end_early(refused.status(), None);
         return refused;
     }
     let sent = sent.unwrap_or_else(|| body.bytes.clone());
-    let forwarded = body.send(state, (&upstream, sent), false);
-    answer_outside(pending, forwarded, dialect, request_id).await
+    pending.sent = Some(Instant::now());
+    let forwarded = body.send(state, (&upstream, sent), false).await;
+    answer_outside(pending, forwarded, dialect, request_id)
 }
 
-/// The answer to a request read outside an exchange once `forwarded` has
-/// sent it (its head relayed with the body to come, or the failure's
-/// answer in `dialect`), with the verdict; its record ends with it.
-pub(super) async fn answer_outside(
-    mut pending: Pending<'_>,
-    forwarded: impl Future<Output = Result<(Response<upstream::Answer>, Duration), Failure>>,
+/// The answer to a request read outside an exchange as `forwarded` left
+/// it (its head relayed with the body to come, or the failure's answer in
+/// `dialect`), with the verdict; its record ends with it.
+pub(super) fn answer_outside(
+    pending: Pending,
+    forwarded: Result<(Response<upstream::Answer>, Duration), Failure>,
     dialect: Dialect,
     request_id: &str,
 ) -> Response<ProxyBody> {
     let verdict = pending.verdict.decision.as_str();
-    pending.sent = Some(Instant::now());
-    match forwarded.await {
+    match forwarded {
         Ok((response, timeout)) => {
             let (head, answer) = response.into_parts();
             pending.end_answered(&head);

@@ -108,7 +108,7 @@ async fn form(
     let edits = std::mem::take(&mut scan.edits);
     let read_as = (ROUTE, Dialect::OpenAi, upstream);
     let of = (&held.parts.headers, &request);
-    let pending = Pending::outside(state, &mut scan, read_as, of, (request_id, started));
+    let mut pending = Pending::outside(state, &mut scan, read_as, of, (request_id, started));
     if let Some(refusal) = refusal {
         let refused = refusal.respond(Dialect::OpenAi, &place, request_id);
         pending.end_early(refused.status(), None);
@@ -122,8 +122,9 @@ async fn form(
     }
     let body = super::upstream::whole(form);
     let uri = &held.parts.uri;
+    pending.sent = Some(Instant::now());
     let forwarded = super::forward(state, upstream, http::Method::POST, uri, held.headers, body);
-    batch::answer_outside(pending, forwarded, Dialect::OpenAi, request_id).await
+    batch::answer_outside(pending, forwarded.await, Dialect::OpenAi, request_id)
 }
 
 /// The name of [`MEDIA_TEXTS`] that a form field's `name` is, if any.

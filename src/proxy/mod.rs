@@ -775,21 +775,24 @@ async fn handle(
         return respond::failure(dialect_of_path(&plain), Failure::AmbiguousPath, request_id);
     }
     if tunnel::is_websocket(req.headers()) {
-        return tunnel::relay(state, req, request_id).await;
+        return Box::pin(tunnel::relay(state, req, request_id)).await;
     }
+    // The future of every request is as large as the largest of these,
+    // and is copied as it is handed to hyper: all but the exchange's and
+    // the pass-through's are boxed, so that theirs stay small.
     match reading {
         Reading::Guarded(endpoint) => guarded(state, req, endpoint, request_id, started).await,
-        Reading::Feedback => feedback(state, req, request_id).await,
-        Reading::Stored(stored) => stored::fetch(state, req, stored, request_id).await,
-        Reading::ConversationItems => stored::add_items(state, req, request_id).await,
-        Reading::Compaction => stored::compact(state, req, request_id).await,
-        Reading::TokenCount(endpoint) => {
-            stored::count_tokens(state, req, endpoint, request_id).await
-        }
-        Reading::RealtimeSetup => realtime::setup(state, req, request_id).await,
-        Reading::Media => media::handle(state, req, request_id).await,
-        Reading::Batch(batch) => batch::handle(state, req, batch, request_id).await,
         Reading::Passed => passthrough(state, req, request_id).await,
+        Reading::Feedback => Box::pin(feedback(state, req, request_id)).await,
+        Reading::Stored(stored) => Box::pin(stored::fetch(state, req, stored, request_id)).await,
+        Reading::ConversationItems => Box::pin(stored::add_items(state, req, request_id)).await,
+        Reading::Compaction => Box::pin(stored::compact(state, req, request_id)).await,
+        Reading::TokenCount(endpoint) => {
+            Box::pin(stored::count_tokens(state, req, endpoint, request_id)).await
+        }
+        Reading::RealtimeSetup => Box::pin(realtime::setup(state, req, request_id)).await,
+        Reading::Media => Box::pin(media::handle(state, req, request_id)).await,
+        Reading::Batch(batch) => Box::pin(batch::handle(state, req, batch, request_id)).await,
     }
 }
 

@@ -52,8 +52,10 @@ use super::respond::Failure;
 use crate::config::UpstreamConfig;
 
 /// A request body sent upstream: a guarded request's (read and scanned) or
-/// a passed-through request's, streamed as it arrives ([`Upload`]).
-pub type UpstreamBody = Either<Full<Bytes>, Upload>;
+/// a passed-through request's, streamed as it arrives ([`Upload`]; boxed,
+/// so that the body, held in each future on its way up, is as small as a
+/// whole one).
+pub type UpstreamBody = Either<Full<Bytes>, Box<Upload>>;
 
 /// A client's body of which the proxy read the start (a file upload too
 /// large to read whole): that start, then the rest as it arrives.
@@ -125,14 +127,14 @@ pub struct Upload {
 
 impl Upload {
     pub fn new(body: Either<ClientBody, ReadOn>) -> UpstreamBody {
-        Either::Right(Upload {
+        Either::Right(Box::new(Upload {
             body,
             progress: Arc::new(Progress {
                 start: tokio::time::Instant::now(),
                 moved: AtomicU64::new(0),
             }),
             waiting: false,
-        })
+        }))
     }
 }
 
@@ -715,10 +717,19 @@ pub async fn send(
         Either::Left(_) => None,
         Either::Right(upload) => Some(upload.progress.clone()),
     };
-    let sent = client.request(method, path_and_query, headers, body, upgrade);
-    let answered = match progress {
-        None => tokio::time::timeout(timeout, sent).await.ok(),
-        Some(progress) => while_uploading(sent, &progress, timeout).await,
+    // Pinned where it is made: the future is large, and each move of it
+    // is a copy (a second place for it would grow every future it is in).
+    let mut sent = std::pin::pin!(client.request(method, path_and_query, headers, body, upgrade));
+    let mut deadline = tokio::time::Instant::now() + timeout;
+    let answered = loop {
+        if let Ok(answered) = tokio::time::timeout_at(deadline, sent.as_mut()).await {
+            break Some(answered);
+        }
+        // An upload that moved since restarts the wait.
+        match progress.as_ref().map(|progress| progress.deadline(timeout)) {
+            Some(later) if later > deadline => deadline = later,
+            _ => break None,
+        }
     };
     match answered {
         Some(Ok(response)) => Ok(response),
@@ -727,27 +738,6 @@ pub async fn send(
             Err((failure, kind, Some(Box::new(error))))
         }
         None => Err((TIMED_OUT.0, TIMED_OUT.1, None)),
-    }
-}
-
-/// `sent`, or `None` once neither its upload (`progress`) nor its answer
-/// has moved for `timeout`.
-async fn while_uploading<F: Future>(
-    sent: F,
-    progress: &Progress,
-    timeout: Duration,
-) -> Option<F::Output> {
-    let mut sent = std::pin::pin!(sent);
-    let mut deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Ok(answered) = tokio::time::timeout_at(deadline, sent.as_mut()).await {
-            return Some(answered);
-        }
-        let later = progress.deadline(timeout);
-        if later <= deadline {
-            return None;
-        }
-        deadline = later;
     }
 }
 
