@@ -21,7 +21,9 @@
 //! the field. A redaction rewrites the text in place; in a form sent on
 //! as it arrives, which cannot be edited, it refuses the request as a
 //! block does. The answer (an image, audio, a video job, a transcript)
-//! passes as it comes, and there is no exchange record.
+//! passes as it comes. A request held whole leaves a record with no
+//! response ([`super::Pending::outside`]); one read on its way leaves
+//! none yet (its block is counted and logged).
 
 use std::sync::Arc;
 use std::time::Instant;

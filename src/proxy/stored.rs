@@ -16,7 +16,8 @@
 //! error`); a list or a conversation item, which has no refusal shape,
 //! gets the 400 error. `redact` hits are redacted in place. A stored
 //! response fetched as a stream (`?stream=true`) goes through the stream
-//! guard. There is no exchange record: a fetch makes no exchange.
+//! guard. A fetch leaves no record: it makes no exchange. The requests
+//! read here leave one with no response ([`batch::send_scanned`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -73,8 +74,8 @@ pub(super) async fn add_items(
 /// rule blocks refuses the request with the 400 a blocked prompt gets,
 /// naming them; `redact` hits are redacted in place. The answer (the
 /// user's messages, as given, and the encrypted summary) passes as it
-/// comes, and there is no exchange record: nothing the client reads
-/// answers it.
+/// comes; the record has no response: nothing the client reads answers
+/// it.
 pub(super) async fn compact(
     state: &Arc<State>,
     req: Request<Incoming>,
@@ -94,8 +95,8 @@ pub(super) async fn compact(
 /// read as `endpoint`'s request is, before it goes up: one that a rule
 /// blocks gets the 400 that request would get, in its dialect; `redact`
 /// hits are redacted in place, so the count is of the text the request
-/// will carry. The answer (a number) passes as it comes; there is no
-/// exchange record: no model answers it.
+/// will carry. The answer (a number) passes as it comes; the record has
+/// no response: no model answers it.
 pub(super) async fn count_tokens(
     state: &Arc<State>,
     req: Request<Incoming>,

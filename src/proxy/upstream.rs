@@ -72,7 +72,7 @@ pub fn read_on(start: Bytes, rest: ClientBody) -> UpstreamBody {
 const PIECE: usize = 1 << 20;
 
 /// A body fairgate read whole (a guarded request's), to go upstream. One
-/// larger than [`PIECE`] goes in pieces of that size as an [`Upload`], so
+/// larger than `PIECE` goes in pieces of that size as an [`Upload`], so
 /// that the upstream's timeout bounds its taking of each piece rather than
 /// of them all (50 MB of images over a slow link may take longer than
 /// `timeout_ms` to send); a smaller one goes in one.
