@@ -531,20 +531,45 @@ pub(super) async fn send_scanned(
     };
     let rules = state.rules.snapshot();
     let mut scan = scan_recorded(state, &rules, &upstream, route, &request, request_id);
-    let refusal = Refusal::of_block(&request, &scan.verdict.hits, scan.verdict.decision);
     let sent = scan.redacted(&body.bytes);
     let read_as = (route, dialect, upstream.as_str());
-    let of = (&body.parts.headers, &request);
-    let mut pending = Pending::outside(state, &mut scan, read_as, of, (request_id, started));
-    if let Some(refusal) = refusal {
-        let refused = refusal.respond(dialect, &place, request_id);
-        pending.end_early(refused.status(), None);
-        return refused;
-    }
+    let of = (&body.parts.headers, &request, place.as_str());
+    let mut pending = match recorded(state, &mut scan, read_as, of, (request_id, started)) {
+        Ok(pending) => pending,
+        Err(refused) => return *refused,
+    };
     let sent = sent.unwrap_or_else(|| body.bytes.clone());
     pending.sent = Some(Instant::now());
     let forwarded = body.send(state, (&upstream, sent), false).await;
     answer_outside(pending, forwarded, dialect, request_id)
+}
+
+/// The record of a request read outside an exchange, begun from its
+/// `scan` ([`Pending::outside`]); or, when a rule blocks it, the refusal
+/// its client gets (naming `place`), its record ended with it.
+pub(super) fn recorded<'a>(
+    state: &'a State,
+    scan: &'a mut guard::RequestScan,
+    read_as: (&'static str, Dialect, &str),
+    (headers, request, place): (&HeaderMap, &BatchRequest, &str),
+    (request_id, started): (&str, Instant),
+) -> Result<Pending<'a>, Box<Response<ProxyBody>>> {
+    let refusal = Refusal::of_block(request, &scan.verdict.hits, scan.verdict.decision);
+    let pending = Pending::outside(
+        state,
+        scan,
+        read_as,
+        (headers, request),
+        (request_id, started),
+    );
+    match refusal {
+        Some(refusal) => {
+            let refused = refusal.respond(read_as.1, place, request_id);
+            pending.end_early(refused.status(), None);
+            Err(Box::new(refused))
+        }
+        None => Ok(pending),
+    }
 }
 
 /// The answer to a request read outside an exchange as `forwarded` left

@@ -35,7 +35,7 @@ use tokio::sync::mpsc;
 
 use super::batch::{self, Held, HeldForm, Refusal};
 use super::respond;
-use super::{Pending, ProxyBody, State};
+use super::{ProxyBody, State};
 use crate::exchange::{self, BatchRequest, Dialect, MEDIA_TEXTS, Text};
 use crate::rules::Scope;
 
@@ -106,16 +106,13 @@ async fn form(
     let (request, place) = as_request(&texts);
     let rules = state.rules.snapshot();
     let mut scan = batch::scan_recorded(state, &rules, upstream, ROUTE, &request, request_id);
-    let refusal = Refusal::of_block(&request, &scan.verdict.hits, scan.verdict.decision);
     let edits = std::mem::take(&mut scan.edits);
     let read_as = (ROUTE, Dialect::OpenAi, upstream);
-    let of = (&held.parts.headers, &request);
-    let mut pending = Pending::outside(state, &mut scan, read_as, of, (request_id, started));
-    if let Some(refusal) = refusal {
-        let refused = refusal.respond(Dialect::OpenAi, &place, request_id);
-        pending.end_early(refused.status(), None);
-        return refused;
-    }
+    let of = (&held.parts.headers, &request, place.as_str());
+    let mut pending = match batch::recorded(state, &mut scan, read_as, of, (request_id, started)) {
+        Ok(pending) => pending,
+        Err(refused) => return *refused,
+    };
     if !edits.is_empty() {
         for (span, text) in edits {
             fields[span.start].1 = Bytes::from(text);

@@ -121,8 +121,6 @@ impl Body for Pieces {
 pub struct Upload {
     body: Either<ClientBody, ReadOn>,
     progress: Arc<Progress>,
-    /// Whether its last poll found the client's next part not yet there.
-    waiting: bool,
 }
 
 impl Upload {
@@ -133,7 +131,6 @@ impl Upload {
                 start: tokio::time::Instant::now(),
                 moved: AtomicU64::new(0),
             }),
-            waiting: false,
         }))
     }
 }
@@ -148,12 +145,7 @@ impl Body for Upload {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.body).poll_frame(cx);
-        let waiting = polled.is_pending();
-        // A wait is noted when it starts, a move every time.
-        if !(waiting && this.waiting) {
-            this.progress.note(waiting);
-        }
-        this.waiting = waiting;
+        this.progress.note(polled.is_pending());
         polled
     }
 
@@ -177,8 +169,12 @@ struct Progress {
 impl Progress {
     const WAITING: u64 = 1 << 63;
 
-    /// Notes that the body moved now, or began to wait on the client.
+    /// Notes that the body moved now, or that it waits on the client:
+    /// from now, if it did not already.
     fn note(&self, waiting: bool) {
+        if waiting && self.moved.load(Ordering::Relaxed) & Progress::WAITING != 0 {
+            return;
+        }
         let at = u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX >> 1);
         let flag = if waiting { Progress::WAITING } else { 0 };
         self.moved.store(at | flag, Ordering::Relaxed);
