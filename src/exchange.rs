@@ -735,6 +735,10 @@ pub struct BatchAnswer<'a> {
     pub endpoint: Endpoint,
     /// Its texts, as [`ResponseBody::read`] finds them.
     pub texts: Vec<Text<'a>>,
+    /// The model that wrote it.
+    pub model: Option<Cow<'a, str>>,
+    /// Its `usage` object.
+    pub usage: Option<&'a str>,
 }
 
 /// One line of a batch's results, or of a file that may hold them.
@@ -742,6 +746,8 @@ pub struct BatchAnswer<'a> {
 pub struct BatchLine<'a> {
     /// Whether the line is a batch's: an object with a `custom_id`.
     pub batch: bool,
+    /// That `custom_id`, which names the batch's request it answers.
+    pub custom_id: Option<Cow<'a, str>>,
     /// Its answer, if it has one (a failed or canceled request has none).
     pub answer: Option<BatchAnswer<'a>>,
 }
@@ -751,7 +757,7 @@ pub struct BatchLine<'a> {
 pub fn read_batch_line(dialect: Dialect, line: &[u8]) -> Result<BatchLine<'_>, ReadError> {
     let mut reader = Reader::bytes(line)?;
     let mut span = None;
-    let mut batch = false;
+    let mut custom_id = None;
     if reader.is_object()? {
         let (outer, inner) = match dialect {
             Dialect::Anthropic => ("result", "message"),
@@ -759,7 +765,7 @@ pub fn read_batch_line(dialect: Dialect, line: &[u8]) -> Result<BatchLine<'_>, R
         };
         reader.object(["custom_id", outer], |reader, key| {
             if key == 0 {
-                batch = reader.string()?.is_some();
+                custom_id = reader.string()?.map(|t| t.value);
                 return Ok(());
             }
             if !reader.is_object()? {
@@ -776,7 +782,11 @@ pub fn read_batch_line(dialect: Dialect, line: &[u8]) -> Result<BatchLine<'_>, R
         Some(span) => batch_answer(&reader, dialect, span)?,
         None => None,
     };
-    Ok(BatchLine { batch, answer })
+    Ok(BatchLine {
+        batch: custom_id.is_some(),
+        custom_id,
+        answer,
+    })
 }
 
 /// The answer of a batch's line that lies at `span`, if it is one.
@@ -785,36 +795,43 @@ fn batch_answer<'a>(
     dialect: Dialect,
     span: Range<usize>,
 ) -> Result<Option<BatchAnswer<'a>>, ReadError> {
+    // Its `model`, and, in an OpenAI file, its `object`, which tells the
+    // endpoint.
+    let (mut model, mut object) = (None, None);
+    let mut part = reader.part(span.clone());
+    if part.is_object()? {
+        part.object(["model", "object"], |reader, key| {
+            let value = reader.string()?.map(|t| t.value);
+            match key {
+                0 => model = value,
+                _ => object = value,
+            }
+            Ok(())
+        })?;
+    }
     let endpoint = match dialect {
         Dialect::Anthropic => Some(Endpoint::Messages),
-        Dialect::OpenAi => {
-            let mut object = None;
-            let mut part = reader.part(span.clone());
-            if part.is_object()? {
-                part.object(["object"], |reader, _| {
-                    object = reader.string()?.map(|t| t.value);
-                    Ok(())
-                })?;
-            }
-            match object.as_deref() {
-                Some("chat.completion") => Some(Endpoint::ChatCompletions),
-                Some("text_completion") => Some(Endpoint::Completions),
-                Some("response") => Some(Endpoint::Responses),
-                _ => None,
-            }
-        }
+        Dialect::OpenAi => match object.as_deref() {
+            Some("chat.completion") => Some(Endpoint::ChatCompletions),
+            Some("text_completion") => Some(Endpoint::Completions),
+            Some("response") => Some(Endpoint::Responses),
+            _ => None,
+        },
     };
     let Some(endpoint) = endpoint else {
         return Ok(None);
     };
     let mut part = reader.part(span);
     let mut texts = Texts::default();
+    let mut usage = None;
     if part.is_object()? {
-        texts.answer(&mut part, endpoint)?;
+        usage = texts.answer(&mut part, endpoint)?;
     }
     Ok(Some(BatchAnswer {
         endpoint,
         texts: texts.found,
+        model,
+        usage,
     }))
 }
 
@@ -2603,12 +2620,16 @@ mod tests {
     #[test]
     fn batch_lines_are_read_in_each_dialect() {
         let line = json!({"custom_id": "a", "result": {"type": "succeeded", "message": {
+            "model": "claude-x", "usage": {"output_tokens": 9},
             "content": [{"type": "text", "text": "hi"}]}}})
         .to_string();
         let read = read_batch_line(Dialect::Anthropic, line.as_bytes()).unwrap();
         assert!(read.batch);
+        assert_eq!(read.custom_id.as_deref(), Some("a"));
         let answer = read.answer.unwrap();
         assert_eq!(answer.endpoint, Endpoint::Messages);
+        assert_eq!(answer.model.as_deref(), Some("claude-x"));
+        assert_eq!(answer.usage, Some(r#"{"output_tokens":9}"#));
         assert_eq!(answer.texts[0].text, "hi");
         assert_eq!(&line[answer.texts[0].span.clone()], "\"hi\"");
         // OpenAI's by the answer's `object`; one it does not know, and a

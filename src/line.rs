@@ -109,7 +109,7 @@ fn exchange_record(
     value(out, open, &record.schema_version)?;
     fields!(out, record;
         request_id, started_ms, finished_ms, route, dialect, upstream, upstream_request_id, model,
-        stream, status, stream_end);
+        stream, status, stream_end, custom_id);
     out.extend_from_slice(br#","texts":"#);
     object!(out, record.texts; mode, prompt, context, response);
     fields!(out, record; verdict);
@@ -175,6 +175,7 @@ mod tests {
             stream: true,
             status: 200,
             stream_end: Some(StreamEnd::ClientClosed),
+            custom_id: Some("request \"1\"".into()),
             texts: Texts::new(
                 TextMode::Full,
                 vec!["line\none \\ \u{1} é €".into(), "two".into()],

@@ -37,6 +37,16 @@ pub mod unread_answer {
     }
 }
 
+/// The `route` of a batch's answer, recorded as its results are fetched
+/// (see [`ExchangeRecord::custom_id`]): fairgate sees the answer apart from
+/// its request, so that its record has no prompt and no time of its own.
+pub const BATCH_RESULTS: &str = "batch_results";
+
+/// The `route` of a batch's request, recorded when the batch is created
+/// (see [`ExchangeRecord::custom_id`]): its answer comes later, in the
+/// batch's results, with a record of its own ([`BATCH_RESULTS`]).
+pub const BATCH_REQUESTS: &str = "batches";
+
 /// One item of the side queue.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
@@ -94,6 +104,11 @@ pub struct ExchangeRecord {
     /// came after it.
     #[serde(default)]
     pub stream_end: Option<StreamEnd>,
+    /// The `custom_id` of a batch's request ([`BATCH_REQUESTS`]), or of
+    /// the request a batch's answer ([`BATCH_RESULTS`]) answers: what ties
+    /// the two records together.
+    #[serde(default)]
+    pub custom_id: Option<String>,
     pub texts: Texts,
     pub verdict: Decision,
     pub risk: Risk,

@@ -9,7 +9,9 @@ use std::sync::Arc;
 
 use crate::config::Config;
 use crate::quality::{self, Answer, MetricResult, Outcome};
-use crate::record::{ExchangeRecord, QueueItem, TextMode, now_ms, unread_answer};
+use crate::record::{
+    BATCH_REQUESTS, BATCH_RESULTS, ExchangeRecord, QueueItem, TextMode, now_ms, unread_answer,
+};
 use crate::sink::{Processed, Sinks, Stored};
 use crate::telemetry::{Metrics, QueueEvent};
 
@@ -150,6 +152,18 @@ pub fn exchange_metrics(quality: &quality::Metrics, record: &ExchangeRecord) -> 
             record.route
         );
         unscored(&mut metrics, |name| ANSWER_METRICS.contains(&name), reason);
+    }
+    if record.route == BATCH_RESULTS {
+        // Its request went up with the batch, long before: no question to
+        // hold the context to, and no time the answer took.
+        let reason = "a batch's answer is read apart from its request";
+        let apart = |name: &str| ["context_relevance", "latency"].contains(&name);
+        unscored(&mut metrics, apart, reason.into());
+    }
+    if record.route == BATCH_REQUESTS {
+        let reason = "a batch's request is answered in the batch's results, recorded apart";
+        let answered = |name: &str| ANSWER_METRICS.contains(&name) || name == "latency";
+        unscored(&mut metrics, answered, reason.into());
     }
     metrics
 }

@@ -29,9 +29,22 @@
 //!   that is not JSON, or longer than `guard.max_response_bytes`, ends the
 //!   body with an error. Other files pass unread.
 //!
-//! There is no exchange record: the proxy sees no batch request from its
-//! prompt to its answer.
+//! The proxy sees a batch's request apart from its answer, so each leaves
+//! an exchange record of its own, the two tied by the request's
+//! `custom_id`, each numbered after the fairgate request that read it:
+//!
+//! - a request read whole when its batch is created ([`Requests`]: an
+//!   Anthropic message batch, an OpenAI batch's input uploaded in one
+//!   piece; route [`crate::record::BATCH_REQUESTS`], numbered by its place
+//!   from 1): its prompt, verdict and hits, and the status the creation
+//!   got. An input read on its way up, or in parts, is counted and its
+//!   blocks logged, but leaves no record: its lines are read apart from
+//!   the answer that ends them.
+//! - an answer, as it is relayed ([`crate::record::BATCH_RESULTS`],
+//!   numbered by its line): the answer, its verdict and hits, the model
+//!   and usage, and no prompt.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::ops::Range;
 use std::sync::Arc;
@@ -46,18 +59,21 @@ use serde_json::{Value, json};
 
 use super::respond::{self, Failure};
 use super::stored::{ScannedIn, count};
-use super::{BoxError, Pending, ProxyBody, ReadRequest, Relayed, State, lines, upstream};
+use super::{
+    BoxError, Ending, Pending, ProxyBody, ReadRequest, RecordDraft, Relayed, State, lines, upstream,
+};
 use crate::config::OnBlock;
 use crate::exchange::{self, Batch, BatchAnswer, BatchRequest, Dialect};
 use crate::guard::{self, block_message, rule_ids};
 use crate::json::{self, ReadError};
-use crate::risk::{self, Decision};
+use crate::record::{ClientMeta, Usage, now_ms};
+use crate::risk::{self, Decision, Verdict};
 use crate::rules::{Hit, RuleSet, Scope};
 
 /// The route label of a batch's requests in the metrics.
 const REQUESTS: &str = "batches";
-/// The route label of a batch's answers.
-const RESULTS: &str = "batch_results";
+/// The route label of a batch's answers, and of their records.
+const RESULTS: &str = crate::record::BATCH_RESULTS;
 
 /// A request about batches ([`Batch`]), relayed as the guard allows.
 pub(super) async fn handle(
@@ -87,6 +103,7 @@ async fn upload(
     req: Request<Incoming>,
     request_id: &str,
 ) -> Response<ProxyBody> {
+    let started = Instant::now();
     let dialect = Dialect::OpenAi;
     let Some(boundary) = form_boundary(req.headers()) else {
         return super::passthrough(state, req, request_id).await;
@@ -95,6 +112,8 @@ async fn upload(
         Ok(form) => form,
         Err(answer) => return answer,
     };
+    let upstream = form.upstream.clone();
+    let mut records = Requests::new(state, (dialect, &upstream), (request_id, started));
     let body = match form.held {
         // Too large to read whole: what its start says decides.
         Held::Start(start, body) => match purpose(&fields(&start, &boundary).await.0) {
@@ -107,16 +126,21 @@ async fn upload(
             }
         },
         Held::Whole(whole) => {
-            match batch_input(state, &form.upstream, whole, &boundary, request_id).await {
+            let read = batch_input(&mut records, &form.parts.headers, whole, &boundary).await;
+            match read {
                 Ok(whole) => upstream::whole(whole),
-                Err(refused) => return refused,
+                Err(refused) => {
+                    records.end(refused.status().as_u16(), None);
+                    return refused;
+                }
             }
         }
     };
-    let (uri, upstream) = (&form.parts.uri, &form.upstream);
-    match super::forward(state, upstream, Method::POST, uri, form.headers, body).await {
+    let uri = &form.parts.uri;
+    let sent = super::forward(state, &upstream, Method::POST, uri, form.headers, body);
+    match records.answered(sent).await {
         Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
-        Err(failure) => respond::failure(dialect, failure, request_id),
+        Err(failed) => failed,
     }
 }
 
@@ -351,15 +375,15 @@ fn purpose(fields: &[(HeaderMap, Bytes)]) -> Option<&[u8]> {
 }
 
 /// An upload form as it goes up: a batch's input with its requests
-/// scanned (redacted in place), refused when one is blocked; any other
-/// form as it came.
+/// scanned (redacted in place) into `records`, refused when one is
+/// blocked; any other form as it came. `headers` are the upload's.
 async fn batch_input(
-    state: &State,
-    upstream: &str,
+    records: &mut Requests<'_>,
+    headers: &HeaderMap,
     form: Bytes,
     boundary: &str,
-    request_id: &str,
 ) -> Result<Bytes, Response<ProxyBody>> {
+    let (state, request_id) = (records.state, records.request_id);
     let dialect = Dialect::OpenAi;
     let (mut fields, complete) = fields(&form, boundary).await;
     if purpose(&fields) != Some(b"batch") || !complete {
@@ -394,10 +418,9 @@ async fn batch_input(
             }
         };
         let place = format!("line {}", index + 1);
-        let found = scan_one(
-            state, &rules, upstream, dialect, &place, &request, request_id,
-        )
-        .map_err(|refused| *refused)?;
+        let found = records
+            .scan(&rules, headers, (&place, index + 1), &request)
+            .map_err(|refused| *refused)?;
         let shift = |span: Range<usize>| span.start + offset..span.end + offset;
         edits.extend(found.into_iter().map(|(span, text)| (shift(span), text)));
     }
@@ -430,22 +453,128 @@ pub(super) fn form_of(fields: &[(HeaderMap, Bytes)], boundary: &str, size: usize
 /// Texts a redaction rewrites: where each lies and its new value.
 type Edits = Vec<(Range<usize>, String)>;
 
-/// One request of a batch, at `place` (`requests.1`, `line 2`), scanned
-/// as a prompt and counted: its redactions, or the 400 that refuses the
-/// batch when it is blocked (naming it by its place and `custom_id`).
-fn scan_one(
-    state: &State,
-    rules: &RuleSet,
-    upstream: &str,
+/// The records of a batch's requests, read as it is created (read
+/// whole: an Anthropic message batch, an OpenAI batch's input uploaded in
+/// one piece), each with its prompt and verdict and no answer: that comes
+/// in the batch's results, with a record of its own. They end together,
+/// with the status of the creation's answer ([`Requests::end`]); dropped
+/// before (the client gone), with 499.
+pub(super) struct Requests<'a> {
+    state: &'a State,
+    /// The request that creates the batch.
+    request_id: &'a str,
+    started: Instant,
+    started_ms: i64,
     dialect: Dialect,
-    place: &str,
-    request: &BatchRequest,
-    request_id: &str,
-) -> Result<Edits, Box<Response<ProxyBody>>> {
-    let scan = scan_counted(state, rules, upstream, request, request_id);
-    match Refusal::of_block(request, &scan.verdict.hits, scan.verdict.decision) {
-        Some(refusal) => Err(Box::new(refusal.respond(dialect, place, request_id))),
-        None => Ok(scan.edits),
+    upstream: &'a str,
+    read: Vec<(RecordDraft, Verdict)>,
+    /// When the creation went upstream, once it has.
+    sent: Option<Instant>,
+}
+
+impl<'a> Requests<'a> {
+    pub(super) fn new(
+        state: &'a State,
+        (dialect, upstream): (Dialect, &'a str),
+        (request_id, started): (&'a str, Instant),
+    ) -> Requests<'a> {
+        Requests {
+            state,
+            request_id,
+            started,
+            started_ms: now_ms() - started.elapsed().as_millis() as i64,
+            dialect,
+            upstream,
+            read: Vec::new(),
+            sent: None,
+        }
+    }
+
+    /// One request of the batch, the `number`th (from 1), at `place`
+    /// (`requests.1`, `line 2`), scanned as a prompt and counted: its
+    /// redactions, or the 400 that refuses the batch when it is blocked
+    /// (naming it by its place and `custom_id`). Its record is kept to
+    /// end with the others.
+    fn scan(
+        &mut self,
+        rules: &RuleSet,
+        headers: &HeaderMap,
+        (place, number): (&str, usize),
+        request: &BatchRequest,
+    ) -> Result<Edits, Box<Response<ProxyBody>>> {
+        let id = format!("{}.{number}", self.request_id);
+        let scan = scan_recorded(self.state, rules, self.upstream, REQUESTS, request, &id);
+        let verdict = scan.verdict;
+        let refusal = Refusal::of_block(request, &verdict.hits, verdict.decision);
+        let draft = RecordDraft {
+            request_id: id,
+            started: self.started,
+            started_ms: self.started_ms,
+            route: REQUESTS,
+            dialect: self.dialect,
+            upstream: self.upstream.to_owned(),
+            upstream_request_id: None,
+            model: request.params.model.as_deref().map(str::to_owned),
+            stream: false,
+            custom_id: request.custom_id.as_deref().map(str::to_owned),
+            client: ClientMeta::read(headers, request.params.metadata),
+            prompt: scan.texts.prompt,
+            context: scan.texts.context,
+        };
+        self.read.push((draft, verdict));
+        match refusal {
+            Some(refusal) => {
+                let refused = refusal.respond(self.dialect, place, self.request_id);
+                Err(Box::new(refused))
+            }
+            None => Ok(scan.edits),
+        }
+    }
+
+    /// Ends the records with the status the creation was answered with,
+    /// and the upstream's id of it from `headers`, when it answered.
+    pub(super) fn end(&mut self, status: u16, headers: Option<&HeaderMap>) {
+        let upstream = self.sent.map(|sent| sent.elapsed());
+        let upstream_request_id = headers.and_then(super::upstream_request_id);
+        for (mut draft, verdict) in self.read.drain(..) {
+            draft.upstream_request_id = upstream_request_id.clone();
+            draft.finish_unanswered(self.state, &verdict, status, upstream);
+        }
+    }
+
+    /// Sends the batch's creation on as [`super::forward`] does, then ends
+    /// the records with its answer.
+    async fn answered(
+        &mut self,
+        forwarded: impl Future<Output = Result<(Response<upstream::Answer>, Duration), Failure>>,
+    ) -> Result<(Response<upstream::Answer>, Duration), Response<ProxyBody>> {
+        self.sent = Some(Instant::now());
+        match forwarded.await {
+            Ok((response, timeout)) => {
+                self.end(response.status().as_u16(), Some(response.headers()));
+                Ok((response, timeout))
+            }
+            Err(failure) => {
+                let failed = respond::failure(self.dialect, failure, self.request_id);
+                self.end(failed.status().as_u16(), None);
+                Err(failed)
+            }
+        }
+    }
+}
+
+impl Drop for Requests<'_> {
+    fn drop(&mut self) {
+        if self.read.is_empty() {
+            return;
+        }
+        // As an exchange's record is ended by a fault, or by its client
+        // leaving (499, as nginx logs it).
+        let status = match std::thread::panicking() {
+            true => 500,
+            false => 499,
+        };
+        self.end(status, None);
     }
 }
 
@@ -706,12 +835,14 @@ impl Refusal {
     }
 }
 
-/// Creates a message batch whose requests the rules allow.
+/// Creates a message batch whose requests the rules allow; each request
+/// leaves a record ([`Requests`]).
 async fn create(
     state: &Arc<State>,
     req: Request<Incoming>,
     request_id: &str,
 ) -> Response<ProxyBody> {
+    let started = Instant::now();
     let dialect = Dialect::Anthropic;
     let origin = client_origin(req.headers(), req.uri());
     let limit = state.config.guard.max_batch_bytes;
@@ -729,32 +860,34 @@ async fn create(
         Err(answer) => return *answer,
     };
     let rules = state.rules.snapshot();
+    let mut records = Requests::new(state, (dialect, &upstream), (request_id, started));
     let mut edits = Vec::new();
     for (index, request) in requests.iter().enumerate() {
-        let place = format!("requests.{index}");
-        match scan_one(
-            state, &rules, &upstream, dialect, &place, request, request_id,
-        ) {
+        let place = (format!("requests.{index}"), index + 1);
+        match records.scan(&rules, &read.parts.headers, (&place.0, place.1), request) {
             Ok(found) => edits.extend(found),
-            Err(refused) => return *refused,
+            Err(refused) => {
+                records.end(refused.status().as_u16(), None);
+                return *refused;
+            }
         }
     }
     let body = match edits.is_empty() {
         true => read.bytes.clone(),
         false => json::splice(&read.bytes, &edits),
     };
-    match read.send(state, (&upstream, body), true).await {
-        Ok((response, timeout)) => {
-            let relayed = Relayed {
-                upstream,
-                stream_mode: None,
-                response,
-                timeout,
-            };
-            with_results_here(state, relayed, origin, request_id).await
-        }
-        Err(failure) => respond::failure(dialect, failure, request_id),
-    }
+    let sent = read.send(state, (&upstream, body), true);
+    let (response, timeout) = match records.answered(sent).await {
+        Ok(answered) => answered,
+        Err(failed) => return failed,
+    };
+    let relayed = Relayed {
+        upstream: upstream.clone(),
+        stream_mode: None,
+        response,
+        timeout,
+    };
+    with_results_here(state, relayed, origin, request_id).await
 }
 
 /// Relays batch objects with their `results_url` leading to the proxy.
@@ -866,6 +999,8 @@ async fn results(
     dialect: Dialect,
     request_id: &str,
 ) -> Response<ProxyBody> {
+    let started = Instant::now();
+    let client = ClientMeta::read(req.headers(), None);
     let Relayed {
         upstream,
         response,
@@ -891,6 +1026,14 @@ async fn results(
         // Anthropic's results are a batch's; a file tells by its first line.
         reading: (dialect == Dialect::Anthropic).then_some(true),
         pending: Vec::new(),
+        fetch: Fetch {
+            started,
+            started_ms: now_ms() - started.elapsed().as_millis() as i64,
+            client,
+            upstream_request_id: super::upstream_request_id(&head.headers),
+            status: head.status.as_u16(),
+        },
+        lines: 0,
     };
     let chunks = upstream::body_stream(body, timeout);
     let body = futures_util::stream::unfold(Some((lines, chunks)), |state| async move {
@@ -924,6 +1067,20 @@ struct Lines {
     /// first line tells; `false` passes the rest as it comes.
     reading: Option<bool>,
     pending: Vec<u8>,
+    /// What the answers' records have of the fetch.
+    fetch: Fetch,
+    /// The lines read so far: the number of an answer's record.
+    lines: usize,
+}
+
+/// The fetch of a batch's results, as the records of its answers give it.
+struct Fetch {
+    started: Instant,
+    started_ms: i64,
+    client: ClientMeta,
+    upstream_request_id: Option<String>,
+    /// The status the client got.
+    status: u16,
 }
 
 impl Lines {
@@ -979,6 +1136,7 @@ impl Lines {
 
     /// One line (its line break included), as the guard allows.
     fn line(&mut self, line: &[u8], out: &mut Vec<u8>) -> Result<(), BoxError> {
+        self.lines += 1;
         let text_end = line.len()
             - line
                 .iter()
@@ -994,7 +1152,9 @@ impl Lines {
             Ok(read) if self.reading.is_some() || read.batch => {
                 self.reading = Some(true);
                 match read.answer {
-                    Some(answer) => out.extend_from_slice(&self.answer(text, answer)),
+                    Some(answer) => {
+                        out.extend_from_slice(&self.answer(text, read.custom_id, answer))
+                    }
                     None => out.extend_from_slice(text),
                 }
                 out.extend_from_slice(ending);
@@ -1011,41 +1171,80 @@ impl Lines {
         Ok(())
     }
 
-    /// A line whose answer is scanned: as it came, redacted, or refused.
-    fn answer(&self, line: &[u8], answer: BatchAnswer) -> Bytes {
+    /// A line whose answer is scanned: as it came, redacted, or refused;
+    /// its record goes to the side queue.
+    fn answer(&self, line: &[u8], custom_id: Option<Cow<str>>, answer: BatchAnswer) -> Bytes {
+        let read = Instant::now();
         let state = &self.state;
+        let id = format!("{}.{}", self.request_id, self.lines);
         let scanned = guard::scan_response(&self.rules, line, &answer.texts, None);
         let verdict = risk::assess(&state.config.risk, scanned.hits, &[]);
         let scanned_in = ScannedIn {
             route: RESULTS,
             upstream: &self.upstream,
-            model: None,
-            request_id: &self.request_id,
+            model: answer.model.as_deref(),
+            request_id: &id,
             scope: Scope::Response,
-            status: None,
-            logged: true,
+            status: Some(self.fetch.status),
+            // The record puts a block there.
+            logged: false,
         };
         count(state, scanned_in, &verdict);
-        if verdict.decision != Decision::Block {
-            return scanned
+        let out = match verdict.decision {
+            Decision::Block => self.refused(line, &answer, &verdict.hits, &id),
+            _ => scanned
                 .redacted
-                .unwrap_or_else(|| Bytes::copy_from_slice(line));
-        }
-        let message = block_message(&verdict.hits);
-        let ids = rule_ids(&verdict.hits);
-        tracing::info!(request_id = self.request_id, rules = ?ids, "batch answer blocked");
+                .unwrap_or_else(|| Bytes::copy_from_slice(line)),
+        };
+        let draft = RecordDraft {
+            request_id: id,
+            started: self.fetch.started,
+            started_ms: self.fetch.started_ms,
+            route: RESULTS,
+            dialect: self.dialect,
+            upstream: self.upstream.clone(),
+            upstream_request_id: self.fetch.upstream_request_id.clone(),
+            model: answer.model.map(Cow::into_owned),
+            stream: false,
+            custom_id: custom_id.map(Cow::into_owned),
+            client: self.fetch.client.clone(),
+            prompt: Vec::new(),
+            context: Vec::new(),
+        };
+        // fairgate's share is this line's reading; the rest of the time
+        // since the fetch began went to the upstream's sending the lines.
+        let proxy = read.elapsed();
+        let upstream = self.fetch.started.elapsed().saturating_sub(proxy);
+        let ending = Ending {
+            verdict: &verdict,
+            response: scanned.texts,
+            context: scanned.context,
+            status: self.fetch.status,
+            upstream: Some(upstream),
+            proxy,
+            usage: answer.usage.map(Usage::from_json_text),
+            stream_end: None,
+        };
+        draft.finish(state, ending);
+        out
+    }
+
+    /// A line whose answer a rule blocks, turned into the refusal its
+    /// request would have got, or (`on_block: error`) a failed request.
+    /// `id` is the answer's record's.
+    fn refused(&self, line: &[u8], answer: &BatchAnswer, hits: &[Hit], id: &str) -> Bytes {
+        let message = block_message(hits);
+        let ids = rule_ids(hits);
+        tracing::info!(request_id = id, rules = ?ids, "batch answer blocked");
         // The line was read as JSON already.
         let mut value: Value = serde_json::from_slice(line).unwrap_or_default();
-        let error = || {
-            let id = &self.request_id;
-            respond::blocked_body(self.dialect, "response", &message, &ids, id)
-        };
-        match (self.dialect, state.config.guard.on_block) {
+        let error = || respond::blocked_body(self.dialect, "response", &message, &ids, id);
+        match (self.dialect, self.state.config.guard.on_block) {
             (Dialect::Anthropic, OnBlock::Refusal) => {
-                refuse(&mut value["result"]["message"], &answer, &message)
+                refuse(&mut value["result"]["message"], answer, &message)
             }
             (Dialect::OpenAi, OnBlock::Refusal) => {
-                refuse(&mut value["response"]["body"], &answer, &message)
+                refuse(&mut value["response"]["body"], answer, &message)
             }
             // As a request of the batch that failed.
             (Dialect::Anthropic, OnBlock::Error) => {

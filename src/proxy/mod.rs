@@ -1090,6 +1090,8 @@ struct RecordDraft {
     upstream_request_id: Option<String>,
     model: Option<String>,
     stream: bool,
+    /// The `custom_id` of the batch's request a batch's answer answers.
+    custom_id: Option<String>,
     client: ClientMeta,
     prompt: Vec<String>,
     context: Vec<String>,
@@ -1137,6 +1139,7 @@ impl RecordDraft {
             stream: self.stream,
             status: end.status,
             stream_end: end.stream_end,
+            custom_id: self.custom_id,
             texts: Texts::new(mode, self.prompt, self.context, end.response),
             verdict: end.verdict.decision,
             risk: end.verdict.risk,
@@ -1151,6 +1154,35 @@ impl RecordDraft {
             state.blocked.push(Blocked::of_record(&record));
         }
         state.queue.push(QueueItem::Exchange(Box::new(record)));
+    }
+}
+
+impl RecordDraft {
+    /// Completes the record of a request that ended with no response
+    /// read: `status`, and the upstream's share of the time when it was
+    /// called.
+    fn finish_unanswered(
+        self,
+        state: &State,
+        verdict: &Verdict,
+        status: u16,
+        upstream: Option<Duration>,
+    ) {
+        let proxy = self
+            .started
+            .elapsed()
+            .saturating_sub(upstream.unwrap_or_default());
+        let ending = Ending {
+            verdict,
+            response: Vec::new(),
+            context: Vec::new(),
+            status,
+            upstream,
+            proxy,
+            usage: None,
+            stream_end: None,
+        };
+        self.finish(state, ending);
     }
 }
 
@@ -1209,6 +1241,7 @@ impl<'a> Pending<'a> {
             client: ClientMeta::read(headers, request.params.metadata),
             model: request.params.model.as_deref().map(str::to_owned),
             stream: false,
+            custom_id: None,
             prompt: texts.prompt,
             context: texts.context,
         };
@@ -1235,26 +1268,9 @@ impl<'a> Pending<'a> {
     }
 
     fn record_unanswered(&mut self, status: u16, upstream: Option<Duration>) {
-        let Some(draft) = self.draft.take() else {
-            return;
-        };
-        let proxy = draft
-            .started
-            .elapsed()
-            .saturating_sub(upstream.unwrap_or_default());
-        draft.finish(
-            self.state,
-            Ending {
-                verdict: self.verdict,
-                response: Vec::new(),
-                context: Vec::new(),
-                status,
-                upstream,
-                proxy,
-                usage: None,
-                stream_end: None,
-            },
-        );
+        if let Some(draft) = self.draft.take() {
+            draft.finish_unanswered(self.state, self.verdict, status, upstream);
+        }
     }
 
     /// The draft, for the handler to finish.
@@ -1502,6 +1518,7 @@ async fn guarded(
         client: ClientMeta::read(&parts.headers, read.metadata),
         model,
         stream: streaming,
+        custom_id: None,
         prompt: texts.prompt,
         context: texts.context,
     };
@@ -2160,6 +2177,7 @@ mod tests {
             upstream_request_id: None,
             model: Some("claude-test".to_owned()),
             stream: false,
+            custom_id: None,
             client: ClientMeta::default(),
             prompt: vec!["Where do I start?".to_owned()],
             context: Vec::new(),

@@ -1031,6 +1031,7 @@ impl Session {
             upstream_request_id: None,
             model: self.handshake.model.clone(),
             stream: true,
+            custom_id: None,
             client: self.handshake.client.clone(),
             prompt,
             context: Vec::new(),

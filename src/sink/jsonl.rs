@@ -380,6 +380,7 @@ mod tests {
             stream: false,
             status: 400,
             stream_end: None,
+            custom_id: None,
             texts: Texts::new(TextMode::Full, vec![prompt], Vec::new(), Vec::new()),
             verdict,
             risk: crate::risk::Risk::default(),
