@@ -44,6 +44,19 @@ fn output(custom_id: &str, text: &str) -> Value {
         "error": null})
 }
 
+/// Anthropic results with an answer allowed (`a`), one blocked (`b`), a
+/// request that failed (`c`) and an answer to redact (`d`).
+fn results() -> [Value; 4] {
+    let errored = json!({"custom_id": "c", "result": {"type": "errored", "error": {"type": "error",
+        "error": {"type": "overloaded_error", "message": "Overloaded"}}}});
+    [
+        succeeded("a", HARMLESS),
+        succeeded("b", HARMFUL),
+        errored,
+        succeeded("d", CARD),
+    ]
+}
+
 fn jsonl(lines: &[Value]) -> String {
     lines.iter().map(|line| format!("{line}\n")).collect()
 }
@@ -308,14 +321,8 @@ async fn a_batch_goes_up_redacted_and_its_results_url_leads_back_here() {
 #[tokio::test]
 async fn results_are_relayed_line_by_line_as_the_rules_allow() {
     let (_mock, proxy) = start().await;
-    let errored = json!({"custom_id": "c", "result": {"type": "errored", "error": {"type": "error",
-        "error": {"type": "overloaded_error", "message": "Overloaded"}}}});
-    let lines = [
-        succeeded("a", HARMLESS),
-        succeeded("b", HARMFUL),
-        errored.clone(),
-        succeeded("d", CARD),
-    ];
+    let lines = results();
+    let errored = &lines[2];
     // The last line without its line break, as a body may end.
     let body = jsonl(&lines);
     let body = body.trim_end();
@@ -356,14 +363,7 @@ async fn results_are_relayed_line_by_line_as_the_rules_allow() {
 #[tokio::test]
 async fn each_answer_read_leaves_a_record_with_its_custom_id() {
     let (_mock, proxy) = start().await;
-    let errored = json!({"custom_id": "c", "result": {"type": "errored", "error": {"type": "error",
-        "error": {"type": "overloaded_error", "message": "Overloaded"}}}});
-    let lines = [
-        succeeded("a", HARMLESS),
-        succeeded("b", HARMFUL),
-        errored,
-        succeeded("d", CARD),
-    ];
+    let lines = results();
     let script = json!({"raw_pieces": jsonl(&lines), "content_type": "application/binary",
         "headers": [["request-id", "req_results_1"]]});
     let response = proxy
