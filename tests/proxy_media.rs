@@ -224,5 +224,58 @@ async fn a_media_form_too_large_to_hold_is_read_on_its_way() {
         assert_eq!(response.status(), 200);
         mock.assert_last_sent_whole(&allowed);
     }
+
+    // The client gives up while the upstream is still answering.
+    let gone = client()
+        .post(proxy.url("/v1/images/edits"))
+        .header("content-type", "multipart/form-data; boundary=XyZ")
+        .header("x-mock-reply", json!({"delay_ms": 2000}).to_string())
+        .timeout(std::time::Duration::from_millis(300))
+        .body(form(&[("prompt", "A cat, gone.")], &image))
+        .send()
+        .await;
+    assert!(gone.is_err(), "{gone:?}");
+
+    // Each form read to its end leaves a record, with the status its
+    // client got: the two blocked, the one refused for its redaction, the
+    // two allowed and the one its client left (499); the broken form and
+    // the text too long, none.
+    let rows = proxy.wait_for_results(6).await;
+    let records: Vec<&Value> = rows.iter().map(|row| &row["exchange"]).collect();
+    assert_eq!(records.len(), 6, "{records:#?}");
+    let gone = records.iter().find(|r| r["status"] == 499);
+    let gone = gone.unwrap_or_else(|| panic!("a record of the client gone: {records:#?}"));
+    assert_eq!(gone["texts"]["prompt"], json!(["A cat, gone."]), "{gone}");
+    let of = |verdict: &str| -> Vec<&Value> {
+        let found = records.iter().filter(|r| r["verdict"] == verdict);
+        found.copied().collect()
+    };
+    let blocked = of("block");
+    assert_eq!(blocked.len(), 2, "{records:#?}");
+    for record in blocked {
+        assert_eq!(
+            (&record["route"], &record["status"]),
+            (&json!("media"), &json!(400))
+        );
+        assert_eq!(record["texts"]["prompt"], json!([ATTACK]), "{record}");
+    }
+    let redacted = of("redact");
+    assert_eq!(redacted.len(), 1, "{records:#?}");
+    assert_eq!(redacted[0]["status"], 400, "{records:#?}");
+    let prompt = redacted[0]["texts"]["prompt"].to_string();
+    assert!(
+        prompt.contains("[REDACTED:card]") && !prompt.contains("4111"),
+        "{prompt}"
+    );
+    let allowed = of("allow");
+    assert_eq!(allowed.len(), 3, "{records:#?}");
+    for record in allowed.into_iter().filter(|r| r["status"] != 499) {
+        assert_eq!(record["status"], 200, "{record}");
+        let prompt = json!(["A watercolor of a piggy bank."]);
+        assert_eq!(record["texts"]["prompt"], prompt, "{record}");
+        assert!(record["upstream_ms"].is_number(), "{record}");
+    }
+    let recent = proxy.recent_blocks().await;
+    assert_eq!(recent.len(), 2, "{recent:?}");
     proxy.stop().await;
 }

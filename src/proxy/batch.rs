@@ -56,6 +56,7 @@ use http::{HeaderMap, Method, Request, Response, Uri, header};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
+use tokio::sync::oneshot;
 
 use super::respond::{self, Failure};
 use super::stored::{ScannedIn, count};
@@ -453,24 +454,31 @@ pub(super) fn form_of(fields: &[(HeaderMap, Bytes)], boundary: &str, size: usize
 /// Texts a redaction rewrites: where each lies and its new value.
 type Edits = Vec<(Range<usize>, String)>;
 
-/// The records of a batch's requests, read as it is created (read
-/// whole: an Anthropic message batch, an OpenAI batch's input uploaded in
-/// one piece), each with its prompt and verdict and no answer: that comes
-/// in the batch's results, with a record of its own. They end together,
-/// with the status of the creation's answer ([`Requests::end`]); dropped
-/// before (the client gone), with 499.
+/// The records of requests read outside an exchange that end together:
+/// a batch's, read as it is created (read whole: an Anthropic message
+/// batch, an OpenAI batch's input uploaded in one piece), each with its
+/// prompt and verdict and no answer (that comes in the batch's results,
+/// with a record of its own); or the one a reader on a request's way up
+/// hands over ([`Requests::on_the_way`]: a media form too large to hold).
+/// They end with the status of the request's answer ([`Requests::end`]);
+/// dropped before (the client gone), with 499.
 pub(super) struct Requests<'a> {
     state: &'a State,
     /// The request that creates the batch.
     request_id: &'a str,
     started: Instant,
-    started_ms: i64,
     dialect: Dialect,
     upstream: &'a str,
     read: Vec<(RecordDraft, Verdict)>,
+    /// A record a reader on the request's way up makes, once it has read
+    /// the request ([`Requests::on_the_way`]).
+    later: Option<oneshot::Receiver<(RecordDraft, Verdict)>>,
     /// When the creation went upstream, once it has.
     sent: Option<Instant>,
 }
+
+/// Where a reader on a request's way up hands its record over.
+pub(super) type Recorded = oneshot::Sender<(RecordDraft, Verdict)>;
 
 impl<'a> Requests<'a> {
     pub(super) fn new(
@@ -482,12 +490,20 @@ impl<'a> Requests<'a> {
             state,
             request_id,
             started,
-            started_ms: now_ms() - started.elapsed().as_millis() as i64,
             dialect,
             upstream,
             read: Vec::new(),
+            later: None,
             sent: None,
         }
+    }
+
+    /// Where a reader of the request on its way up (a media form too
+    /// large to hold) hands over its record: it ends with the others.
+    pub(super) fn on_the_way(&mut self) -> Recorded {
+        let (recorded, later) = oneshot::channel();
+        self.later = Some(later);
+        recorded
     }
 
     /// One request of the batch, the `number`th (from 1), at `place`
@@ -506,21 +522,9 @@ impl<'a> Requests<'a> {
         let scan = scan_recorded(self.state, rules, self.upstream, REQUESTS, request, &id);
         let verdict = scan.verdict;
         let refusal = Refusal::of_block(request, &verdict.hits, verdict.decision);
-        let draft = RecordDraft {
-            request_id: id,
-            started: self.started,
-            started_ms: self.started_ms,
-            route: REQUESTS,
-            dialect: self.dialect,
-            upstream: self.upstream.to_owned(),
-            upstream_request_id: None,
-            model: request.params.model.as_deref().map(str::to_owned),
-            stream: false,
-            custom_id: request.custom_id.as_deref().map(str::to_owned),
-            client: ClientMeta::read(headers, request.params.metadata),
-            prompt: scan.texts.prompt,
-            context: scan.texts.context,
-        };
+        let read_as = (REQUESTS, self.dialect, self.upstream);
+        let of = (headers, request);
+        let draft = RecordDraft::outside(read_as, of, scan.texts, (&id, self.started));
         self.read.push((draft, verdict));
         match refusal {
             Some(refusal) => {
@@ -531,9 +535,14 @@ impl<'a> Requests<'a> {
         }
     }
 
-    /// Ends the records with the status the creation was answered with,
+    /// Ends the records with the status the request was answered with,
     /// and the upstream's id of it from `headers`, when it answered.
     pub(super) fn end(&mut self, status: u16, headers: Option<&HeaderMap>) {
+        if let Some(later) = self.later.as_mut()
+            && let Ok(record) = later.try_recv()
+        {
+            self.read.push(record);
+        }
         let upstream = self.sent.map(|sent| sent.elapsed());
         let upstream_request_id = headers.and_then(super::upstream_request_id);
         for (mut draft, verdict) in self.read.drain(..) {
@@ -542,8 +551,8 @@ impl<'a> Requests<'a> {
         }
     }
 
-    /// Sends the batch's creation on as [`super::forward`] does, then ends
-    /// the records with its answer.
+    /// Sends the request on as [`super::forward`] does, then ends the
+    /// records with its answer.
     async fn answered(
         &mut self,
         forwarded: impl Future<Output = Result<(Response<upstream::Answer>, Duration), Failure>>,
@@ -561,11 +570,23 @@ impl<'a> Requests<'a> {
             }
         }
     }
+
+    /// Sends the request on as `answer` does (its answer, or the
+    /// failure's), then ends the records with that answer.
+    pub(super) async fn answered_with(
+        &mut self,
+        answer: impl Future<Output = Response<ProxyBody>>,
+    ) -> Response<ProxyBody> {
+        self.sent = Some(Instant::now());
+        let answer = answer.await;
+        self.end(answer.status().as_u16(), Some(answer.headers()));
+        answer
+    }
 }
 
 impl Drop for Requests<'_> {
     fn drop(&mut self) {
-        if self.read.is_empty() {
+        if self.read.is_empty() && self.later.is_none() {
             return;
         }
         // As an exchange's record is ended by a fault, or by its client

@@ -21,21 +21,22 @@
 //! the field. A redaction rewrites the text in place; in a form sent on
 //! as it arrives, which cannot be edited, it refuses the request as a
 //! block does. The answer (an image, audio, a video job, a transcript)
-//! passes as it comes. A request held whole leaves a record with no
-//! response ([`super::Pending::outside`]); one read on its way leaves
-//! none yet (its block is counted and logged).
+//! passes as it comes. A request leaves a record with no response: one
+//! held whole as [`super::Pending::outside`] makes it, one read on its
+//! way once its form is read ([`batch::Requests::on_the_way`]), ended with
+//! the status its client got (499 when the client left first).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::{HeaderMap, Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::mpsc;
 
-use super::batch::{self, Held, HeldForm, Refusal};
+use super::batch::{self, Held, HeldForm, Recorded, Refusal, Requests};
 use super::respond;
-use super::{ProxyBody, State};
+use super::{ProxyBody, RecordDraft, State};
 use crate::exchange::{self, BatchRequest, Dialect, MEDIA_TEXTS, Text};
 use crate::rules::Scope;
 
@@ -79,17 +80,23 @@ async fn form(
         Held::Whole(form) => form,
         Held::Start(start, rest) => {
             let (copies, pieces) = mpsc::channel(8);
+            let dialect = Dialect::OpenAi;
+            let mut records = Requests::new(state, (dialect, upstream), (request_id, started));
             let judged = {
+                let recorded = records.on_the_way();
                 let (state, upstream, request_id) =
                     (state.clone(), upstream.to_owned(), request_id.to_owned());
+                let headers = held.parts.headers.clone();
                 async move {
                     let texts = read_texts(pieces, boundary, limit).await;
-                    judge_on_the_way(&state, &upstream, texts, &request_id)
+                    let read = (&headers, request_id.as_str(), started);
+                    judge_on_the_way(&state, &upstream, texts, read, recorded)
                 }
             };
             let sent = (&held.parts, start, rest);
             let to = (upstream, held.headers);
-            return batch::send_judged(state, sent, to, copies, judged, request_id).await;
+            let answer = batch::send_judged(state, sent, to, copies, judged, request_id);
+            return records.answered_with(answer).await;
         }
     };
     let (mut fields, complete) = batch::fields(&form, &boundary).await;
@@ -209,12 +216,15 @@ async fn read_texts(
 
 /// The 400 that refuses a form read on its way, if anything refuses it: a
 /// text a rule blocks or redacts (what went up cannot be edited), or a
-/// form that could not be read (a text too long to hold: 413).
+/// form that could not be read (a text too long to hold: 413). A form
+/// read hands its record over to `recorded` (`read`: the request's
+/// headers, id and start).
 fn judge_on_the_way(
     state: &State,
     upstream: &str,
     texts: Result<Vec<FormText>, Unread>,
-    request_id: &str,
+    (headers, request_id, started): (&HeaderMap, &str, Instant),
+    recorded: Recorded,
 ) -> Option<Response<ProxyBody>> {
     let texts = match texts {
         Ok(texts) => texts,
@@ -225,21 +235,31 @@ fn judge_on_the_way(
         }
     };
     let (request, place) = as_request(&texts);
-    match batch::scan_or_refuse(
-        state,
-        (upstream, Dialect::OpenAi),
-        ROUTE,
-        (&request, &place),
-        request_id,
-    ) {
-        Err(refused) => Some(*refused),
-        Ok(scan) if scan.edits.is_empty() => None,
-        Ok(scan) => {
+    let rules = state.rules.snapshot();
+    let scan = batch::scan_recorded(state, &rules, upstream, ROUTE, &request, request_id);
+    let verdict = scan.verdict;
+    let (hits, decision) = (&verdict.hits, verdict.decision);
+    let refusal = match Refusal::of_block(&request, hits, decision) {
+        Some(blocked) => Some(blocked),
+        None if scan.edits.is_empty() => None,
+        None => {
             let why = "it holds text the content policy redacts, and a form larger than this gateway holds goes up as it arrives, so it cannot be edited; redact the text before sending it.";
-            let refusal = Refusal::of_redaction(&request, &scan.verdict.hits, why);
-            Some(refusal.respond(Dialect::OpenAi, &place, request_id))
+            Some(Refusal::of_redaction(&request, hits, why))
         }
+    };
+    let read_as = (ROUTE, Dialect::OpenAi, upstream);
+    let draft = RecordDraft::outside(
+        read_as,
+        (headers, &request),
+        scan.texts,
+        (request_id, started),
+    );
+    if let Err((draft, verdict)) = recorded.send((draft, verdict)) {
+        // The request was dropped while its form was read: its client
+        // left (499, as an exchange's record says).
+        draft.finish_unanswered(state, &verdict, 499, None);
     }
+    refusal.map(|refusal| refusal.respond(Dialect::OpenAi, &place, request_id))
 }
 
 fn unreadable_form(request_id: &str) -> Response<ProxyBody> {

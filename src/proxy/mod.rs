@@ -1158,6 +1158,32 @@ impl RecordDraft {
 }
 
 impl RecordDraft {
+    /// The draft of a request read outside an exchange (see
+    /// [`Pending::outside`]; a batch's request), read as `route` and sent
+    /// to `upstream`, with the prompt and context `texts` its scan found.
+    fn outside(
+        (route, dialect, upstream): (&'static str, Dialect, &str),
+        (headers, request): (&HeaderMap, &exchange::BatchRequest),
+        texts: guard::RequestTexts,
+        (request_id, started): (&str, Instant),
+    ) -> RecordDraft {
+        RecordDraft {
+            request_id: request_id.to_owned(),
+            started,
+            started_ms: now_ms() - started.elapsed().as_millis() as i64,
+            route,
+            dialect,
+            upstream: upstream.to_owned(),
+            upstream_request_id: None,
+            client: ClientMeta::read(headers, request.params.metadata),
+            model: request.params.model.as_deref().map(str::to_owned),
+            stream: false,
+            custom_id: request.custom_id.as_deref().map(str::to_owned),
+            prompt: texts.prompt,
+            context: texts.context,
+        }
+    }
+
     /// Completes the record of a request that ended with no response
     /// read: `status`, and the upstream's share of the time when it was
     /// called.
@@ -1230,21 +1256,8 @@ impl<'a> Pending<'a> {
         (request_id, started): (&str, Instant),
     ) -> Pending<'a> {
         let texts = std::mem::take(&mut scan.texts);
-        let draft = RecordDraft {
-            request_id: request_id.to_owned(),
-            started,
-            started_ms: now_ms() - started.elapsed().as_millis() as i64,
-            route,
-            dialect,
-            upstream: upstream.to_owned(),
-            upstream_request_id: None,
-            client: ClientMeta::read(headers, request.params.metadata),
-            model: request.params.model.as_deref().map(str::to_owned),
-            stream: false,
-            custom_id: None,
-            prompt: texts.prompt,
-            context: texts.context,
-        };
+        let read_as = (route, dialect, upstream);
+        let draft = RecordDraft::outside(read_as, (headers, request), texts, (request_id, started));
         let mut pending = Pending::new(state, &scan.verdict, draft);
         pending.counted = true;
         pending
