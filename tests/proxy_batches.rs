@@ -158,9 +158,15 @@ async fn each_request_of_a_batch_read_whole_leaves_a_record() {
         .send()
         .await;
     assert!(gone.is_err(), "{gone:?}");
+    // An answer fairgate cannot relay: the record has the 502 the client
+    // got, not the upstream's 200.
+    let script = json!({"raw_json": batch_object(None).to_string(), "content_encoding": "br"});
+    let batch = json!({"requests": [request("h", "How do I start a budget?")]});
+    let broken = proxy.post("/v1/messages/batches", script, &batch).await;
+    assert_eq!(broken.status(), 502);
 
-    let rows = proxy.wait_for_results(7).await;
-    assert_eq!(rows.len(), 7, "{rows:#?}");
+    let rows = proxy.wait_for_results(8).await;
+    assert_eq!(rows.len(), 8, "{rows:#?}");
     let record = |id: String| {
         let row = rows.iter().find(|row| row["request_id"] == id);
         let row = row.unwrap_or_else(|| panic!("a record of {id}: {rows:#?}"));
@@ -234,6 +240,8 @@ async fn each_request_of_a_batch_read_whole_leaves_a_record() {
         (&gone["status"], &gone["verdict"]),
         (&json!(499), &json!("allow"))
     );
+    let broken = rows.iter().find(|row| row["exchange"]["custom_id"] == "h");
+    assert_eq!(broken.unwrap()["exchange"]["status"], 502, "{rows:#?}");
     proxy.stop().await;
 }
 

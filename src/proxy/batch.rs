@@ -138,11 +138,13 @@ async fn upload(
         }
     };
     let uri = &form.parts.uri;
-    let sent = super::forward(state, &upstream, Method::POST, uri, form.headers, body);
-    match records.answered(sent).await {
-        Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
-        Err(failed) => failed,
-    }
+    let answer = async {
+        match super::forward(state, &upstream, Method::POST, uri, form.headers, body).await {
+            Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
+            Err(failure) => respond::failure(dialect, failure, request_id),
+        }
+    };
+    records.answered_with(answer).await
 }
 
 /// A form's request, its body held up to `guard.max_body_bytes`, with the
@@ -551,28 +553,9 @@ impl<'a> Requests<'a> {
         }
     }
 
-    /// Sends the request on as [`super::forward`] does, then ends the
-    /// records with its answer.
-    async fn answered(
-        &mut self,
-        forwarded: impl Future<Output = Result<(Response<upstream::Answer>, Duration), Failure>>,
-    ) -> Result<(Response<upstream::Answer>, Duration), Response<ProxyBody>> {
-        self.sent = Some(Instant::now());
-        match forwarded.await {
-            Ok((response, timeout)) => {
-                self.end(response.status().as_u16(), Some(response.headers()));
-                Ok((response, timeout))
-            }
-            Err(failure) => {
-                let failed = respond::failure(self.dialect, failure, self.request_id);
-                self.end(failed.status().as_u16(), None);
-                Err(failed)
-            }
-        }
-    }
-
-    /// Sends the request on as `answer` does (its answer, or the
-    /// failure's), then ends the records with that answer.
+    /// Sends the request on as `answer` does, then ends the records with
+    /// the answer its client gets (its status, and the upstream's id of
+    /// the request among its headers).
     pub(super) async fn answered_with(
         &mut self,
         answer: impl Future<Output = Response<ProxyBody>>,
@@ -897,18 +880,21 @@ async fn create(
         true => read.bytes.clone(),
         false => json::splice(&read.bytes, &edits),
     };
-    let sent = read.send(state, (&upstream, body), true);
-    let (response, timeout) = match records.answered(sent).await {
-        Ok(answered) => answered,
-        Err(failed) => return failed,
+    let answer = async {
+        match read.send(state, (&upstream, body), true).await {
+            Ok((response, timeout)) => {
+                let relayed = Relayed {
+                    upstream: upstream.clone(),
+                    stream_mode: None,
+                    response,
+                    timeout,
+                };
+                with_results_here(state, relayed, origin, request_id).await
+            }
+            Err(failure) => respond::failure(dialect, failure, request_id),
+        }
     };
-    let relayed = Relayed {
-        upstream: upstream.clone(),
-        stream_mode: None,
-        response,
-        timeout,
-    };
-    with_results_here(state, relayed, origin, request_id).await
+    records.answered_with(answer).await
 }
 
 /// Relays batch objects with their `results_url` leading to the proxy.
