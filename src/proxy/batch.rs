@@ -466,7 +466,7 @@ type Edits = Vec<(Range<usize>, String)>;
 /// dropped before (the client gone), with 499.
 pub(super) struct Requests<'a> {
     state: &'a State,
-    /// The request that creates the batch.
+    /// The fairgate request that read them.
     request_id: &'a str,
     started: Instant,
     dialect: Dialect,
@@ -475,7 +475,7 @@ pub(super) struct Requests<'a> {
     /// A record a reader on the request's way up makes, once it has read
     /// the request ([`Requests::on_the_way`]).
     later: Option<oneshot::Receiver<(RecordDraft, Verdict)>>,
-    /// When the creation went upstream, once it has.
+    /// When the request went upstream, once it has.
     sent: Option<Instant>,
 }
 
