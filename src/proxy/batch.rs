@@ -33,7 +33,7 @@
 //! an exchange record of its own, the two tied by the request's
 //! `custom_id`, each numbered after the fairgate request that read it:
 //!
-//! - a request read whole when its batch is created ([`Requests`]: an
+//! - a request read whole when its batch is created ([`OutsideRecords`]: an
 //!   Anthropic message batch, an OpenAI batch's input uploaded in one
 //!   piece; route [`crate::record::BATCH_REQUESTS`], numbered by its place
 //!   from 1): its prompt, verdict and hits, and the status the creation
@@ -48,7 +48,7 @@ use std::borrow::Cow;
 use std::future::Future;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
@@ -61,7 +61,7 @@ use tokio::sync::oneshot;
 use super::respond::{self, Failure};
 use super::stored::{ScannedIn, count};
 use super::{
-    BoxError, Ending, Pending, ProxyBody, ReadRequest, RecordDraft, Relayed, State, lines, upstream,
+    BoxError, Ending, ProxyBody, ReadRequest, RecordDraft, Relayed, State, lines, upstream,
 };
 use crate::config::OnBlock;
 use crate::exchange::{self, Batch, BatchAnswer, BatchRequest, Dialect};
@@ -114,7 +114,7 @@ async fn upload(
         Err(answer) => return answer,
     };
     let upstream = form.upstream.clone();
-    let mut records = Requests::new(state, (dialect, &upstream), (request_id, started));
+    let mut records = OutsideRecords::new(state, (dialect, &upstream), (request_id, started));
     let body = match form.held {
         // Too large to read whole: what its start says decides.
         Held::Start(start, body) => match purpose(&fields(&start, &boundary).await.0) {
@@ -381,7 +381,7 @@ fn purpose(fields: &[(HeaderMap, Bytes)]) -> Option<&[u8]> {
 /// scanned (redacted in place) into `records`, refused when one is
 /// blocked; any other form as it came. `headers` are the upload's.
 async fn batch_input(
-    records: &mut Requests<'_>,
+    records: &mut OutsideRecords<'_>,
     headers: &HeaderMap,
     form: Bytes,
     boundary: &str,
@@ -456,15 +456,18 @@ pub(super) fn form_of(fields: &[(HeaderMap, Bytes)], boundary: &str, size: usize
 /// Texts a redaction rewrites: where each lies and its new value.
 type Edits = Vec<(Range<usize>, String)>;
 
-/// The records of requests read outside an exchange that end together:
-/// a batch's, read as it is created (read whole: an Anthropic message
-/// batch, an OpenAI batch's input uploaded in one piece), each with its
-/// prompt and verdict and no answer (that comes in the batch's results,
-/// with a record of its own); or the one a reader on a request's way up
-/// hands over ([`Requests::on_the_way`]: a media form too large to hold).
-/// They end with the status of the request's answer ([`Requests::end`]);
-/// dropped before (the client gone), with 499.
-pub(super) struct Requests<'a> {
+/// The records of a request read outside an exchange, each with what it
+/// gives a model, its verdict and hits, and no answer (fairgate passes
+/// that on unread, or a batch's comes in its results with a record of its
+/// own): the request's own ([`OutsideRecords::begin`]: a token count, a
+/// compaction, conversation items, a media request held whole), each of a
+/// batch's requests read as it is created ([`OutsideRecords::scan`]), or
+/// the one a reader on the request's way up hands over
+/// ([`OutsideRecords::on_the_way`]: a media form too large to hold). They
+/// end together with the status of the answer its client gets
+/// ([`OutsideRecords::end`]); dropped before, with 499 (the client gone)
+/// or 500 (a fault).
+pub(super) struct OutsideRecords<'a> {
     state: &'a State,
     /// The fairgate request that read them.
     request_id: &'a str,
@@ -473,22 +476,22 @@ pub(super) struct Requests<'a> {
     upstream: &'a str,
     read: Vec<(RecordDraft, Verdict)>,
     /// A record a reader on the request's way up makes, once it has read
-    /// the request ([`Requests::on_the_way`]).
+    /// the request ([`OutsideRecords::on_the_way`]).
     later: Option<oneshot::Receiver<(RecordDraft, Verdict)>>,
     /// When the request went upstream, once it has.
     sent: Option<Instant>,
 }
 
 /// Where a reader on a request's way up hands its record over.
-pub(super) type Recorded = oneshot::Sender<(RecordDraft, Verdict)>;
+pub(super) type LateRecord = oneshot::Sender<(RecordDraft, Verdict)>;
 
-impl<'a> Requests<'a> {
+impl<'a> OutsideRecords<'a> {
     pub(super) fn new(
         state: &'a State,
         (dialect, upstream): (Dialect, &'a str),
         (request_id, started): (&'a str, Instant),
-    ) -> Requests<'a> {
-        Requests {
+    ) -> OutsideRecords<'a> {
+        OutsideRecords {
             state,
             request_id,
             started,
@@ -500,9 +503,23 @@ impl<'a> Requests<'a> {
         }
     }
 
+    /// The record of the request itself, read as `route`: what `request`
+    /// (sent with `headers`) gives a model, as its scan found it.
+    fn begin(
+        &mut self,
+        route: &'static str,
+        (headers, request): (&HeaderMap, &BatchRequest),
+        (texts, verdict): (guard::RequestTexts, Verdict),
+    ) {
+        let read_as = (route, self.dialect, self.upstream);
+        let read = (self.request_id, self.started);
+        let draft = RecordDraft::outside(read_as, (headers, request), texts, read);
+        self.read.push((draft, verdict));
+    }
+
     /// Where a reader of the request on its way up (a media form too
     /// large to hold) hands over its record: it ends with the others.
-    pub(super) fn on_the_way(&mut self) -> Recorded {
+    pub(super) fn on_the_way(&mut self) -> LateRecord {
         let (recorded, later) = oneshot::channel();
         self.later = Some(later);
         recorded
@@ -540,7 +557,7 @@ impl<'a> Requests<'a> {
     /// Ends the records with the status the request was answered with,
     /// and the upstream's id of it from `headers`, when it answered.
     pub(super) fn end(&mut self, status: u16, headers: Option<&HeaderMap>) {
-        if let Some(later) = self.later.as_mut()
+        if let Some(mut later) = self.later.take()
             && let Ok(record) = later.try_recv()
         {
             self.read.push(record);
@@ -567,7 +584,7 @@ impl<'a> Requests<'a> {
     }
 }
 
-impl Drop for Requests<'_> {
+impl Drop for OutsideRecords<'_> {
     fn drop(&mut self) {
         if self.read.is_empty() && self.later.is_none() {
             return;
@@ -576,7 +593,14 @@ impl Drop for Requests<'_> {
         // leaving (499, as nginx logs it).
         let status = match std::thread::panicking() {
             true => 500,
-            false => 499,
+            false => {
+                let request_id = self.request_id;
+                tracing::info!(
+                    request_id,
+                    "the client closed the request before its answer"
+                );
+                499
+            }
         };
         self.end(status, None);
     }
@@ -640,7 +664,7 @@ pub(super) type ReadTexts = for<'a> fn(&'a [u8]) -> Result<(BatchRequest<'a>, St
 /// refused when blocked (in `dialect`), redacted in place. It goes to the
 /// upstream its path and model route it to, and its answer carries the
 /// verdict (`x-fairgate-verdict`), as an exchange's does. Its record
-/// ([`Pending::outside`]) has its texts, verdict and status, and no answer.
+/// ([`recorded`]) has its texts, verdict and status, and no answer.
 pub(super) async fn send_scanned(
     state: &Arc<State>,
     (req, dialect): (Request<Incoming>, Dialect),
@@ -663,71 +687,46 @@ pub(super) async fn send_scanned(
         Err(answer) => return *answer,
     };
     let rules = state.rules.snapshot();
-    let mut scan = scan_recorded(state, &rules, &upstream, route, &request, request_id);
+    let scan = scan_recorded(state, &rules, &upstream, route, &request, request_id);
     let sent = scan.redacted(&body.bytes);
+    let verdict = Some(scan.verdict.decision.as_str());
     let read_as = (route, dialect, upstream.as_str());
     let of = (&body.parts.headers, &request, place.as_str());
-    let mut pending = match recorded(state, &mut scan, read_as, of, (request_id, started)) {
-        Ok(pending) => pending,
+    let mut records = match recorded(state, scan, read_as, of, (request_id, started)) {
+        Ok(records) => records,
         Err(refused) => return *refused,
     };
     let sent = sent.unwrap_or_else(|| body.bytes.clone());
-    pending.sent = Some(Instant::now());
-    let forwarded = body.send(state, (&upstream, sent), false).await;
-    answer_outside(pending, forwarded, dialect, request_id)
+    let answer = async {
+        match body.send(state, (&upstream, sent), false).await {
+            Ok((response, timeout)) => super::stream_back(response, timeout, request_id, verdict),
+            Err(failure) => respond::failure(dialect, failure, request_id),
+        }
+    };
+    records.answered_with(answer).await
 }
 
 /// The record of a request read outside an exchange, begun from its
-/// `scan` ([`Pending::outside`]); or, when a rule blocks it, the refusal
-/// its client gets (naming `place`), its record ended with it.
+/// `scan` ([`OutsideRecords::begin`]), to end with the answer; or, when a
+/// rule blocks it, the refusal its client gets (naming `place`), its
+/// record ended with it.
 pub(super) fn recorded<'a>(
     state: &'a State,
-    scan: &'a mut guard::RequestScan,
-    read_as: (&'static str, Dialect, &str),
+    scan: guard::RequestScan,
+    (route, dialect, upstream): (&'static str, Dialect, &'a str),
     (headers, request, place): (&HeaderMap, &BatchRequest, &str),
-    (request_id, started): (&str, Instant),
-) -> Result<Pending<'a>, Box<Response<ProxyBody>>> {
+    (request_id, started): (&'a str, Instant),
+) -> Result<OutsideRecords<'a>, Box<Response<ProxyBody>>> {
     let refusal = Refusal::of_block(request, &scan.verdict.hits, scan.verdict.decision);
-    let pending = Pending::outside(
-        state,
-        scan,
-        read_as,
-        (headers, request),
-        (request_id, started),
-    );
+    let mut records = OutsideRecords::new(state, (dialect, upstream), (request_id, started));
+    records.begin(route, (headers, request), (scan.texts, scan.verdict));
     match refusal {
         Some(refusal) => {
-            let refused = refusal.respond(read_as.1, place, request_id);
-            pending.end_early(refused.status(), None);
+            let refused = refusal.respond(dialect, place, request_id);
+            records.end(refused.status().as_u16(), None);
             Err(Box::new(refused))
         }
-        None => Ok(pending),
-    }
-}
-
-/// The answer to a request read outside an exchange as `forwarded` left
-/// it (its head relayed with the body to come, or the failure's answer in
-/// `dialect`), with the verdict; its record ends with it.
-pub(super) fn answer_outside(
-    pending: Pending,
-    forwarded: Result<(Response<upstream::Answer>, Duration), Failure>,
-    dialect: Dialect,
-    request_id: &str,
-) -> Response<ProxyBody> {
-    let verdict = pending.verdict.decision.as_str();
-    match forwarded {
-        Ok((response, timeout)) => {
-            let (head, answer) = response.into_parts();
-            pending.end_answered(&head);
-            let response = Response::from_parts(head, answer);
-            super::stream_back(response, timeout, request_id, Some(verdict))
-        }
-        Err(failure) => {
-            let failed = respond::failure(dialect, failure, request_id);
-            let upstream = pending.sent.map(|sent| sent.elapsed());
-            pending.end_early(failed.status(), upstream);
-            failed
-        }
+        None => Ok(records),
     }
 }
 
@@ -747,7 +746,7 @@ pub(super) fn scan_counted_as(
 }
 
 /// [`scan_counted_as`] for a request that leaves a record
-/// ([`Pending::outside`]), which puts a block in the dashboard's log.
+/// ([`recorded`]), which puts a block in the dashboard's log.
 pub(super) fn scan_recorded(
     state: &State,
     rules: &RuleSet,
@@ -840,7 +839,7 @@ impl Refusal {
 }
 
 /// Creates a message batch whose requests the rules allow; each request
-/// leaves a record ([`Requests`]).
+/// leaves a record ([`OutsideRecords`]).
 async fn create(
     state: &Arc<State>,
     req: Request<Incoming>,
@@ -864,7 +863,7 @@ async fn create(
         Err(answer) => return *answer,
     };
     let rules = state.rules.snapshot();
-    let mut records = Requests::new(state, (dialect, &upstream), (request_id, started));
+    let mut records = OutsideRecords::new(state, (dialect, &upstream), (request_id, started));
     let mut edits = Vec::new();
     for (index, request) in requests.iter().enumerate() {
         let place = (format!("requests.{index}"), index + 1);

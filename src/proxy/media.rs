@@ -21,10 +21,9 @@
 //! the field. A redaction rewrites the text in place; in a form sent on
 //! as it arrives, which cannot be edited, it refuses the request as a
 //! block does. The answer (an image, audio, a video job, a transcript)
-//! passes as it comes. A request leaves a record with no response: one
-//! held whole as [`super::Pending::outside`] makes it, one read on its
-//! way once its form is read ([`batch::Requests::on_the_way`]), ended with
-//! the status its client got (499 when the client left first).
+//! passes as it comes. A request leaves a record with no response
+//! ([`batch::OutsideRecords`]): one read on its way once its form is read,
+//! ended with the status its client got (499 when the client left first).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -34,7 +33,7 @@ use http::{HeaderMap, Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::mpsc;
 
-use super::batch::{self, Held, HeldForm, Recorded, Refusal, Requests};
+use super::batch::{self, Held, HeldForm, LateRecord, OutsideRecords, Refusal};
 use super::respond;
 use super::{ProxyBody, RecordDraft, State};
 use crate::exchange::{self, BatchRequest, Dialect, MEDIA_TEXTS, Text};
@@ -81,7 +80,8 @@ async fn form(
         Held::Start(start, rest) => {
             let (copies, pieces) = mpsc::channel(8);
             let dialect = Dialect::OpenAi;
-            let mut records = Requests::new(state, (dialect, upstream), (request_id, started));
+            let mut records =
+                OutsideRecords::new(state, (dialect, upstream), (request_id, started));
             let judged = {
                 let recorded = records.on_the_way();
                 let (state, upstream, request_id) =
@@ -114,10 +114,11 @@ async fn form(
     let rules = state.rules.snapshot();
     let mut scan = batch::scan_recorded(state, &rules, upstream, ROUTE, &request, request_id);
     let edits = std::mem::take(&mut scan.edits);
+    let verdict = Some(scan.verdict.decision.as_str());
     let read_as = (ROUTE, Dialect::OpenAi, upstream);
     let of = (&held.parts.headers, &request, place.as_str());
-    let mut pending = match batch::recorded(state, &mut scan, read_as, of, (request_id, started)) {
-        Ok(pending) => pending,
+    let mut records = match batch::recorded(state, scan, read_as, of, (request_id, started)) {
+        Ok(records) => records,
         Err(refused) => return *refused,
     };
     if !edits.is_empty() {
@@ -128,9 +129,14 @@ async fn form(
     }
     let body = super::upstream::whole(form);
     let uri = &held.parts.uri;
-    pending.sent = Some(Instant::now());
-    let forwarded = super::forward(state, upstream, http::Method::POST, uri, held.headers, body);
-    batch::answer_outside(pending, forwarded.await, Dialect::OpenAi, request_id)
+    let answer = async {
+        let method = http::Method::POST;
+        match super::forward(state, upstream, method, uri, held.headers, body).await {
+            Ok((response, timeout)) => super::stream_back(response, timeout, request_id, verdict),
+            Err(failure) => respond::failure(Dialect::OpenAi, failure, request_id),
+        }
+    };
+    records.answered_with(answer).await
 }
 
 /// The name of [`MEDIA_TEXTS`] that a form field's `name` is, if any.
@@ -224,7 +230,7 @@ fn judge_on_the_way(
     upstream: &str,
     texts: Result<Vec<FormText>, Unread>,
     (headers, request_id, started): (&HeaderMap, &str, Instant),
-    recorded: Recorded,
+    recorded: LateRecord,
 ) -> Option<Response<ProxyBody>> {
     let texts = match texts {
         Ok(texts) => texts,

@@ -1159,7 +1159,7 @@ impl RecordDraft {
 
 impl RecordDraft {
     /// The draft of a request read outside an exchange (see
-    /// [`Pending::outside`]; a batch's request), read as `route` and sent
+    /// [`batch::OutsideRecords`]), read as `route` and sent
     /// to `upstream`, with the prompt and context `texts` its scan found.
     fn outside(
         (route, dialect, upstream): (&'static str, Dialect, &str),
@@ -1228,9 +1228,6 @@ struct Pending<'a> {
     draft: Option<RecordDraft>,
     /// When the request went upstream, once it has.
     sent: Option<Instant>,
-    /// Whether its request was counted when its prompt was scanned (one
-    /// read outside an exchange), so that a drop does not count it again.
-    counted: bool,
 }
 
 impl<'a> Pending<'a> {
@@ -1240,37 +1237,7 @@ impl<'a> Pending<'a> {
             verdict,
             draft: Some(draft),
             sent: None,
-            counted: false,
         }
-    }
-
-    /// The record of a request read outside an exchange (a token count, a
-    /// compaction, conversation items, a media request), from its `scan`
-    /// (whose texts it takes), with no answer: fairgate passes that on
-    /// unread. Its request was counted with its scan.
-    fn outside(
-        state: &'a State,
-        scan: &'a mut guard::RequestScan,
-        (route, dialect, upstream): (&'static str, Dialect, &str),
-        (headers, request): (&HeaderMap, &exchange::BatchRequest),
-        (request_id, started): (&str, Instant),
-    ) -> Pending<'a> {
-        let texts = std::mem::take(&mut scan.texts);
-        let read_as = (route, dialect, upstream);
-        let draft = RecordDraft::outside(read_as, (headers, request), texts, (request_id, started));
-        let mut pending = Pending::new(state, &scan.verdict, draft);
-        pending.counted = true;
-        pending
-    }
-
-    /// Records a request read outside an exchange as answered with `head`,
-    /// the upstream's share of the time counted from when it was sent.
-    fn end_answered(mut self, head: &http::response::Parts) {
-        if let Some(draft) = &mut self.draft {
-            draft.upstream_request_id = upstream_request_id(&head.headers);
-        }
-        let upstream = self.sent.map(|sent| sent.elapsed());
-        self.record_unanswered(head.status.as_u16(), upstream);
     }
 
     /// Records the exchange as ended before a response was scanned: no
@@ -1309,10 +1276,6 @@ impl Drop for Pending<'_> {
                 request_id = draft.request_id,
                 "the client closed the request before its answer"
             );
-        }
-        if self.counted {
-            self.record_unanswered(status, self.sent.map(|sent| sent.elapsed()));
-            return;
         }
         self.state
             .metrics
