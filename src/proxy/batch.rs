@@ -33,13 +33,14 @@
 //! an exchange record of its own, the two tied by the request's
 //! `custom_id`, each numbered after the fairgate request that read it:
 //!
-//! - a request read whole when its batch is created ([`OutsideRecords`]: an
+//! - a request read when its batch is created ([`OutsideRecords`]: an
 //!   Anthropic message batch, an OpenAI batch's input uploaded in one
-//!   piece; route [`crate::record::BATCH_REQUESTS`], numbered by its place
-//!   from 1): its prompt, verdict and hits, and the status the creation
-//!   got. An input read on its way up, or in parts, is counted and its
-//!   blocks logged, but leaves no record: its lines are read apart from
-//!   the answer that ends them.
+//!   piece, whole or on its way up, its records then held on disk until
+//!   the answer, see [`super::held`]; route
+//!   [`crate::record::BATCH_REQUESTS`], numbered by its place from 1): its
+//!   prompt, verdict and hits, and the status the creation got. An input
+//!   sent in parts is counted and its blocks logged, but leaves no record:
+//!   its lines are read apart from the answer that ends them.
 //! - an answer, as it is relayed ([`crate::record::BATCH_RESULTS`],
 //!   numbered by its line): the answer, its verdict and hits, the model
 //!   and usage, and no prompt.
@@ -58,6 +59,7 @@ use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
+use super::held::{Answered, HeldRecords};
 use super::respond::{self, Failure};
 use super::stored::{ScannedIn, count};
 use super::{
@@ -123,7 +125,8 @@ async fn upload(
             _ => {
                 let input = (start, body, boundary);
                 let to = (form.upstream, form.headers);
-                return read_on_the_way(state, form.parts, input, to, request_id).await;
+                let sent = read_on_the_way(state, &mut records, form.parts, input, to);
+                return sent.await;
             }
         },
         Held::Whole(whole) => {
@@ -237,36 +240,43 @@ pub(super) fn form_boundary(headers: &HeaderMap) -> Option<String> {
 /// file line by line on the way. When its `purpose` is `batch`, the last
 /// piece goes up only once every line is allowed: a refused batch's input
 /// never arrives whole, so the API makes no file of it, and the client
-/// gets the 400 that names the line.
+/// gets the 400 that names the line. Each line read is recorded
+/// ([`lines::LineRecords`]); its record ends in `records`, with the
+/// others of the upload.
 async fn read_on_the_way(
     state: &Arc<State>,
+    records: &mut OutsideRecords<'_>,
     parts: http::request::Parts,
     input: (Bytes, upstream::ClientBody, String),
     (upstream, headers): (String, HeaderMap),
-    request_id: &str,
 ) -> Response<ProxyBody> {
+    let request_id = records.request_id;
     let (start, rest, boundary) = input;
-    let (copies, reading) = lines::read(state, &upstream, boundary, "file", request_id);
+    let line_records =
+        lines::LineRecords::new(state.clone(), parts.headers.clone(), records.started);
+    let form = (boundary, "file");
+    let (copies, reading) = lines::read(state, &upstream, form, request_id, Some(line_records));
     let judged = {
+        let recorded = records.on_the_way();
         let (state, upstream, request_id) =
             (state.clone(), upstream.clone(), request_id.to_owned());
         async move {
             match reading.await {
-                Ok(read) => judge(&state, &upstream, &read, &request_id),
+                Ok(read) => judge(&state, &upstream, read, &request_id, recorded),
                 Err(_) => Some(unreadable_form(&request_id)),
             }
         }
     };
     let sent = (&parts, start, rest);
-    send_judged(
+    let answer = send_judged(
         state,
         sent,
         (&upstream, headers),
         copies,
         judged,
         request_id,
-    )
-    .await
+    );
+    records.answered_with(answer).await
 }
 
 /// Sends a body too large to hold upstream as it arrives (`sent`: the
@@ -312,20 +322,33 @@ pub(super) async fn send_judged(
 
 /// The 400 that refuses an upload read on its way, if anything refuses it:
 /// a batch's input with a line the rules refuse, or a form that could not
-/// be read and is not known to be another purpose's.
+/// be read and is not known to be another purpose's. A batch's input read
+/// hands the records of its lines over to `recorded`; another file's lines
+/// were no requests, and leave none.
 fn judge(
     state: &State,
     upstream: &str,
-    read: &lines::Read,
+    read: lines::Read,
     request_id: &str,
+    recorded: LateRecords,
 ) -> Option<Response<ProxyBody>> {
-    match read.purpose.as_deref() {
-        Some(b"batch") if !read.part.unread => {
+    let lines::Read {
+        part,
+        purpose,
+        mut records,
+    } = read;
+    match purpose.as_deref() {
+        Some(b"batch") if !part.unread => {
             let rules = state.rules.snapshot();
-            lines::check(state, &rules, upstream, &[&read.part], request_id)
+            let read_by = (state, &*rules, upstream);
+            let refused = lines::check(read_by, &[&part], request_id, records.as_mut());
+            if let Some(records) = records {
+                hand_over(state, recorded, Late::Held(records.into_held()));
+            }
+            refused
         }
         Some(purpose) if purpose != b"batch" => None,
-        _ if read.part.unread => Some(unreadable_form(request_id)),
+        _ if part.unread => Some(unreadable_form(request_id)),
         _ => None,
     }
 }
@@ -462,8 +485,9 @@ type Edits = Vec<(Range<usize>, String)>;
 /// own): the request's own ([`OutsideRecords::begin`]: a token count, a
 /// compaction, conversation items, a media request held whole), each of a
 /// batch's requests read as it is created ([`OutsideRecords::scan`]), or
-/// the one a reader on the request's way up hands over
-/// ([`OutsideRecords::on_the_way`]: a media form too large to hold). They
+/// those a reader on the request's way up hands over
+/// ([`OutsideRecords::on_the_way`]: a media form too large to hold, the
+/// lines of a batch's input too large to hold, held on disk). They
 /// end together with the status of the answer its client gets
 /// ([`OutsideRecords::end`]); dropped before, with 499 (the client gone)
 /// or 500 (a fault).
@@ -475,15 +499,38 @@ pub(super) struct OutsideRecords<'a> {
     dialect: Dialect,
     upstream: &'a str,
     read: Vec<(RecordDraft, Verdict)>,
-    /// A record a reader on the request's way up makes, once it has read
-    /// the request ([`OutsideRecords::on_the_way`]).
-    later: Option<oneshot::Receiver<(RecordDraft, Verdict)>>,
+    /// The records a reader on the request's way up makes, once it has
+    /// read the request ([`OutsideRecords::on_the_way`]).
+    later: Option<oneshot::Receiver<Late>>,
     /// When the request went upstream, once it has.
     sent: Option<Instant>,
 }
 
-/// Where a reader on a request's way up hands its record over.
-pub(super) type LateRecord = oneshot::Sender<(RecordDraft, Verdict)>;
+/// Where a reader on a request's way up hands its records over.
+pub(super) type LateRecords = oneshot::Sender<Late>;
+
+/// What a reader on a request's way up hands over: the request's record,
+/// or the held records of a batch's requests.
+pub(super) enum Late {
+    One(Box<(RecordDraft, Verdict)>),
+    Held(HeldRecords),
+}
+
+/// Hands `late` over to the request that read it; if the request is gone
+/// (its client left while it was read), ends it with 499, as an
+/// exchange's record says.
+pub(super) fn hand_over(state: &State, to: LateRecords, late: Late) {
+    let gone = Answered {
+        status: 499,
+        upstream: None,
+        upstream_request_id: None,
+    };
+    match to.send(late) {
+        Ok(()) => {}
+        Err(Late::One(read)) => read.0.finish_unanswered(state, &read.1, 499, None),
+        Err(Late::Held(held)) => held.end(gone),
+    }
+}
 
 impl<'a> OutsideRecords<'a> {
     pub(super) fn new(
@@ -517,9 +564,10 @@ impl<'a> OutsideRecords<'a> {
         self.read.push((draft, verdict));
     }
 
-    /// Where a reader of the request on its way up (a media form too
-    /// large to hold) hands over its record: it ends with the others.
-    pub(super) fn on_the_way(&mut self) -> LateRecord {
+    /// Where a reader of the request on its way up (a media form, or a
+    /// batch's input, too large to hold) hands over its records ([`hand_over`]):
+    /// they end with the others.
+    pub(super) fn on_the_way(&mut self) -> LateRecords {
         let (recorded, later) = oneshot::channel();
         self.later = Some(later);
         recorded
@@ -557,16 +605,28 @@ impl<'a> OutsideRecords<'a> {
     /// Ends the records with the status the request was answered with,
     /// and the upstream's id of it from `headers`, when it answered.
     pub(super) fn end(&mut self, status: u16, headers: Option<&HeaderMap>) {
+        let mut held = None;
         if let Some(mut later) = self.later.take()
-            && let Ok(record) = later.try_recv()
+            && let Ok(late) = later.try_recv()
         {
-            self.read.push(record);
+            match late {
+                Late::One(read) => self.read.push(*read),
+                Late::Held(records) => held = Some(records),
+            }
         }
         let upstream = self.sent.map(|sent| sent.elapsed());
         let upstream_request_id = headers.and_then(super::upstream_request_id);
         for (mut draft, verdict) in self.read.drain(..) {
             draft.upstream_request_id = upstream_request_id.clone();
             draft.finish_unanswered(self.state, &verdict, status, upstream);
+        }
+        if let Some(held) = held {
+            let upstream_request_id = upstream_request_id.clone();
+            held.end(Answered {
+                status,
+                upstream,
+                upstream_request_id,
+            });
         }
     }
 

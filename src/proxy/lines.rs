@@ -9,23 +9,30 @@
 //! first line break and after the last is kept, for [`check`] to scan with
 //! the lines around it. A file that went up cannot be edited, so a line
 //! that a rule redacts refuses the batch, as one it blocks does.
+//!
+//! The lines of a file sent whole are recorded as a batch's requests read
+//! whole are ([`LineRecords`]), their records held on disk until the
+//! upload's answer ends them ([`super::held`]).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
-use http::Response;
+use http::{HeaderMap, Response};
 use http_body_util::{BodyExt, Either, StreamBody};
 use hyper::body::Frame;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use super::batch::{Refusal, scan_counted};
+use super::batch::{Refusal, scan_counted, scan_recorded};
+use super::held::HeldRecords;
 use super::respond::{self, Failure};
-use super::{BoxError, ProxyBody, State, upstream};
-use crate::exchange::{self, Dialect};
+use super::{BoxError, ProxyBody, RecordDraft, State, upstream};
+use crate::exchange::{self, BatchRequest, Dialect};
 use crate::json::ReadError;
-use crate::risk::Decision;
+use crate::record::BATCH_REQUESTS;
+use crate::risk::{Decision, Verdict};
 use crate::rules::RuleSet;
 
 /// Why a batch's input with a line to redact is refused.
@@ -59,25 +66,67 @@ enum Refused {
 }
 
 /// What [`read`] found in a form.
-#[derive(Debug)]
 pub(super) struct Read {
     pub part: Part,
     /// The value of the form's `purpose` field, when it has one.
     pub purpose: Option<Vec<u8>>,
+    /// The records of the lines read, when they were recorded.
+    pub records: Option<LineRecords>,
+}
+
+/// The records of a batch's requests in a file read on its way up (whole,
+/// not in parts), each numbered by its line in the file as a file read
+/// whole is (`fg-….3`, line 3), and held until the upload's answer.
+pub(super) struct LineRecords {
+    /// The upload's headers, for its client's metadata.
+    headers: HeaderMap,
+    held: HeldRecords,
+}
+
+impl LineRecords {
+    /// The records of the upload that arrived at `started` with `headers`.
+    pub(super) fn new(state: Arc<State>, headers: HeaderMap, started: Instant) -> LineRecords {
+        let held = HeldRecords::new(state, started);
+        LineRecords { headers, held }
+    }
+
+    /// Scans `request`, the line `number` of the upload `request_id`, as
+    /// a prompt, counted and held under its record's id.
+    fn scan(
+        &mut self,
+        (state, rules, upstream): (&State, &RuleSet, &str),
+        request: &BatchRequest,
+        (request_id, number): (&str, usize),
+    ) -> Verdict {
+        let id = format!("{request_id}.{number}");
+        let scan = scan_recorded(state, rules, upstream, BATCH_REQUESTS, request, &id);
+        let read_as = (BATCH_REQUESTS, Dialect::OpenAi, upstream);
+        let of = (&self.headers, request);
+        let started = self.held.started();
+        let draft = RecordDraft::outside(read_as, of, scan.texts, (&id, started));
+        self.held.hold(draft, &scan.verdict);
+        scan.verdict
+    }
+
+    pub(super) fn into_held(self) -> HeldRecords {
+        self.held
+    }
 }
 
 /// Starts reading a form whose file is in the field `field`: the pieces
 /// sent to the returned sender are read on a blocking thread (scanning a
-/// part of 64 MB takes long), until the sender is dropped.
+/// part of 64 MB takes long), until the sender is dropped. With `records`,
+/// the lines are recorded there.
 pub(super) fn read(
     state: &Arc<State>,
     upstream: &str,
-    boundary: String,
-    field: &'static str,
+    (boundary, field): (String, &'static str),
     request_id: &str,
+    records: Option<LineRecords>,
 ) -> (mpsc::Sender<Bytes>, JoinHandle<Read>) {
     let (copies, pieces) = mpsc::channel(8);
-    let reader = LineReader::new(state.clone(), upstream.to_owned(), request_id.to_owned());
+    let mut reader = LineReader::new(state.clone(), upstream.to_owned(), request_id.to_owned());
+    reader.records = records;
     let runtime = tokio::runtime::Handle::current();
     let reading = tokio::task::spawn_blocking(move || {
         runtime.block_on(read_form(reader, pieces, boundary, field))
@@ -176,9 +225,13 @@ async fn read_form(
             Err(_) => break false,
         }
     };
-    let mut part = reader.finish();
+    let (mut part, records) = reader.finish();
     part.unread |= !whole || files != 1;
-    Read { part, purpose }
+    Read {
+        part,
+        purpose,
+        records,
+    }
 }
 
 /// A stream that gives one item per poll: after each item it answers "not
@@ -233,6 +286,7 @@ struct LineReader {
     part: Part,
     /// The line being read.
     line: Vec<u8>,
+    records: Option<LineRecords>,
 }
 
 impl LineReader {
@@ -245,6 +299,7 @@ impl LineReader {
             request_id,
             part: Part::default(),
             line: Vec::new(),
+            records: None,
         }
     }
 
@@ -279,25 +334,27 @@ impl LineReader {
             return;
         }
         let index = self.part.lines;
-        let (state, rules) = (&self.state, &self.rules);
-        if let Some(refused) = refusal(state, rules, &self.upstream, line, &self.request_id) {
+        let read_by = (&*self.state, &*self.rules, self.upstream.as_str());
+        // The first line is the file's head: this is line 2 on.
+        let records = self.records.as_mut().map(|records| (records, index + 2));
+        if let Some(refused) = refusal(read_by, line, &self.request_id, records) {
             self.part.refused = Some((index, refused));
         }
     }
 
-    fn finish(mut self) -> Part {
+    fn finish(mut self) -> (Part, Option<LineRecords>) {
         self.part.tail = self.line;
-        self.part
+        (self.part, self.records)
     }
 }
 
-/// What refuses a batch in `line` of its input, if anything does.
+/// What refuses a batch in `line` of its input, if anything does; the
+/// line recorded in `records` under its number, when given.
 fn refusal(
-    state: &State,
-    rules: &RuleSet,
-    upstream: &str,
+    (state, rules, upstream): (&State, &RuleSet, &str),
     line: &[u8],
     request_id: &str,
+    records: Option<(&mut LineRecords, usize)>,
 ) -> Option<Refused> {
     if line.trim_ascii().is_empty() {
         return None;
@@ -306,8 +363,11 @@ fn refusal(
         Ok(request) => request,
         Err(error) => return Some(Refused::Unreadable(error)),
     };
-    let scan = scan_counted(state, rules, upstream, &request, request_id);
-    let verdict = &scan.verdict;
+    let read_by = (state, rules, upstream);
+    let verdict = &match records {
+        Some((records, number)) => records.scan(read_by, &request, (request_id, number)),
+        None => scan_counted(state, rules, upstream, &request, request_id).verdict,
+    };
     match verdict.decision {
         Decision::Redact => Some(Refused::Rules(Refusal::of_redaction(
             &request,
@@ -320,16 +380,17 @@ fn refusal(
 
 /// Reads a batch's input from its parts in order (a file read whole is one
 /// part): the lines across parts, and the first and last, are scanned
-/// here; those within one were as it went up. The 400 of the first line
-/// that refuses the batch, if one does. Parts must have been read whole
-/// (see [`Part::unread`]).
+/// here; those within one were as it went up (and recorded in `records`
+/// with these, when given). The 400 of the first line that refuses the
+/// batch, if one does. Parts must have been read whole (see
+/// [`Part::unread`]).
 pub(super) fn check(
-    state: &State,
-    rules: &RuleSet,
-    upstream: &str,
+    read_by: (&State, &RuleSet, &str),
     parts: &[&Part],
     request_id: &str,
+    mut records: Option<&mut LineRecords>,
 ) -> Option<Response<ProxyBody>> {
+    let state = read_by.0;
     let dialect = Dialect::OpenAi;
     let limit = state.config.guard.max_body_bytes;
     let refuse = |refused: &Refused, line: usize| match refused {
@@ -348,7 +409,8 @@ pub(super) fn check(
         if let Some(head) = &part.head {
             carry.extend_from_slice(head);
             lines += 1;
-            if let Some(refused) = refusal(state, rules, upstream, &carry, request_id) {
+            let recorded = records.as_deref_mut().map(|records| (records, lines));
+            if let Some(refused) = refusal(read_by, &carry, request_id, recorded) {
                 return Some(refuse(&refused, lines));
             }
             carry.clear();
@@ -362,7 +424,8 @@ pub(super) fn check(
             return Some(respond::failure(dialect, Failure::TooLarge, request_id));
         }
     }
-    let refused = refusal(state, rules, upstream, &carry, request_id)?;
+    let recorded = records.map(|records| (records, lines + 1));
+    let refused = refusal(read_by, &carry, request_id, recorded)?;
     Some(refuse(&refused, lines + 1))
 }
 

@@ -33,7 +33,7 @@ use http::{HeaderMap, Request, Response};
 use hyper::body::Incoming;
 use tokio::sync::mpsc;
 
-use super::batch::{self, Held, HeldForm, LateRecord, OutsideRecords, Refusal};
+use super::batch::{self, Held, HeldForm, Late, LateRecords, OutsideRecords, Refusal};
 use super::respond;
 use super::{ProxyBody, RecordDraft, State};
 use crate::exchange::{self, BatchRequest, Dialect, MEDIA_TEXTS, Text};
@@ -230,7 +230,7 @@ fn judge_on_the_way(
     upstream: &str,
     texts: Result<Vec<FormText>, Unread>,
     (headers, request_id, started): (&HeaderMap, &str, Instant),
-    recorded: LateRecord,
+    recorded: LateRecords,
 ) -> Option<Response<ProxyBody>> {
     let texts = match texts {
         Ok(texts) => texts,
@@ -260,11 +260,7 @@ fn judge_on_the_way(
         scan.texts,
         (request_id, started),
     );
-    if let Err((draft, verdict)) = recorded.send((draft, verdict)) {
-        // The request was dropped while its form was read: its client
-        // left (499, as an exchange's record says).
-        draft.finish_unanswered(state, &verdict, 499, None);
-    }
+    batch::hand_over(state, recorded, Late::One(Box::new((draft, verdict))));
     refusal.map(|refusal| refusal.respond(Dialect::OpenAi, &place, request_id))
 }
 

@@ -9,6 +9,7 @@
 //! Every other path and method is passed through, bodies streamed both ways.
 
 mod batch;
+mod held;
 mod lines;
 mod media;
 mod parts;
@@ -1118,11 +1119,16 @@ impl RecordDraft {
     /// Completes the record and hands it to the side queue; a blocked
     /// exchange also goes to the dashboard's log, its entry made from the
     /// record as a restart makes it from the record read back.
-    fn finish(mut self, state: &State, end: Ending) {
-        let mode = state.config.records.texts;
+    fn finish(self, state: &State, end: Ending) {
+        let record = self.record(state.config.records.texts, end);
+        send_record(state, record);
+    }
+
+    /// The record, its texts kept as `mode` says.
+    fn record(mut self, mode: crate::record::TextMode, end: Ending) -> ExchangeRecord {
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         self.context.extend(end.context);
-        let record = ExchangeRecord {
+        ExchangeRecord {
             schema_version: crate::record::SCHEMA_VERSION,
             request_id: self.request_id,
             started_ms: self.started_ms,
@@ -1149,12 +1155,18 @@ impl RecordDraft {
             total_ms: ms(self.started.elapsed()),
             usage: end.usage,
             client: self.client,
-        };
-        if record.verdict == Decision::Block {
-            state.blocked.push(Blocked::of_record(&record));
         }
-        state.queue.push(QueueItem::Exchange(Box::new(record)));
     }
+}
+
+/// Hands a record to the side queue; a blocked exchange's also goes to
+/// the dashboard's log, its entry made from the record as a restart makes
+/// it from the record read back.
+fn send_record(state: &State, record: ExchangeRecord) {
+    if record.verdict == Decision::Block {
+        state.blocked.push(Blocked::of_record(&record));
+    }
+    state.queue.push(QueueItem::Exchange(Box::new(record)));
 }
 
 impl RecordDraft {

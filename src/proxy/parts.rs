@@ -225,7 +225,8 @@ async fn part(
     if let Some(length) = length {
         headers.insert(header::CONTENT_LENGTH, length);
     }
-    let (copies, reading) = lines::read(state, &upstream, boundary, "data", request_id);
+    let form = (boundary, "data");
+    let (copies, reading) = lines::read(state, &upstream, form, request_id, None);
     let frames = super::client_body(state, body).into_frames();
     let body = lines::tee(frames, copies, None);
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
@@ -289,7 +290,8 @@ async fn complete(
                 Some((id, _)) => Some(not_read(id, request_id)),
                 None => {
                     let read: Vec<&Part> = read.iter().map(|(_, part)| &**part).collect();
-                    lines::check(state, &rules, &route.upstream, &read, request_id)
+                    let read_by = (&**state, &*rules, route.upstream.as_str());
+                    lines::check(read_by, &read, request_id, None)
                 }
             },
             Err(missing) => Some(not_read(&missing, request_id)),
