@@ -286,24 +286,43 @@ fn is_spill_name(name: &str) -> bool {
     name == SPILL_FILE || name.starts_with(REPLAY_PREFIX)
 }
 
-/// The records of a spill or replay file; a line that does not parse is
-/// logged and skipped (counted by the caller through the returned number).
-pub fn read_spilled(path: &Path) -> std::io::Result<(Vec<QueueItem>, usize)> {
-    let reader = BufReader::new(File::open(path)?);
-    let mut items = Vec::new();
-    let mut bad = 0;
-    for line in reader.lines() {
-        let line = line?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        match serde_json::from_str(&line) {
-            Ok(item) => items.push(item),
-            Err(error) => {
-                tracing::error!(%error, file = %path.display(), "a spilled record does not parse; skipped");
-                bad += 1;
+/// The records of a spill or replay file, read one at a time: a file may
+/// hold more than memory should (a long outage's, or a burst's). A line
+/// that does not parse is logged and skipped, and counted in `bad`.
+pub struct Spilled {
+    lines: std::io::Lines<BufReader<File>>,
+    path: PathBuf,
+    pub bad: usize,
+}
+
+pub fn read_spilled(path: &Path) -> std::io::Result<Spilled> {
+    Ok(Spilled {
+        lines: BufReader::new(File::open(path)?).lines(),
+        path: path.to_owned(),
+        bad: 0,
+    })
+}
+
+impl Iterator for Spilled {
+    type Item = std::io::Result<QueueItem>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            let line = match self.lines.next()? {
+                Ok(line) => line,
+                Err(error) => return Some(Err(error)),
+            };
+            if line.trim().is_empty() {
+                continue;
+            }
+            match serde_json::from_str(&line) {
+                Ok(item) => return Some(Ok(item)),
+                Err(error) => {
+                    let file = self.path.display();
+                    tracing::error!(%error, %file, "a spilled record does not parse; skipped");
+                    self.bad += 1;
+                }
             }
         }
     }
-    Ok((items, bad))
 }

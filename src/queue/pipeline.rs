@@ -324,20 +324,27 @@ async fn replay(
             }
         };
         for file in files {
-            let (items, bad) = match read_spilled(&file) {
-                Ok(read) => read,
+            let mut items = match read_spilled(&file) {
+                Ok(items) => items,
                 Err(error) => {
                     tracing::error!(%error, file = %file.display(), "spill file cannot be read");
                     queue.spill.mark_pending();
                     continue;
                 }
             };
-            for _ in 0..bad {
-                queue.count(QueueEvent::Failed);
-            }
-            let mut items = items.into_iter();
-            let mut interrupted = false;
+            let (mut interrupted, mut broken) = (false, false);
             while let Some(item) = items.next() {
+                let item = match item {
+                    Ok(item) => item,
+                    Err(error) => {
+                        // Kept to be read again: what came back from it
+                        // may come back twice.
+                        tracing::error!(%error, file = %file.display(), "spill file cannot be read to its end");
+                        queue.spill.mark_pending();
+                        broken = true;
+                        break;
+                    }
+                };
                 let permit = tokio::select! {
                     permit = tx.reserve() => permit.ok(),
                     _ = stopped.wait_for(|s| *s) => None,
@@ -350,10 +357,12 @@ async fn replay(
                     None => {
                         // Shutting down: what is not back in the channel
                         // goes back to the spill file.
-                        for item in std::iter::once(item).chain(items.by_ref()) {
-                            if let Err(error) = queue.spill.append(&item) {
-                                tracing::error!(%error, "a record could not be spilled again and is lost");
-                                queue.count(QueueEvent::Dropped);
+                        for item in std::iter::once(Ok(item)).chain(items.by_ref()) {
+                            let spilled = item.and_then(|item| queue.spill.append(&item));
+                            if let Err(error) = spilled {
+                                tracing::error!(%error, "a record could not be spilled again; its file is kept");
+                                broken = true;
+                                break;
                             }
                         }
                         interrupted = true;
@@ -361,7 +370,10 @@ async fn replay(
                     }
                 }
             }
-            if let Err(error) = std::fs::remove_file(&file) {
+            for _ in 0..items.bad {
+                queue.count(QueueEvent::Failed);
+            }
+            if !broken && let Err(error) = std::fs::remove_file(&file) {
                 tracing::error!(%error, file = %file.display(), "replayed spill file cannot be removed; its records may be replayed again");
             }
             if interrupted {
