@@ -159,6 +159,9 @@ pub(super) struct HeldForm {
     pub held: Held,
 }
 
+/// How much of a form too large to hold is read before it goes on.
+const START: usize = 64 << 10;
+
 /// What is held of a form.
 pub(super) enum Held {
     /// All of it, uncompressed (the headers say so).
@@ -169,7 +172,8 @@ pub(super) enum Held {
 }
 
 impl HeldForm {
-    /// Reads `req`'s body until it ends or passes `guard.max_body_bytes`;
+    /// Reads `req`'s body until it ends or passes `guard.max_body_bytes`
+    /// (or its first 64 KiB, when its `content-length` passes it);
     /// the error answer when it cannot be read, has no route, or is too
     /// large to hold and compressed (it could not be read on the way).
     pub(super) async fn of(
@@ -180,6 +184,14 @@ impl HeldForm {
         let fail = |failure| respond::failure(Dialect::OpenAi, failure, request_id);
         let limit = state.config.guard.max_body_bytes;
         let (parts, body) = req.into_parts();
+        // A body its length says is too large to hold is not held: only
+        // its start is, enough for the fields before a file.
+        let length = parts.headers.get(header::CONTENT_LENGTH);
+        let length = length.and_then(|length| length.to_str().ok()?.parse::<usize>().ok());
+        let held = match length {
+            Some(length) if length > limit => limit.min(START),
+            _ => limit,
+        };
         let mut body = super::client_body(state, body);
         let mut start = BytesMut::new();
         let whole = loop {
@@ -188,7 +200,7 @@ impl HeldForm {
                     if let Ok(data) = frame.into_data() {
                         start.extend_from_slice(&data);
                     }
-                    if start.len() > limit {
+                    if start.len() > held {
                         break false;
                     }
                 }

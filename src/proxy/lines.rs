@@ -35,6 +35,9 @@ use crate::record::BATCH_REQUESTS;
 use crate::risk::{Decision, Verdict};
 use crate::rules::RuleSet;
 
+/// The largest piece of a body a reader is given at once.
+const PIECE: usize = 64 << 10;
+
 /// Why a batch's input with a line to redact is refused.
 const UNEDITABLE: &str = "it holds text the content policy redacts, and a file read on its way up (sent in parts, or larger than this gateway holds) cannot be edited; redact it before uploading, or upload it whole with POST /v1/files.";
 
@@ -161,8 +164,16 @@ pub(super) fn tee(
             match tee.frames.next().await {
                 Some(Ok(frame)) => {
                     if let (Some(data), Some(copies)) = (frame.data_ref(), &tee.copies) {
-                        // A reader that gave up leaves the file unread.
-                        let _ = copies.send(data.clone()).await;
+                        // In pieces the reader's form parser copies one at
+                        // a time (the start held, up to
+                        // `guard.max_body_bytes`, is one frame). A reader
+                        // that gave up leaves the file unread.
+                        for at in (0..data.len()).step_by(PIECE) {
+                            let piece = data.slice(at..data.len().min(at + PIECE));
+                            if copies.send(piece).await.is_err() {
+                                break;
+                            }
+                        }
                     }
                     if !hold {
                         return Some((Ok(frame), tee));
