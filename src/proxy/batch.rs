@@ -34,13 +34,12 @@
 //! `custom_id`, each numbered after the fairgate request that read it:
 //!
 //! - a request read when its batch is created ([`OutsideRecords`]: an
-//!   Anthropic message batch, an OpenAI batch's input uploaded in one
-//!   piece, whole or on its way up, its records then held on disk until
-//!   the answer, see [`super::held`]; route
+//!   Anthropic message batch, an OpenAI batch's input uploaded whole or
+//!   read on its way up, or sent in parts and completed; route
 //!   [`crate::record::BATCH_REQUESTS`], numbered by its place from 1): its
-//!   prompt, verdict and hits, and the status the creation got. An input
-//!   sent in parts is counted and its blocks logged, but leaves no record:
-//!   its lines are read apart from the answer that ends them.
+//!   prompt, verdict and hits, and the status the creation (or the
+//!   completion) got. The records of lines read on their way up are held
+//!   on disk until that answer ([`super::held`]).
 //! - an answer, as it is relayed ([`crate::record::BATCH_RESULTS`],
 //!   numbered by its line): the answer, its verdict and hits, the model
 //!   and usage, and no prompt.
@@ -74,7 +73,7 @@ use crate::risk::{self, Decision, Verdict};
 use crate::rules::{Hit, RuleSet, Scope};
 
 /// The route label of a batch's requests in the metrics.
-const REQUESTS: &str = "batches";
+const REQUESTS: &str = crate::record::BATCH_REQUESTS;
 /// The route label of a batch's answers, and of their records.
 const RESULTS: &str = crate::record::BATCH_RESULTS;
 
@@ -267,7 +266,7 @@ async fn read_on_the_way(
     let line_records =
         lines::LineRecords::new(state.clone(), parts.headers.clone(), records.started);
     let form = (boundary, "file");
-    let (copies, reading) = lines::read(state, &upstream, form, request_id, Some(line_records));
+    let (copies, reading) = lines::read(state, &upstream, form, request_id, line_records);
     let judged = {
         let recorded = records.on_the_way();
         let (state, upstream, request_id) =
@@ -353,10 +352,8 @@ fn judge(
         Some(b"batch") if !part.unread => {
             let rules = state.rules.snapshot();
             let read_by = (state, &*rules, upstream);
-            let refused = lines::check(read_by, &[&part], request_id, records.as_mut());
-            if let Some(records) = records {
-                hand_over(state, recorded, Late::Held(records.into_held()));
-            }
+            let refused = lines::check(read_by, &[&part], request_id, &mut records);
+            hand_over(state, recorded, Late::Held(records.into_held()));
             refused
         }
         Some(purpose) if purpose != b"batch" => None,
@@ -516,6 +513,9 @@ pub(super) struct OutsideRecords<'a> {
     later: Option<oneshot::Receiver<Late>>,
     /// When the request went upstream, once it has.
     sent: Option<Instant>,
+    /// Records held on disk (a batch's input read on its way up, the
+    /// parts of one sent in parts).
+    held: Vec<HeldRecords>,
 }
 
 /// Where a reader on a request's way up hands its records over.
@@ -559,7 +559,13 @@ impl<'a> OutsideRecords<'a> {
             read: Vec::new(),
             later: None,
             sent: None,
+            held: Vec::new(),
         }
+    }
+
+    /// Records held on disk, to end with the others.
+    pub(super) fn hold(&mut self, held: HeldRecords) {
+        self.held.push(held);
     }
 
     /// The record of the request itself, read as `route`: what `request`
@@ -617,13 +623,12 @@ impl<'a> OutsideRecords<'a> {
     /// Ends the records with the status the request was answered with,
     /// and the upstream's id of it from `headers`, when it answered.
     pub(super) fn end(&mut self, status: u16, headers: Option<&HeaderMap>) {
-        let mut held = None;
         if let Some(mut later) = self.later.take()
             && let Ok(late) = later.try_recv()
         {
             match late {
                 Late::One(read) => self.read.push(*read),
-                Late::Held(records) => held = Some(records),
+                Late::Held(held) => self.held.push(held),
             }
         }
         let upstream = self.sent.map(|sent| sent.elapsed());
@@ -632,7 +637,7 @@ impl<'a> OutsideRecords<'a> {
             draft.upstream_request_id = upstream_request_id.clone();
             draft.finish_unanswered(self.state, &verdict, status, upstream);
         }
-        if let Some(held) = held {
+        for held in self.held.drain(..) {
             let upstream_request_id = upstream_request_id.clone();
             held.end(Answered {
                 status,
@@ -658,7 +663,7 @@ impl<'a> OutsideRecords<'a> {
 
 impl Drop for OutsideRecords<'_> {
     fn drop(&mut self) {
-        if self.read.is_empty() && self.later.is_none() {
+        if self.read.is_empty() && self.later.is_none() && self.held.is_empty() {
             return;
         }
         // As an exchange's record is ended by a fault, or by its client
@@ -676,21 +681,6 @@ impl Drop for OutsideRecords<'_> {
         };
         self.end(status, None);
     }
-}
-
-/// One request of a batch scanned as a prompt, and counted (a block is
-/// logged under `request_id`, the request that sent it).
-pub(super) fn scan_counted(
-    state: &State,
-    rules: &RuleSet,
-    upstream: &str,
-    request: &BatchRequest,
-    request_id: &str,
-) -> guard::RequestScan {
-    // The batch's 400 may come with a later request (an upload's
-    // completion).
-    let counted = (REQUESTS, None);
-    scan_counted_as(state, rules, upstream, counted, request, request_id)
 }
 
 /// The texts of a request that reach a model (or the API) outside an

@@ -6,8 +6,11 @@
 //! texts, which reading on the way exists to avoid. So each record is
 //! written as a line of JSON, as it is read, to a file with no name in
 //! `queue.spill_dir` (the system removes it once it is closed, even by a
-//! crash); the answer's status and times are put in as the records are
-//! read back, and each goes to the side queue.
+//! crash), with the number of its line; the answer's status and times are
+//! put in as the records are read back, and each goes to the side queue.
+//! The lines of a part of an upload in parts are numbered in the file
+//! only when the upload is completed, with the parts in order
+//! ([`HeldRecords::number_after`]).
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, Seek, Write};
@@ -27,6 +30,9 @@ pub(super) struct HeldRecords {
     file: Option<BufWriter<File>>,
     /// Records in the file, not yet sent.
     held: usize,
+    /// The request that numbers the records in the end, and the lines
+    /// before their first; their reader's own id and numbers without it.
+    numbered: Option<(String, usize)>,
 }
 
 /// The answer of the request that read the records.
@@ -58,6 +64,7 @@ impl HeldRecords {
             started,
             file: None,
             held: 0,
+            numbered: None,
         }
     }
 
@@ -65,9 +72,16 @@ impl HeldRecords {
         self.started
     }
 
-    /// Holds the record of a request read (`draft`, with the `verdict` of
-    /// its scan), to end with the answer.
-    pub(super) fn hold(&mut self, draft: RecordDraft, verdict: &Verdict) {
+    /// Numbers the records as lines of `request_id`'s file, after `lines`
+    /// lines: the record of the line numbered 2 here is `<request_id>.7`
+    /// after 5.
+    pub(super) fn number_after(&mut self, request_id: &str, lines: usize) {
+        self.numbered = Some((request_id.to_owned(), lines));
+    }
+
+    /// Holds the record of the request on line `line` (`draft`, with the
+    /// `verdict` of its scan), to end with the answer.
+    pub(super) fn hold(&mut self, line: usize, draft: RecordDraft, verdict: &Verdict) {
         let ending = Ending {
             verdict,
             response: Vec::new(),
@@ -79,7 +93,7 @@ impl HeldRecords {
             stream_end: None,
         };
         let record = draft.record(self.state.config.records.texts, ending);
-        match self.write(&record) {
+        match self.write(line, &record) {
             Ok(()) => self.held += 1,
             Err(error) => {
                 let request_id = record.request_id.as_str();
@@ -88,7 +102,7 @@ impl HeldRecords {
         }
     }
 
-    fn write(&mut self, record: &ExchangeRecord) -> io::Result<()> {
+    fn write(&mut self, line: usize, record: &ExchangeRecord) -> io::Result<()> {
         let file = match &mut self.file {
             Some(file) => file,
             None => {
@@ -98,7 +112,7 @@ impl HeldRecords {
                     .insert(BufWriter::new(tempfile::tempfile_in(dir)?))
             }
         };
-        serde_json::to_writer(&mut *file, record)?;
+        serde_json::to_writer(&mut *file, &(line, record))?;
         file.write_all(b"\n")
     }
 
@@ -131,7 +145,10 @@ impl HeldRecords {
         let mut file = file.into_inner().map_err(io::IntoInnerError::into_error)?;
         file.rewind()?;
         for line in BufReader::new(file).lines() {
-            let mut record: ExchangeRecord = serde_json::from_str(&line?)?;
+            let (line, mut record): (usize, ExchangeRecord) = serde_json::from_str(&line?)?;
+            if let Some((request_id, before)) = &self.numbered {
+                record.request_id = format!("{request_id}.{}", before + line);
+            }
             answered.end(&mut record, self.started);
             send_record(&self.state, record);
             self.held -= 1;

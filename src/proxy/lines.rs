@@ -10,9 +10,9 @@
 //! the lines around it. A file that went up cannot be edited, so a line
 //! that a rule redacts refuses the batch, as one it blocks does.
 //!
-//! The lines of a file sent whole are recorded as a batch's requests read
-//! whole are ([`LineRecords`]), their records held on disk until the
-//! upload's answer ends them ([`super::held`]).
+//! Each line read is recorded as a batch's request read whole is
+//! ([`LineRecords`]), its record held on disk until the answer of the
+//! request that makes the file ends it ([`super::held`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,7 +25,7 @@ use hyper::body::Frame;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use super::batch::{Refusal, scan_counted, scan_recorded};
+use super::batch::{Refusal, scan_recorded};
 use super::held::HeldRecords;
 use super::respond::{self, Failure};
 use super::{BoxError, ProxyBody, RecordDraft, State, upstream};
@@ -73,13 +73,14 @@ pub(super) struct Read {
     pub part: Part,
     /// The value of the form's `purpose` field, when it has one.
     pub purpose: Option<Vec<u8>>,
-    /// The records of the lines read, when they were recorded.
-    pub records: Option<LineRecords>,
+    /// The records of the lines read.
+    pub records: LineRecords,
 }
 
-/// The records of a batch's requests in a file read on its way up (whole,
-/// not in parts), each numbered by its line in the file as a file read
-/// whole is (`fg-….3`, line 3), and held until the upload's answer.
+/// The records of a batch's requests in a file, or a part of one, read on
+/// its way up, each numbered by its line in it as a file read whole is
+/// (`fg-….3`, line 3; a part's renumbered once its place in the file is
+/// known), and held until the answer of the request that makes the file.
 pub(super) struct LineRecords {
     /// The upload's headers, for its client's metadata.
     headers: HeaderMap,
@@ -107,7 +108,7 @@ impl LineRecords {
         let of = (&self.headers, request);
         let started = self.held.started();
         let draft = RecordDraft::outside(read_as, of, scan.texts, (&id, started));
-        self.held.hold(draft, &scan.verdict);
+        self.held.hold(number, draft, &scan.verdict);
         scan.verdict
     }
 
@@ -118,18 +119,18 @@ impl LineRecords {
 
 /// Starts reading a form whose file is in the field `field`: the pieces
 /// sent to the returned sender are read on a blocking thread (scanning a
-/// part of 64 MB takes long), until the sender is dropped. With `records`,
-/// the lines are recorded there.
+/// part of 64 MB takes long), until the sender is dropped. The lines are
+/// recorded in `records`.
 pub(super) fn read(
     state: &Arc<State>,
     upstream: &str,
     (boundary, field): (String, &'static str),
     request_id: &str,
-    records: Option<LineRecords>,
+    records: LineRecords,
 ) -> (mpsc::Sender<Bytes>, JoinHandle<Read>) {
     let (copies, pieces) = mpsc::channel(8);
-    let mut reader = LineReader::new(state.clone(), upstream.to_owned(), request_id.to_owned());
-    reader.records = records;
+    let read_by = (state.clone(), upstream.to_owned());
+    let reader = LineReader::new(read_by, request_id.to_owned(), records);
     let runtime = tokio::runtime::Handle::current();
     let reading = tokio::task::spawn_blocking(move || {
         runtime.block_on(read_form(reader, pieces, boundary, field))
@@ -297,11 +298,15 @@ struct LineReader {
     part: Part,
     /// The line being read.
     line: Vec<u8>,
-    records: Option<LineRecords>,
+    records: LineRecords,
 }
 
 impl LineReader {
-    fn new(state: Arc<State>, upstream: String, request_id: String) -> LineReader {
+    fn new(
+        (state, upstream): (Arc<State>, String),
+        request_id: String,
+        records: LineRecords,
+    ) -> LineReader {
         let rules = state.rules.snapshot();
         LineReader {
             state,
@@ -310,7 +315,7 @@ impl LineReader {
             request_id,
             part: Part::default(),
             line: Vec::new(),
-            records: None,
+            records,
         }
     }
 
@@ -347,25 +352,25 @@ impl LineReader {
         let index = self.part.lines;
         let read_by = (&*self.state, &*self.rules, self.upstream.as_str());
         // The first line is the file's head: this is line 2 on.
-        let records = self.records.as_mut().map(|records| (records, index + 2));
-        if let Some(refused) = refusal(read_by, line, &self.request_id, records) {
+        let recorded = (&mut self.records, index + 2);
+        if let Some(refused) = refusal(read_by, line, &self.request_id, recorded) {
             self.part.refused = Some((index, refused));
         }
     }
 
-    fn finish(mut self) -> (Part, Option<LineRecords>) {
+    fn finish(mut self) -> (Part, LineRecords) {
         self.part.tail = self.line;
         (self.part, self.records)
     }
 }
 
 /// What refuses a batch in `line` of its input, if anything does; the
-/// line recorded in `records` under its number, when given.
+/// the line recorded in `records` under its number.
 fn refusal(
     (state, rules, upstream): (&State, &RuleSet, &str),
     line: &[u8],
     request_id: &str,
-    records: Option<(&mut LineRecords, usize)>,
+    (records, number): (&mut LineRecords, usize),
 ) -> Option<Refused> {
     if line.trim_ascii().is_empty() {
         return None;
@@ -375,10 +380,7 @@ fn refusal(
         Err(error) => return Some(Refused::Unreadable(error)),
     };
     let read_by = (state, rules, upstream);
-    let verdict = &match records {
-        Some((records, number)) => records.scan(read_by, &request, (request_id, number)),
-        None => scan_counted(state, rules, upstream, &request, request_id).verdict,
-    };
+    let verdict = &records.scan(read_by, &request, (request_id, number));
     match verdict.decision {
         Decision::Redact => Some(Refused::Rules(Refusal::of_redaction(
             &request,
@@ -389,17 +391,31 @@ fn refusal(
     }
 }
 
+/// The number of each part's first line in the file of `parts` in order
+/// (the line its first line break ends), or `None` for a part without a
+/// line break: as [`check`] counts them.
+pub(super) fn head_lines(parts: &[&Part]) -> Vec<Option<usize>> {
+    let mut lines = 0;
+    let mut head = |part: &&Part| {
+        part.head.as_ref()?;
+        lines += 1;
+        let head = lines;
+        lines += part.lines;
+        Some(head)
+    };
+    parts.iter().map(&mut head).collect()
+}
+
 /// Reads a batch's input from its parts in order (a file read whole is one
 /// part): the lines across parts, and the first and last, are scanned
-/// here; those within one were as it went up (and recorded in `records`
-/// with these, when given). The 400 of the first line that refuses the
+/// here, and recorded in `records`; those within one were as it went up. The 400 of the first line that refuses the
 /// batch, if one does. Parts must have been read whole (see
 /// [`Part::unread`]).
 pub(super) fn check(
     read_by: (&State, &RuleSet, &str),
     parts: &[&Part],
     request_id: &str,
-    mut records: Option<&mut LineRecords>,
+    records: &mut LineRecords,
 ) -> Option<Response<ProxyBody>> {
     let state = read_by.0;
     let dialect = Dialect::OpenAi;
@@ -420,8 +436,7 @@ pub(super) fn check(
         if let Some(head) = &part.head {
             carry.extend_from_slice(head);
             lines += 1;
-            let recorded = records.as_deref_mut().map(|records| (records, lines));
-            if let Some(refused) = refusal(read_by, &carry, request_id, recorded) {
+            if let Some(refused) = refusal(read_by, &carry, request_id, (records, lines)) {
                 return Some(refuse(&refused, lines));
             }
             carry.clear();
@@ -435,8 +450,7 @@ pub(super) fn check(
             return Some(respond::failure(dialect, Failure::TooLarge, request_id));
         }
     }
-    let recorded = records.map(|records| (records, lines + 1));
-    let refused = refusal(read_by, &carry, request_id, recorded)?;
+    let refused = refusal(read_by, &carry, request_id, (records, lines + 1))?;
     Some(refuse(&refused, lines + 1))
 }
 

@@ -18,6 +18,12 @@
 //!   a part fairgate did not read (sent another way, or before a restart),
 //!   or a line longer than `guard.max_body_bytes`.
 //!
+//! Each line read is recorded as a request of the batch
+//! ([`lines::LineRecords`]), its record held on disk until a completion
+//! that names its part numbers it in the file and ends it with its status
+//! (`<completion's id>.<line>`); a part never named leaves none, its
+//! lines being in no file.
+//!
 //! Uploads are kept in this process's memory: the parts of an upload
 //! created before a restart, or through another instance of fairgate, go
 //! up unread, and its completion is refused when it makes a batch's input
@@ -27,7 +33,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
@@ -36,8 +42,9 @@ use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::batch::form_boundary;
-use super::lines::{self, Part};
+use super::batch::{OutsideRecords, form_boundary};
+use super::held::HeldRecords;
+use super::lines::{self, LineRecords, Part};
 use super::respond::{self, Failure};
 use super::{ProxyBody, State, upstream};
 use crate::exchange::{Dialect, PartsStep};
@@ -52,7 +59,22 @@ struct Upload {
     /// When the API forgets the upload (Unix seconds).
     expires_at: i64,
     /// What was read of each part, by part id.
-    parts: HashMap<String, Arc<Part>>,
+    parts: HashMap<String, ReadPart>,
+}
+
+struct ReadPart {
+    read: Arc<Part>,
+    /// The records of its lines, until a completion takes them.
+    records: Option<HeldRecords>,
+}
+
+/// A part a completion names, as it was read.
+struct Named {
+    id: String,
+    read: Arc<Part>,
+    /// The records of its lines, unless an earlier completion (or an
+    /// earlier mention in this one) took them.
+    records: Option<HeldRecords>,
 }
 
 impl Uploads {
@@ -73,23 +95,30 @@ impl Uploads {
         open.insert(upload, Upload { expires_at, parts });
     }
 
-    fn add_part(&self, upload: &str, part: String, read: Part) {
+    fn add_part(&self, upload: &str, part: String, read: Part, records: HeldRecords) {
         if let Ok(mut open) = self.open.lock()
             && let Some(upload) = open.get_mut(upload)
         {
-            upload.parts.insert(part, Arc::new(read));
+            let read = Arc::new(read);
+            let records = Some(records);
+            upload.parts.insert(part, ReadPart { read, records });
         }
     }
 
-    /// The parts named, in order, each with its id; the id of the first
-    /// that was not read.
-    fn parts(&self, upload: &str, ids: &[String]) -> Result<Vec<(String, Arc<Part>)>, String> {
+    /// The parts named, in order, with the records of their lines (taken:
+    /// they end with this completion); the id of the first that was not
+    /// read.
+    fn parts(&self, upload: &str, ids: &[String]) -> Result<Vec<Named>, String> {
         let first = || ids.first().cloned().unwrap_or_default();
-        let open = self.open.lock().map_err(|_| first())?;
-        let upload = open.get(upload).ok_or_else(first)?;
+        let mut open = self.open.lock().map_err(|_| first())?;
+        let upload = open.get_mut(upload).ok_or_else(first)?;
         ids.iter()
-            .map(|id| match upload.parts.get(id) {
-                Some(part) => Ok((id.clone(), part.clone())),
+            .map(|id| match upload.parts.get_mut(id) {
+                Some(part) => Ok(Named {
+                    id: id.clone(),
+                    read: part.read.clone(),
+                    records: part.records.take(),
+                }),
                 None => Err(id.clone()),
             })
             .collect()
@@ -204,6 +233,7 @@ async fn part(
     upload: String,
     request_id: &str,
 ) -> Response<ProxyBody> {
+    let started = Instant::now();
     let dialect = Dialect::OpenAi;
     let encoded = super::is_encoded(req.headers());
     let Some(boundary) = form_boundary(req.headers()).filter(|_| !encoded) else {
@@ -217,6 +247,7 @@ async fn part(
     let (mut parts, body) = req.into_parts();
     // Sent with the length the client gave, not chunked.
     let length = parts.headers.remove(header::CONTENT_LENGTH);
+    let records = LineRecords::new(state.clone(), parts.headers.clone(), started);
     let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers);
     headers.insert(
         header::ACCEPT_ENCODING,
@@ -226,7 +257,7 @@ async fn part(
         headers.insert(header::CONTENT_LENGTH, length);
     }
     let form = (boundary, "data");
-    let (copies, reading) = lines::read(state, &upstream, form, request_id, None);
+    let (copies, reading) = lines::read(state, &upstream, form, request_id, records);
     let frames = super::client_body(state, body).into_frames();
     let body = lines::tee(frames, copies, None);
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
@@ -246,7 +277,8 @@ async fn part(
         && let Some(part) = part
         && let Ok(Ok(read)) = tokio::time::timeout(timeout, reading).await
     {
-        state.uploads.add_part(&upload, part, read.part);
+        let records = read.records.into_held();
+        state.uploads.add_part(&upload, part, read.part, records);
     }
     super::guarded_response(status, head, respond::full(body), request_id, None)
 }
@@ -264,6 +296,7 @@ async fn complete(
     upload: String,
     request_id: &str,
 ) -> Response<ProxyBody> {
+    let started = Instant::now();
     let dialect = Dialect::OpenAi;
     let limit = state.config.guard.max_body_bytes;
     let (parts, body) = req.into_parts();
@@ -282,38 +315,66 @@ async fn complete(
     let Some(route) = state.config.route(parts.uri.path(), None) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
+    let upstream = route.upstream.clone();
+    let mut records = OutsideRecords::new(state, (dialect, &upstream), (request_id, started));
     // One the API would refuse goes up for it to answer.
     if let Ok(completion) = serde_json::from_slice::<Completion>(&body) {
-        let rules = state.rules.snapshot();
-        let refused = match state.uploads.parts(&upload, &completion.part_ids) {
-            Ok(read) => match read.iter().find(|(_, part)| part.unread) {
-                Some((id, _)) => Some(not_read(id, request_id)),
-                None => {
-                    let read: Vec<&Part> = read.iter().map(|(_, part)| &**part).collect();
-                    let read_by = (&**state, &*rules, route.upstream.as_str());
-                    lines::check(read_by, &read, request_id, None)
-                }
-            },
-            Err(missing) => Some(not_read(&missing, request_id)),
-        };
-        if let Some(refused) = refused {
+        let named = state.uploads.parts(&upload, &completion.part_ids);
+        let read = (upstream.as_str(), request_id, started);
+        if let Some(refused) = check(state, read, (named, &parts.headers), &mut records) {
+            records.end(refused.status().as_u16(), None);
             return refused;
         }
     }
-    let upstream = route.upstream.clone();
     let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers);
     headers.remove(header::CONTENT_ENCODING);
     let body = upstream::whole(body);
-    let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
-    match forwarded.await {
-        Ok((response, timeout)) => {
-            if response.status().is_success() {
-                state.uploads.end(&upload);
+    let answer = async {
+        let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
+        match forwarded.await {
+            Ok((response, timeout)) => {
+                if response.status().is_success() {
+                    state.uploads.end(&upload);
+                }
+                super::stream_back(response, timeout, request_id, None)
             }
-            super::stream_back(response, timeout, request_id, None)
+            Err(failure) => respond::failure(dialect, failure, request_id),
         }
-        Err(failure) => respond::failure(dialect, failure, request_id),
+    };
+    records.answered_with(answer).await
+}
+
+/// The 400 that refuses a completion naming the parts `named` (or the
+/// first it names that was not read), if anything does: the lines across
+/// parts are read here (`read`: the upstream, and the completion's id
+/// and start; `headers`, its headers). The records of the file's lines
+/// go to `records` numbered in it: each part's, and those read here.
+fn check(
+    state: &Arc<State>,
+    (upstream, request_id, started): (&str, &str, Instant),
+    (named, headers): (Result<Vec<Named>, String>, &http::HeaderMap),
+    records: &mut OutsideRecords<'_>,
+) -> Option<Response<ProxyBody>> {
+    let mut named = match named {
+        Ok(named) => named,
+        Err(missing) => return Some(not_read(&missing, request_id)),
+    };
+    let heads = lines::head_lines(&named.iter().map(|part| &*part.read).collect::<Vec<_>>());
+    for (part, head) in named.iter_mut().zip(heads) {
+        if let (Some(mut held), Some(head)) = (part.records.take(), head) {
+            held.number_after(request_id, head - 1);
+            records.hold(held);
+        }
     }
+    if let Some(part) = named.iter().find(|part| part.read.unread) {
+        return Some(not_read(&part.id, request_id));
+    }
+    let read: Vec<&Part> = named.iter().map(|part| &*part.read).collect();
+    let rules = state.rules.snapshot();
+    let mut across = LineRecords::new(state.clone(), headers.clone(), started);
+    let refused = lines::check((state, &rules, upstream), &read, request_id, &mut across);
+    records.hold(across.into_held());
+    refused
 }
 
 /// Completes an upload this process did not see begin as a batch's input
