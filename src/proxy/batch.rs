@@ -532,15 +532,14 @@ pub(super) enum Late {
 /// (its client left while it was read), ends it with 499, as an
 /// exchange's record says.
 pub(super) fn hand_over(state: &State, to: LateRecords, late: Late) {
-    let gone = Answered {
-        status: 499,
-        upstream: None,
-        upstream_request_id: None,
-    };
     match to.send(late) {
         Ok(()) => {}
         Err(Late::One(read)) => read.0.finish_unanswered(state, &read.1, 499, None),
-        Err(Late::Held(held)) => held.end(gone),
+        Err(Late::Held(held)) => held.end(Answered {
+            status: 499,
+            upstream: None,
+            upstream_request_id: None,
+        }),
     }
 }
 
@@ -583,8 +582,8 @@ impl<'a> OutsideRecords<'a> {
     }
 
     /// Where a reader of the request on its way up (a media form, or a
-    /// batch's input, too large to hold) hands over its records ([`hand_over`]):
-    /// they end with the others.
+    /// batch's input, too large to hold) hands over its records
+    /// ([`hand_over`]): they end with the others.
     pub(super) fn on_the_way(&mut self) -> LateRecords {
         let (recorded, later) = oneshot::channel();
         self.later = Some(later);

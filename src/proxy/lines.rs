@@ -364,8 +364,8 @@ impl LineReader {
     }
 }
 
-/// What refuses a batch in `line` of its input, if anything does; the
-/// the line recorded in `records` under its number.
+/// What refuses a batch in `line` of its input, if anything does. The
+/// line is recorded in `records` under its number.
 fn refusal(
     (state, rules, upstream): (&State, &RuleSet, &str),
     line: &[u8],
@@ -396,21 +396,21 @@ fn refusal(
 /// line break: as [`check`] counts them.
 pub(super) fn head_lines(parts: &[&Part]) -> Vec<Option<usize>> {
     let mut lines = 0;
-    let mut head = |part: &&Part| {
+    let head = |part: &&Part| {
         part.head.as_ref()?;
         lines += 1;
         let head = lines;
         lines += part.lines;
         Some(head)
     };
-    parts.iter().map(&mut head).collect()
+    parts.iter().map(head).collect()
 }
 
 /// Reads a batch's input from its parts in order (a file read whole is one
 /// part): the lines across parts, and the first and last, are scanned
-/// here, and recorded in `records`; those within one were as it went up. The 400 of the first line that refuses the
-/// batch, if one does. Parts must have been read whole (see
-/// [`Part::unread`]).
+/// here, and recorded in `records`; those within one were as it went up.
+/// The 400 of the first line that refuses the batch, if one does. Parts
+/// must have been read whole (see [`Part::unread`]).
 pub(super) fn check(
     read_by: (&State, &RuleSet, &str),
     parts: &[&Part],
