@@ -510,6 +510,11 @@ async fn shutdown_flushes_the_queue_to_the_spill_file_and_the_next_run_stores_it
     proxy.stop().await;
     let spilled = std::fs::read_to_string(spill_dir.join("spill.jsonl")).unwrap();
     assert_eq!(spilled.lines().count(), 5, "what the queue held is on disk");
+    // A line broken on disk, amid the others: skipped and counted, and
+    // the records after it replayed.
+    let mut lines: Vec<&str> = spilled.lines().collect();
+    lines.insert(2, "{\"kind\": \"exchange\", \"broken");
+    std::fs::write(spill_dir.join("spill.jsonl"), lines.join("\n") + "\n").unwrap();
 
     // The next run (with workers) replays and stores them.
     let mut second = second;
@@ -517,6 +522,15 @@ async fn shutdown_flushes_the_queue_to_the_spill_file_and_the_next_run_stores_it
     let proxy = support::start_proxy(second).await;
     let rows = proxy.wait_for_results(5).await;
     assert_eq!(rows.len(), 5);
+    let page = proxy.metrics().await;
+    assert_eq!(
+        metric(&page, "fairgate_queue_records_total{event=\"failed\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&page, "fairgate_queue_records_total{event=\"replayed\"}"),
+        Some(5.0)
+    );
     proxy.stop().await;
 }
 
