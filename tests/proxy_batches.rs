@@ -837,6 +837,26 @@ async fn each_line_of_an_upload_read_on_its_way_leaves_a_record() {
     proxy.stop().await;
 }
 
+#[tokio::test]
+async fn records_that_cannot_be_held_on_disk_are_counted_as_dropped() {
+    let (_mock, proxy) = support::start_with(|config| {
+        config.guard.max_body_bytes = 1024;
+        config.queue.spill_dir = "/dev/null/spill".into();
+    })
+    .await;
+    let lines: Vec<Value> = (1..=20)
+        .map(|i| input(&format!("ok-{i}"), "How do I start a budget?"))
+        .collect();
+    let response = upload(&proxy, upload_form("batch", &jsonl(&lines))).await;
+    // The upload is not refused for it: the loss is the records'.
+    assert_eq!(response.status(), 200);
+    let page = proxy.metrics().await;
+    let dropped = "fairgate_queue_records_total{event=\"dropped\"}";
+    assert_eq!(support::metric(&page, dropped), Some(20.0));
+    assert!(proxy.results().is_empty());
+    proxy.stop().await;
+}
+
 /// A part of an upload in parts, as the SDKs send it: one `data` field.
 fn part_form(data: &[u8]) -> Vec<u8> {
     let mut form = b"--XyZ\r\ncontent-disposition: form-data; name=\"data\"; filename=\"data\"\r\n\

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use super::{Ending, RecordDraft, State, send_record};
 use crate::record::{ExchangeRecord, now_ms};
 use crate::risk::Verdict;
+use crate::telemetry::QueueEvent;
 
 /// Records held until the answer of the request that read them.
 pub(super) struct HeldRecords {
@@ -98,6 +99,7 @@ impl HeldRecords {
             Err(error) => {
                 let request_id = record.request_id.as_str();
                 tracing::error!(%error, request_id, "a batch request's record could not be held and is lost");
+                self.state.queue.count(QueueEvent::Dropped);
             }
         }
     }
@@ -135,6 +137,9 @@ impl HeldRecords {
         if self.held > 0 {
             let lost = self.held;
             tracing::error!(lost, "records of a batch's requests are lost");
+            for _ in 0..lost {
+                self.state.queue.count(QueueEvent::Dropped);
+            }
         }
     }
 
