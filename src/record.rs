@@ -30,10 +30,21 @@ pub mod unread_answer {
     pub const CONVERSATION_ITEMS: &str = "conversation_items";
     /// What an image, video or speech model is told to make.
     pub const MEDIA: &str = "media";
+    /// How a Realtime session held elsewhere is set up (a browser's key,
+    /// a call): what is said in the session does not pass through
+    /// fairgate.
+    pub const REALTIME_SETUP: &str = "realtime_setup";
 
     /// Whether `route` is one of these.
     pub fn is(route: &str) -> bool {
-        [TOKEN_COUNT, COMPACTION, CONVERSATION_ITEMS, MEDIA].contains(&route)
+        [
+            TOKEN_COUNT,
+            COMPACTION,
+            CONVERSATION_ITEMS,
+            MEDIA,
+            REALTIME_SETUP,
+        ]
+        .contains(&route)
     }
 }
 

@@ -1033,6 +1033,13 @@ async fn a_session_set_up_for_elsewhere_has_its_configuration_scanned() {
     );
     let response = call(twice).await;
     assert_eq!(response.status(), 400);
+    // A second one that is not JSON refuses the call; the first was read.
+    let unreadable = form(&json!({"instructions": "Be kind."})).replace(
+        "--XyZ--\r\n",
+        "--XyZ\r\ncontent-disposition: form-data; name=\"session\"\r\n\r\n{not json\r\n--XyZ--\r\n",
+    );
+    let response = call(unreadable).await;
+    assert_eq!(response.status(), 400);
     // A form that does not read to its end is refused, not sent on.
     let broken = form(&json!({"instructions": "Be brief."})).replace("--XyZ--\r\n", "");
     let response = call(broken).await;
@@ -1083,7 +1090,38 @@ async fn a_session_set_up_for_elsewhere_has_its_configuration_scanned() {
     assert_eq!(response.status(), 200);
     assert_eq!(mock.requests()[2].body, offer);
 
-    proxy.assert_blocks("realtime", "prompt", 6.0).await;
+    proxy.assert_blocks("realtime_setup", "prompt", 6.0).await;
+    // Each configuration read leaves a record, ended with the answer its
+    // client got: the broken form and the offer alone leave none.
+    let rows = proxy.wait_for_results(10).await;
+    assert_eq!(rows.len(), 10, "{rows:#?}");
+    let records: Vec<&Value> = rows.iter().map(|row| &row["exchange"]).collect();
+    assert!(
+        records.iter().all(|r| r["route"] == "realtime_setup"),
+        "{records:#?}"
+    );
+    let count = |verdict: &str, status: u16| {
+        let ended = |r: &&&Value| r["verdict"] == verdict && r["status"] == status;
+        records.iter().filter(ended).count()
+    };
+    assert_eq!(count("block", 400), 6, "{records:#?}");
+    // "Be brief.", read before the blocked configuration of its form,
+    // which is recorded as its request's second; "Be kind.", before the
+    // unreadable one.
+    assert_eq!(count("allow", 400), 2, "{records:#?}");
+    let second = |r: &&&Value| r["request_id"].as_str().unwrap().ends_with(".2");
+    let second: Vec<_> = records.iter().filter(second).collect();
+    assert_eq!(second.len(), 1, "{records:#?}");
+    assert_eq!(second[0]["verdict"], "block");
+    assert_eq!(count("redact", 200), 2, "{records:#?}");
+    let redacted = records.iter().find(|r| r["verdict"] == "redact").unwrap();
+    let card = json!(["The user's card is [REDACTED:card]."]);
+    assert_eq!(redacted["texts"]["prompt"], card, "{redacted}");
+    let metrics = rows[0]["metrics"].as_array().unwrap();
+    let politeness = metrics.iter().find(|m| m["name"] == "politeness").unwrap();
+    assert_eq!(politeness["score"], Value::Null);
+    let unread = "fairgate passes the answer of a realtime_setup request on unread";
+    assert_eq!(politeness["reason"], unread);
     proxy.stop().await;
 }
 

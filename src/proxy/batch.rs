@@ -562,13 +562,19 @@ impl<'a> OutsideRecords<'a> {
         }
     }
 
+    /// The fairgate request that read them.
+    pub(super) fn request_id(&self) -> &'a str {
+        self.request_id
+    }
+
     /// Records held on disk, to end with the others.
     pub(super) fn hold(&mut self, held: HeldRecords) {
         self.held.push(held);
     }
 
     /// The record of the request itself, read as `route`: what `request`
-    /// (sent with `headers`) gives a model, as its scan found it.
+    /// (sent with `headers`) gives a model, as its scan found it. Under
+    /// the request's id; a second under `<id>.2`, and so on.
     fn begin(
         &mut self,
         route: &'static str,
@@ -576,9 +582,36 @@ impl<'a> OutsideRecords<'a> {
         (texts, verdict): (guard::RequestTexts, Verdict),
     ) {
         let read_as = (route, self.dialect, self.upstream);
-        let read = (self.request_id, self.started);
-        let draft = RecordDraft::outside(read_as, (headers, request), texts, read);
+        // A second one (two configurations in a Realtime call's form) is
+        // `<id>.2`: a record's id is its own.
+        let id = match self.read.len() + 1 {
+            1 => self.request_id.to_owned(),
+            number => format!("{}.{number}", self.request_id),
+        };
+        let draft = RecordDraft::outside(read_as, (headers, request), texts, (&id, self.started));
         self.read.push((draft, verdict));
+    }
+
+    /// Begins the record of the request itself, read as `route`, from its
+    /// `scan` ([`OutsideRecords::begin`]); or, when a rule blocks it, the
+    /// refusal its client gets (naming `place`), the records ended with
+    /// it.
+    pub(super) fn record(
+        &mut self,
+        scan: guard::RequestScan,
+        route: &'static str,
+        (headers, request, place): (&HeaderMap, &BatchRequest, &str),
+    ) -> Result<(), Box<Response<ProxyBody>>> {
+        let refusal = Refusal::of_block(request, &scan.verdict.hits, scan.verdict.decision);
+        self.begin(route, (headers, request), (scan.texts, scan.verdict));
+        match refusal {
+            Some(refusal) => {
+                let refused = refusal.respond(self.dialect, place, self.request_id);
+                self.end(refused.status().as_u16(), None);
+                Err(Box::new(refused))
+            }
+            None => Ok(()),
+        }
     }
 
     /// Where a reader of the request on its way up (a media form, or a
@@ -682,28 +715,6 @@ impl Drop for OutsideRecords<'_> {
     }
 }
 
-/// The texts of a request that reach a model (or the API) outside an
-/// exchange (a conversation's items, a Realtime session's setup, a media
-/// request, a token count), scanned as a prompt and counted under
-/// `route`: the scan, or the 400 in `dialect` that refuses the request,
-/// naming `place` (nothing when it is empty: the whole request).
-pub(super) fn scan_or_refuse(
-    state: &State,
-    (upstream, dialect): (&str, Dialect),
-    route: &'static str,
-    (request, place): (&BatchRequest, &str),
-    request_id: &str,
-) -> Result<guard::RequestScan, Box<Response<ProxyBody>>> {
-    let rules = state.rules.snapshot();
-    let counted = (route, Some(400));
-    let scan = scan_counted_as(state, &rules, upstream, counted, request, request_id);
-    let (hits, decision) = (&scan.verdict.hits, scan.verdict.decision);
-    match Refusal::of_block(request, hits, decision) {
-        Some(refusal) => Err(Box::new(refusal.respond(dialect, place, request_id))),
-        None => Ok(scan),
-    }
-}
-
 /// What a refusal names: the members its texts were read from, in
 /// order, each once (a block has at least one).
 pub(super) fn place(names: &[&'static str]) -> String {
@@ -778,53 +789,20 @@ pub(super) fn recorded<'a>(
     (headers, request, place): (&HeaderMap, &BatchRequest, &str),
     (request_id, started): (&'a str, Instant),
 ) -> Result<OutsideRecords<'a>, Box<Response<ProxyBody>>> {
-    let refusal = Refusal::of_block(request, &scan.verdict.hits, scan.verdict.decision);
     let mut records = OutsideRecords::new(state, (dialect, upstream), (request_id, started));
-    records.begin(route, (headers, request), (scan.texts, scan.verdict));
-    match refusal {
-        Some(refusal) => {
-            let refused = refusal.respond(dialect, place, request_id);
-            records.end(refused.status().as_u16(), None);
-            Err(Box::new(refused))
-        }
-        None => Ok(records),
-    }
+    records.record(scan, route, (headers, request, place))?;
+    Ok(records)
 }
 
 /// A request's texts scanned as a prompt sent outside an exchange, and
-/// counted under `route`, a block with the `status` its client gets if
-/// known now.
-pub(super) fn scan_counted_as(
-    state: &State,
-    rules: &RuleSet,
-    upstream: &str,
-    (route, status): (&'static str, Option<u16>),
-    request: &BatchRequest,
-    request_id: &str,
-) -> guard::RequestScan {
-    let counted = (route, status, true);
-    scan_logged(state, rules, upstream, counted, request, request_id)
-}
-
-/// [`scan_counted_as`] for a request that leaves a record
-/// ([`recorded`]), which puts a block in the dashboard's log.
+/// counted under `route`, a block with the 400 that refuses it. Such a
+/// request leaves a record ([`OutsideRecords`]), which puts a block in
+/// the dashboard's log.
 pub(super) fn scan_recorded(
     state: &State,
     rules: &RuleSet,
     upstream: &str,
     route: &'static str,
-    request: &BatchRequest,
-    request_id: &str,
-) -> guard::RequestScan {
-    let counted = (route, Some(400), false);
-    scan_logged(state, rules, upstream, counted, request, request_id)
-}
-
-fn scan_logged(
-    state: &State,
-    rules: &RuleSet,
-    upstream: &str,
-    (route, status, logged): (&'static str, Option<u16>, bool),
     request: &BatchRequest,
     request_id: &str,
 ) -> guard::RequestScan {
@@ -837,8 +815,8 @@ fn scan_logged(
         model: request.params.model.as_deref(),
         request_id,
         scope: Scope::Prompt,
-        status,
-        logged,
+        status: Some(400),
+        logged: false,
     };
     count(state, scanned_in, &scan.verdict);
     scan

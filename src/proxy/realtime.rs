@@ -98,6 +98,8 @@ use crate::rules::{Action, Hit, RuleSet, Scope, redact};
 
 /// The route label of Realtime sessions, in metrics and records.
 const ROUTE: &str = "realtime";
+/// The route of a session's setup for a session held elsewhere.
+const SETUP: &str = crate::record::unread_answer::REALTIME_SETUP;
 
 /// The prefix of the ids of events fairgate itself sends upstream, whose
 /// answers it keeps from the client.
@@ -140,13 +142,17 @@ impl Handshake {
 /// call's acceptance). Its configuration is scanned as a prompt: a block
 /// refuses the request with the 400 of a blocked prompt (naming the
 /// `session`), a redaction rewrites it. A call's configuration is the
-/// `session` field of its form; an SDP offer alone has none. Refused
-/// with 403 `upgrade_refused` unless `guard.upgrades` is `tunnel`.
+/// `session` field of its form; an SDP offer alone has none. Each
+/// configuration read leaves a record (route
+/// [`crate::record::unread_answer::REALTIME_SETUP`]), ended with the
+/// status its client gets. Refused with 403 `upgrade_refused` unless
+/// `guard.upgrades` is `tunnel`.
 pub(super) async fn setup(
     state: &Arc<State>,
     req: Request<Incoming>,
     request_id: &str,
 ) -> Response<ProxyBody> {
+    let started = Instant::now();
     let dialect = Dialect::OpenAi;
     if state.config.guard.upgrades != Upgrades::Tunnel {
         // Nothing said in it would be read.
@@ -167,6 +173,9 @@ pub(super) async fn setup(
         Ok(upstream) => upstream,
         Err(answer) => return *answer,
     };
+    let mut records =
+        batch::OutsideRecords::new(state, (dialect, &upstream), (request_id, started));
+    let read_by = (state.as_ref(), upstream.as_str(), &read.parts.headers);
     let body = if let Some(boundary) = boundary {
         let (mut fields, complete) = batch::fields(&read.bytes, &boundary).await;
         if !complete {
@@ -182,10 +191,10 @@ pub(super) async fn setup(
             .iter_mut()
             .filter(|(headers, _)| batch::field_name(headers) == Some("session"));
         for (_, session) in sessions {
-            match judge(state, &upstream, session, request_id) {
+            match judge(read_by, session, &mut records) {
                 Ok(Some(redacted)) => (*session, judged) = (redacted, true),
                 Ok(None) => {}
-                Err(refused) => return *refused,
+                Err(refused) => return refused_recorded(*refused, &mut records),
             }
         }
         match judged {
@@ -197,33 +206,53 @@ pub(super) async fn setup(
         read.bytes.clone()
     } else {
         // Read as JSON whatever the content type says: the API may.
-        match judge(state, &upstream, &read.bytes, request_id) {
+        match judge(read_by, &read.bytes, &mut records) {
             Ok(judged) => judged.unwrap_or_else(|| read.bytes.clone()),
-            Err(refused) => return *refused,
+            Err(refused) => return refused_recorded(*refused, &mut records),
         }
     };
-    match read.send(state, (&upstream, body), false).await {
-        Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
-        Err(failure) => respond::failure(dialect, failure, request_id),
-    }
+    let answer = async {
+        match read.send(state, (&upstream, body), false).await {
+            Ok((response, timeout)) => super::stream_back(response, timeout, request_id, None),
+            Err(failure) => respond::failure(dialect, failure, request_id),
+        }
+    };
+    records.answered_with(answer).await
 }
 
-/// A session configuration scanned: `None` when it goes up as it came,
-/// its redacted text, or the answer that refuses it.
+/// A session configuration scanned (`read_by`: the upstream it goes to,
+/// and the setup's headers) and recorded in `records`: `None` when it
+/// goes up as it came, its redacted text, or the answer that refuses it.
 fn judge(
-    state: &State,
-    upstream: &str,
+    (state, upstream, headers): (&State, &str, &http::HeaderMap),
     config: &Bytes,
-    request_id: &str,
+    records: &mut batch::OutsideRecords<'_>,
 ) -> Result<Option<Bytes>, Box<Response<ProxyBody>>> {
-    let dialect = Dialect::OpenAi;
+    let request_id = records.request_id();
     let setup = exchange::read_realtime_setup(config).map_err(|error| {
         let what = "The session's configuration";
-        Box::new(respond::unreadable(dialect, &error, Some(what), request_id))
+        Box::new(respond::unreadable(
+            Dialect::OpenAi,
+            &error,
+            Some(what),
+            request_id,
+        ))
     })?;
-    let found = (&setup, "session");
-    let scan = batch::scan_or_refuse(state, (upstream, dialect), ROUTE, found, request_id)?;
-    Ok(scan.redacted(config))
+    let rules = state.rules.snapshot();
+    let scan = batch::scan_recorded(state, &rules, upstream, SETUP, &setup, request_id);
+    let redacted = scan.redacted(config);
+    records.record(scan, SETUP, (headers, &setup, "session"))?;
+    Ok(redacted)
+}
+
+/// `refused`, the records of the configurations read before it ended
+/// with it.
+fn refused_recorded(
+    refused: Response<ProxyBody>,
+    records: &mut batch::OutsideRecords<'_>,
+) -> Response<ProxyBody> {
+    records.end(refused.status().as_u16(), None);
+    refused
 }
 
 type Socket = WebSocketStream<TokioIo<Upgraded>>;
