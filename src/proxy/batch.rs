@@ -132,10 +132,7 @@ async fn upload(
             let read = batch_input(&mut records, &form.parts.headers, whole, &boundary).await;
             match read {
                 Ok(whole) => upstream::whole(whole),
-                Err(refused) => {
-                    records.end(refused.status().as_u16(), None);
-                    return refused;
-                }
+                Err(refused) => return records.refused(refused),
             }
         }
     };
@@ -607,8 +604,7 @@ impl<'a> OutsideRecords<'a> {
         match refusal {
             Some(refusal) => {
                 let refused = refusal.respond(self.dialect, place, self.request_id);
-                self.end(refused.status().as_u16(), None);
-                Err(Box::new(refused))
+                Err(Box::new(self.refused(refused)))
             }
             None => Ok(()),
         }
@@ -636,12 +632,11 @@ impl<'a> OutsideRecords<'a> {
         request: &BatchRequest,
     ) -> Result<Edits, Box<Response<ProxyBody>>> {
         let id = format!("{}.{number}", self.request_id);
-        let scan = scan_recorded(self.state, rules, self.upstream, REQUESTS, request, &id);
-        let verdict = scan.verdict;
-        let refusal = Refusal::of_block(request, &verdict.hits, verdict.decision);
         let read_as = (REQUESTS, self.dialect, self.upstream);
         let of = (headers, request);
-        let draft = RecordDraft::outside(read_as, of, scan.texts, (&id, self.started));
+        let (draft, scan) = scan_drafted(self.state, rules, read_as, of, (&id, self.started));
+        let verdict = scan.verdict;
+        let refusal = Refusal::of_block(request, &verdict.hits, verdict.decision);
         self.read.push((draft, verdict));
         match refusal {
             Some(refusal) => {
@@ -677,6 +672,13 @@ impl<'a> OutsideRecords<'a> {
                 upstream_request_id,
             });
         }
+    }
+
+    /// `refused`, the answer that refuses the request, the records ended
+    /// with it.
+    pub(super) fn refused(&mut self, refused: Response<ProxyBody>) -> Response<ProxyBody> {
+        self.end(refused.status().as_u16(), None);
+        refused
     }
 
     /// Sends the request on as `answer` does, then ends the records with
@@ -794,6 +796,24 @@ pub(super) fn recorded<'a>(
     Ok(records)
 }
 
+/// A request read outside an exchange (`of`: it, and the headers it came
+/// with) scanned as a prompt by [`scan_recorded`] under its record's
+/// route and `id`, and the draft of that record (`read_as`: its route,
+/// dialect and upstream; from `started`), which takes the scan's texts.
+pub(super) fn scan_drafted(
+    state: &State,
+    rules: &RuleSet,
+    read_as: (&'static str, Dialect, &str),
+    (headers, request): (&HeaderMap, &BatchRequest),
+    (id, started): (&str, Instant),
+) -> (RecordDraft, guard::RequestScan) {
+    let (route, _, upstream) = read_as;
+    let mut scan = scan_recorded(state, rules, upstream, route, request, id);
+    let texts = std::mem::take(&mut scan.texts);
+    let draft = RecordDraft::outside(read_as, (headers, request), texts, (id, started));
+    (draft, scan)
+}
+
 /// A request's texts scanned as a prompt sent outside an exchange, and
 /// counted under `route`, a block with the 400 that refuses it. Such a
 /// request leaves a record ([`OutsideRecords`]), which puts a block in
@@ -846,14 +866,22 @@ impl Refusal {
         })
     }
 
-    /// The refusal of a request with `hits` to redact, where its body
-    /// cannot be edited (it is read on its way up), saying `why`.
-    pub(super) fn of_redaction(request: &BatchRequest, hits: &[Hit], why: &str) -> Refusal {
-        Refusal {
-            custom_id: request.custom_id.as_deref().map(str::to_owned),
-            scope: Scope::Prompt.as_str(),
-            reason: why.to_owned(),
-            rules: rule_ids(hits),
+    /// The refusal of a request read on its way up, whose body cannot
+    /// be edited, if `verdict` refuses it: a block, or a redaction (the
+    /// refusal saying `why` that refuses it).
+    pub(super) fn of_uneditable(
+        request: &BatchRequest,
+        verdict: &Verdict,
+        why: &str,
+    ) -> Option<Refusal> {
+        match verdict.decision {
+            Decision::Redact => Some(Refusal {
+                custom_id: request.custom_id.as_deref().map(str::to_owned),
+                scope: Scope::Prompt.as_str(),
+                reason: why.to_owned(),
+                rules: rule_ids(&verdict.hits),
+            }),
+            decision => Refusal::of_block(request, &verdict.hits, decision),
         }
     }
 
@@ -908,10 +936,7 @@ async fn create(
         let place = (format!("requests.{index}"), index + 1);
         match records.scan(&rules, &read.parts.headers, (&place.0, place.1), request) {
             Ok(found) => edits.extend(found),
-            Err(refused) => {
-                records.end(refused.status().as_u16(), None);
-                return *refused;
-            }
+            Err(refused) => return records.refused(*refused),
         }
     }
     let body = match edits.is_empty() {

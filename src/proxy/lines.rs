@@ -25,14 +25,14 @@ use hyper::body::Frame;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use super::batch::{Refusal, scan_recorded};
+use super::batch::{Refusal, scan_drafted};
 use super::held::HeldRecords;
 use super::respond::{self, Failure};
-use super::{BoxError, ProxyBody, RecordDraft, State, upstream};
+use super::{BoxError, ProxyBody, State, upstream};
 use crate::exchange::{self, BatchRequest, Dialect};
 use crate::json::ReadError;
 use crate::record::BATCH_REQUESTS;
-use crate::risk::{Decision, Verdict};
+use crate::risk::Verdict;
 use crate::rules::RuleSet;
 
 /// The largest piece of a body a reader is given at once.
@@ -103,11 +103,10 @@ impl LineRecords {
         (request_id, number): (&str, usize),
     ) -> Verdict {
         let id = format!("{request_id}.{number}");
-        let scan = scan_recorded(state, rules, upstream, BATCH_REQUESTS, request, &id);
         let read_as = (BATCH_REQUESTS, Dialect::OpenAi, upstream);
         let of = (&self.headers, request);
         let started = self.held.started();
-        let draft = RecordDraft::outside(read_as, of, scan.texts, (&id, started));
+        let (draft, scan) = scan_drafted(state, rules, read_as, of, (&id, started));
         self.held.hold(number, draft, &scan.verdict);
         scan.verdict
     }
@@ -367,7 +366,7 @@ impl LineReader {
 /// What refuses a batch in `line` of its input, if anything does. The
 /// line is recorded in `records` under its number.
 fn refusal(
-    (state, rules, upstream): (&State, &RuleSet, &str),
+    read_by: (&State, &RuleSet, &str),
     line: &[u8],
     request_id: &str,
     (records, number): (&mut LineRecords, usize),
@@ -379,16 +378,8 @@ fn refusal(
         Ok(request) => request,
         Err(error) => return Some(Refused::Unreadable(error)),
     };
-    let read_by = (state, rules, upstream);
-    let verdict = &records.scan(read_by, &request, (request_id, number));
-    match verdict.decision {
-        Decision::Redact => Some(Refused::Rules(Refusal::of_redaction(
-            &request,
-            &verdict.hits,
-            UNEDITABLE,
-        ))),
-        decision => Refusal::of_block(&request, &verdict.hits, decision).map(Refused::Rules),
-    }
+    let verdict = records.scan(read_by, &request, (request_id, number));
+    Refusal::of_uneditable(&request, &verdict, UNEDITABLE).map(Refused::Rules)
 }
 
 /// The number of each part's first line in the file of `parts` in order

@@ -35,7 +35,7 @@ use tokio::sync::mpsc;
 
 use super::batch::{self, Held, HeldForm, Late, LateRecords, OutsideRecords, Refusal};
 use super::respond;
-use super::{ProxyBody, RecordDraft, State};
+use super::{ProxyBody, State};
 use crate::exchange::{self, BatchRequest, Dialect, MEDIA_TEXTS, Text};
 use crate::rules::Scope;
 
@@ -242,25 +242,12 @@ fn judge_on_the_way(
     };
     let (request, place) = as_request(&texts);
     let rules = state.rules.snapshot();
-    let scan = batch::scan_recorded(state, &rules, upstream, ROUTE, &request, request_id);
-    let verdict = scan.verdict;
-    let (hits, decision) = (&verdict.hits, verdict.decision);
-    let refusal = match Refusal::of_block(&request, hits, decision) {
-        Some(blocked) => Some(blocked),
-        None if scan.edits.is_empty() => None,
-        None => {
-            let why = "it holds text the content policy redacts, and a form larger than this gateway holds goes up as it arrives, so it cannot be edited; redact the text before sending it.";
-            Some(Refusal::of_redaction(&request, hits, why))
-        }
-    };
     let read_as = (ROUTE, Dialect::OpenAi, upstream);
-    let draft = RecordDraft::outside(
-        read_as,
-        (headers, &request),
-        scan.texts,
-        (request_id, started),
-    );
-    batch::hand_over(state, recorded, Late::One(Box::new((draft, verdict))));
+    let of = (headers, &request);
+    let (draft, scan) = batch::scan_drafted(state, &rules, read_as, of, (request_id, started));
+    let why = "it holds text the content policy redacts, and a form larger than this gateway holds goes up as it arrives, so it cannot be edited; redact the text before sending it.";
+    let refusal = Refusal::of_uneditable(&request, &scan.verdict, why);
+    batch::hand_over(state, recorded, Late::One(Box::new((draft, scan.verdict))));
     refusal.map(|refusal| refusal.respond(Dialect::OpenAi, &place, request_id))
 }
 

@@ -322,8 +322,7 @@ async fn complete(
         let named = state.uploads.parts(&upload, &completion.part_ids);
         let read = (upstream.as_str(), request_id, started);
         if let Some(refused) = check(state, read, (named, &parts.headers), &mut records) {
-            records.end(refused.status().as_u16(), None);
-            return refused;
+            return records.refused(refused);
         }
     }
     let mut headers = super::upstream_headers(state, &upstream, dialect, parts.headers);

@@ -194,7 +194,7 @@ pub(super) async fn setup(
             match judge(read_by, session, &mut records) {
                 Ok(Some(redacted)) => (*session, judged) = (redacted, true),
                 Ok(None) => {}
-                Err(refused) => return refused_recorded(*refused, &mut records),
+                Err(refused) => return records.refused(*refused),
             }
         }
         match judged {
@@ -208,7 +208,7 @@ pub(super) async fn setup(
         // Read as JSON whatever the content type says: the API may.
         match judge(read_by, &read.bytes, &mut records) {
             Ok(judged) => judged.unwrap_or_else(|| read.bytes.clone()),
-            Err(refused) => return refused_recorded(*refused, &mut records),
+            Err(refused) => return records.refused(*refused),
         }
     };
     let answer = async {
@@ -243,16 +243,6 @@ fn judge(
     let redacted = scan.redacted(config);
     records.record(scan, SETUP, (headers, &setup, "session"))?;
     Ok(redacted)
-}
-
-/// `refused`, the records of the configurations read before it ended
-/// with it.
-fn refused_recorded(
-    refused: Response<ProxyBody>,
-    records: &mut batch::OutsideRecords<'_>,
-) -> Response<ProxyBody> {
-    records.end(refused.status().as_u16(), None);
-    refused
 }
 
 type Socket = WebSocketStream<TokioIo<Upgraded>>;

@@ -435,9 +435,8 @@ pub struct Blocked {
     pub stream: bool,
     /// `prompt`, `context` or `response`: what was blocked.
     pub scope: &'static str,
-    /// The HTTP status the client got; none for a block in a batch's
-    /// input read on its way up or in parts (its refusal may come with a
-    /// later request) or in a stored answer's stream.
+    /// The HTTP status the client got; none for a block in a stored
+    /// answer's stream.
     pub status: Option<u16>,
     pub risk: f64,
     /// The rules that hit, blocking ones first.
@@ -565,8 +564,8 @@ impl BlockLog {
     /// Fills the log with the blocked exchanges that the JSON-lines
     /// results in `dir` hold (the newest [`Self::KEPT`] of the last two
     /// days' files), so that the dashboard's list survives a restart. Blocks
-    /// that have no exchange record (of stored answers fetched again, and
-    /// of batch inputs read on their way up) are not among them.
+    /// that have no exchange record (of stored answers fetched again) are
+    /// not among them.
     pub fn restore(&self, dir: &std::path::Path) -> anyhow::Result<usize> {
         let records = crate::sink::jsonl::recent_blocks(dir, Self::KEPT)?;
         Ok(self.restore_older(&records))
