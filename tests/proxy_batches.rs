@@ -168,8 +168,7 @@ async fn each_request_of_a_batch_read_whole_leaves_a_record() {
     let rows = proxy.wait_for_results(8).await;
     assert_eq!(rows.len(), 8, "{rows:#?}");
     let record = |id: String| {
-        let row = rows.iter().find(|row| row["request_id"] == id);
-        let row = row.unwrap_or_else(|| panic!("a record of {id}: {rows:#?}"));
+        let row = support::row_of(&rows, &id);
         (&row["exchange"], row["metrics"].as_array().unwrap())
     };
     let (first, metrics) = record(format!("{created}.1"));
@@ -784,10 +783,7 @@ async fn each_line_of_an_upload_read_on_its_way_leaves_a_record() {
 
     let rows = proxy.wait_for_results(20 + 13 + 10).await;
     assert_eq!(rows.len(), 43, "{rows:#?}");
-    let record = |id: String| {
-        let row = rows.iter().find(|row| row["request_id"] == id);
-        &row.unwrap_or_else(|| panic!("a record of {id}: {rows:#?}"))["exchange"]
-    };
+    let record = |id: String| &support::row_of(&rows, &id)["exchange"];
     for line in 1..=20 {
         let record = record(format!("{allowed}.{line}"));
         assert_eq!(record["route"], "batches");
@@ -1044,10 +1040,7 @@ async fn each_line_of_an_upload_in_parts_is_recorded_when_it_is_completed() {
 
     let rows = proxy.wait_for_results(3 * 4 + 2).await;
     assert_eq!(rows.len(), 14, "{rows:#?}");
-    let record = |id: String| {
-        let row = rows.iter().find(|row| row["request_id"] == id);
-        &row.unwrap_or_else(|| panic!("a record of {id}: {rows:#?}"))["exchange"]
-    };
+    let record = |id: String| &support::row_of(&rows, &id)["exchange"];
     for (size, completion) in &completed {
         for line in 1..=4 {
             let record = record(format!("{completion}.{line}"));

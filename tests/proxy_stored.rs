@@ -533,10 +533,7 @@ async fn requests_read_outside_an_exchange_leave_records() {
 
     let rows = proxy.wait_for_results(5).await;
     assert_eq!(rows.len(), 5, "{rows:#?}");
-    let row = |id: &str| {
-        let row = rows.iter().find(|row| row["request_id"] == id);
-        row.unwrap_or_else(|| panic!("a record of {id}: {rows:#?}"))
-    };
+    let row = |id: &str| support::row_of(&rows, id);
     let record = &row(&blocked)["exchange"];
     assert_eq!(record["route"], "token_count");
     assert_eq!(record["dialect"], "anthropic");

@@ -473,6 +473,14 @@ fn pieces_reply(body: String, pause_ms: u64, content_type: &str) -> Response<Moc
         .unwrap()
 }
 
+/// The result row of the record `id` among `rows` (see
+/// [`Proxy::wait_for_results`]); fails the test, listing them, when there
+/// is none.
+pub fn row_of<'a>(rows: &'a [Value], id: &str) -> &'a Value {
+    let row = rows.iter().find(|row| row["request_id"] == id);
+    row.unwrap_or_else(|| panic!("a record of {id}: {rows:#?}"))
+}
+
 /// The value of one series of a Prometheus page, named exactly as it is
 /// printed (name and labels); `None` when the page does not have it.
 pub fn metric(page: &str, series: &str) -> Option<f64> {
