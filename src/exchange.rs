@@ -961,6 +961,8 @@ pub enum PartsStep {
     Part,
     /// `POST /v1/uploads/{id}/complete`
     Complete,
+    /// `POST /v1/uploads/{id}/cancel`
+    Cancel,
 }
 
 impl Batch {
@@ -981,6 +983,7 @@ impl Batch {
             (["uploads"], true, _) => Some(Batch::Parts(PartsStep::Create)),
             (["uploads", _, "parts"], true, _) => Some(Batch::Parts(PartsStep::Part)),
             (["uploads", _, "complete"], true, _) => Some(Batch::Parts(PartsStep::Complete)),
+            (["uploads", _, "cancel"], true, _) => Some(Batch::Parts(PartsStep::Cancel)),
             _ => None,
         }
     }
@@ -2601,7 +2604,11 @@ mod tests {
                 "/v1/uploads/upload_1/complete",
                 Some(Batch::Parts(PartsStep::Complete)),
             ),
-            (Method::POST, "/v1/uploads/upload_1/cancel", None),
+            (
+                Method::POST,
+                "/v1/uploads/upload_1/cancel",
+                Some(Batch::Parts(PartsStep::Cancel)),
+            ),
             // Azure OpenAI's classic paths, and Gemini's, have no `v1`.
             (
                 Method::GET,

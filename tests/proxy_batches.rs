@@ -893,16 +893,23 @@ async fn begin_upload(proxy: &support::Proxy, purpose: &str, bytes: usize) -> Va
     let upload = json!({"id": "upload_1", "object": "upload", "purpose": purpose,
         "status": "pending", "bytes": bytes, "filename": "input.jsonl",
         "created_at": 1, "expires_at": 4_000_000_000u64});
+    create_upload(proxy, upload.clone()).await;
+    upload
+}
+
+/// Creates an upload; the API answers `upload`.
+async fn create_upload(proxy: &support::Proxy, upload: Value) {
     let response = client()
         .post(proxy.url("/v1/uploads"))
         .header("x-mock-reply", mock_json(upload.clone()))
-        .json(&json!({"purpose": purpose, "filename": "input.jsonl",
-            "bytes": bytes, "mime_type": "text/jsonl"}))
+        .json(
+            &json!({"purpose": upload["purpose"], "filename": "input.jsonl",
+            "bytes": upload["bytes"], "mime_type": "text/jsonl"}),
+        )
         .send()
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    upload
 }
 
 /// Sends part `part_{index}` of `upload`, holding `piece`, as the SDKs do.
@@ -1074,6 +1081,97 @@ async fn each_line_of_an_upload_in_parts_is_recorded_when_it_is_completed() {
     assert_eq!(recent.len(), 1, "{recent:?}");
     assert_eq!(recent[0]["request_id"], format!("{refused}.2"));
     proxy.stop().await;
+}
+
+#[tokio::test]
+async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answers() {
+    let (_mock, mut proxy) = support::start().await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let upload = |id: &str, expires_at: u64| {
+        json!({"id": id, "object": "upload", "purpose": "batch", "status": "pending",
+            "bytes": 1000, "filename": "input.jsonl", "created_at": 1, "expires_at": expires_at})
+    };
+    // Each part holds three lines whole: the part reads the two after its
+    // first line break (its lines 2 and 3); the first is read with the
+    // parts before it, at a completion.
+    let part_of = |tag: &str| jsonl(&budget_questions(tag, 3));
+    let mut parts = Vec::new();
+    let mut part = async |upload: &str, index: usize, tag: &str| {
+        let response = send_part(&proxy, upload, index, part_of(tag).as_bytes()).await;
+        assert_eq!(response.status(), 200, "{tag}");
+        parts.push((tag.to_owned(), support::request_id(&response), 200));
+    };
+
+    // Completed without its second part.
+    create_upload(&proxy, upload("upload_1", 4_000_000_000)).await;
+    let named = send_part(&proxy, "upload_1", 0, part_of("named").as_bytes()).await;
+    assert_eq!(named.status(), 200);
+    part("upload_1", 1, "left-out").await;
+    // Cancelled.
+    create_upload(&proxy, upload("upload_2", 4_000_000_000)).await;
+    part("upload_2", 0, "cancelled").await;
+    // Expired, as the next upload begins.
+    create_upload(&proxy, upload("upload_3", now + 1)).await;
+    part("upload_3", 0, "expired").await;
+    // Still open when the proxy stops.
+    create_upload(&proxy, upload("upload_4", 4_000_000_000)).await;
+    part("upload_4", 0, "open").await;
+    // Refused by the API: the part's lines went up all the same.
+    let refused = json!({"raw_json": json!({"error": {"message": "too large",
+        "type": "invalid_request_error"}}).to_string(), "status": 400});
+    let response = client()
+        .post(proxy.url("/v1/uploads/upload_4/parts"))
+        .header("content-type", "multipart/form-data; boundary=XyZ")
+        .header("x-mock-reply", refused.to_string())
+        .body(part_form(part_of("refused").as_bytes()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    parts.push(("refused".into(), support::request_id(&response), 400));
+
+    let named = vec!["part_0".to_owned()];
+    let completed = json!({"id": "upload_1", "object": "upload", "status": "completed"});
+    let response = complete_upload(&proxy, "upload_1", completed, named).await;
+    assert_eq!(response.status(), 200);
+    let completion = support::request_id(&response);
+    let response = client()
+        .post(proxy.url("/v1/uploads/upload_2/cancel"))
+        .header("x-mock-reply", mock_json(upload("upload_2", 4_000_000_000)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
+    create_upload(&proxy, upload("upload_5", 4_000_000_000)).await;
+    // Before the stop: the completion's three, and two of each part but
+    // the open one.
+    let rows = proxy.wait_for_results(3 + 2 * 4).await;
+    assert_eq!(rows.len(), 11, "{rows:#?}");
+    let task = proxy.task.take().unwrap();
+    proxy.begin_shutdown();
+    support::stops_soon(task).await;
+    let rows = proxy.wait_for_results(13).await;
+    assert_eq!(rows.len(), 13, "{rows:#?}");
+
+    let record = |id: String| &support::row_of(&rows, &id)["exchange"];
+    for line in 1..=3 {
+        let record = record(format!("{completion}.{line}"));
+        assert_eq!(record["custom_id"], format!("named-{line}"));
+    }
+    for (tag, part, status) in &parts {
+        for line in 2..=3 {
+            let record = record(format!("{part}.{line}"));
+            assert_eq!(record["custom_id"], format!("{tag}-{line}"), "{record}");
+            assert_eq!(record["route"], "batches");
+            assert_eq!(record["status"], *status, "{tag}: {record}");
+            assert_eq!(record["verdict"], "allow");
+        }
+    }
+    proxy.stop_pipeline().await;
 }
 
 #[tokio::test]

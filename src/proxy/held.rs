@@ -37,6 +37,7 @@ pub(super) struct HeldRecords {
 }
 
 /// The answer of the request that read the records.
+#[derive(Clone)]
 pub(super) struct Answered {
     pub status: u16,
     /// The upstream's share of the time, when it was called.
@@ -135,7 +136,7 @@ impl HeldRecords {
             tracing::error!(%error, "a batch's held records could not be read back");
         }
         if self.held > 0 {
-            let lost = self.held;
+            let lost = std::mem::take(&mut self.held);
             tracing::error!(lost, "records of a batch's requests are lost");
             for _ in 0..lost {
                 self.state.queue.count(QueueEvent::Dropped);
@@ -159,5 +160,28 @@ impl HeldRecords {
             self.held -= 1;
         }
         Ok(())
+    }
+}
+
+/// Records dropped before an answer ended them belong to a request that
+/// was abandoned (its client left while it was read): they end with 499,
+/// as an exchange's record does.
+impl Drop for HeldRecords {
+    fn drop(&mut self) {
+        if self.held == 0 {
+            return;
+        }
+        let records = HeldRecords {
+            state: self.state.clone(),
+            started: self.started,
+            file: self.file.take(),
+            held: std::mem::take(&mut self.held),
+            numbered: self.numbered.take(),
+        };
+        records.end(Answered {
+            status: 499,
+            upstream: None,
+            upstream_request_id: None,
+        });
     }
 }

@@ -403,6 +403,8 @@ pub async fn run(
         () = finished => tracing::info!("all connections finished"),
         () = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing remaining connections"),
     }
+    // Records held for completions that will not come here.
+    state.uploads.close();
     Ok(())
 }
 

@@ -18,11 +18,21 @@
 //!   a part fairgate did not read (sent another way, or before a restart),
 //!   or a line longer than `guard.max_body_bytes`.
 //!
+//! - `POST /v1/uploads/{id}/cancel`: relayed; once the API has cancelled
+//!   the upload, fairgate forgets it.
+//!
 //! Each line read is recorded as a request of the batch
 //! ([`lines::LineRecords`]), its record held on disk until a completion
 //! that names its part numbers it in the file and ends it with its status
-//! (`<completion's id>.<line>`); a part never named leaves none, its
-//! lines being in no file.
+//! (`<completion's id>.<line>`). The lines of a part no completion names
+//! went up all the same, to the API's storage if to no model: their
+//! records end with the part's own answer, under the part's id
+//! (`<part's id>.<line>`, numbered within the part, what comes before its
+//! first line break counting as line 1), once the upload is completed
+//! without it, cancelled or expired, or when the proxy stops; a part the
+//! API refused, or whose sending failed, ends them with that answer at
+//! once. Those are the lines it holds whole: the lines across parts are
+//! read only at a completion.
 //!
 //! Uploads are kept in this process's memory: the parts of an upload
 //! created before a restart, or through another instance of fairgate, go
@@ -43,7 +53,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::batch::{OutsideRecords, form_boundary};
-use super::held::HeldRecords;
+use super::held::{Answered, HeldRecords};
 use super::lines::{self, LineRecords, Part};
 use super::respond::{self, Failure};
 use super::{ProxyBody, State, upstream};
@@ -53,6 +63,8 @@ use crate::exchange::{Dialect, PartsStep};
 #[derive(Default)]
 pub struct Uploads {
     open: Mutex<HashMap<String, Upload>>,
+    /// Set when the proxy stops: a part read after it is not kept.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 struct Upload {
@@ -66,6 +78,18 @@ struct ReadPart {
     read: Arc<Part>,
     /// The records of its lines, until a completion takes them.
     records: Option<HeldRecords>,
+    /// The part's own answer, which ends them if none does.
+    answered: Answered,
+}
+
+impl ReadPart {
+    /// Ends the records of a part no completion took, with the part's own
+    /// answer, under its own id.
+    fn end_unnamed(&mut self) {
+        if let Some(records) = self.records.take() {
+            records.end(self.answered.clone());
+        }
+    }
 }
 
 /// A part a completion names, as it was read.
@@ -90,19 +114,35 @@ impl Uploads {
         };
         let now = crate::record::now_ms() / 1000;
         let expires_at = expires_at.unwrap_or(now + 3600);
-        open.retain(|_, upload| upload.expires_at > now);
+        let expired: Vec<(String, Upload)> = open
+            .extract_if(|_, upload| upload.expires_at <= now)
+            .collect();
         let parts = HashMap::new();
         open.insert(upload, Upload { expires_at, parts });
+        drop(open);
+        for (_, mut upload) in expired {
+            upload.parts.values_mut().for_each(ReadPart::end_unnamed);
+        }
     }
 
-    fn add_part(&self, upload: &str, part: String, read: Part, records: HeldRecords) {
-        if let Ok(mut open) = self.open.lock()
+    /// Keeps what was read of `part` of `upload`, answered as `answered`,
+    /// for a completion; or, when the upload is not known (any more) or
+    /// the proxy is stopping, ends its records with that answer.
+    fn add_part(&self, upload: &str, part: String, read: (Part, HeldRecords), answered: Answered) {
+        let (read, records) = read;
+        let mut part_read = ReadPart {
+            read: Arc::new(read),
+            records: Some(records),
+            answered,
+        };
+        if !self.closed.load(std::sync::atomic::Ordering::Acquire)
+            && let Ok(mut open) = self.open.lock()
             && let Some(upload) = open.get_mut(upload)
         {
-            let read = Arc::new(read);
-            let records = Some(records);
-            upload.parts.insert(part, ReadPart { read, records });
+            upload.parts.insert(part, part_read);
+            return;
         }
+        part_read.end_unnamed();
     }
 
     /// The parts named, in order, with the records of their lines (taken:
@@ -124,9 +164,29 @@ impl Uploads {
             .collect()
     }
 
+    /// Forgets `upload` (completed, cancelled, or not a batch's input):
+    /// the records of parts no completion took end with their own answers.
     fn end(&self, upload: &str) {
+        let ended = self
+            .open
+            .lock()
+            .ok()
+            .and_then(|mut open| open.remove(upload));
+        if let Some(mut upload) = ended {
+            upload.parts.values_mut().for_each(ReadPart::end_unnamed);
+        }
+    }
+
+    /// When the proxy stops: the records of every part no completion took
+    /// end with their parts' own answers, while what was read of the parts
+    /// stays for a completion still under way.
+    pub(super) fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
         if let Ok(mut open) = self.open.lock() {
-            open.remove(upload);
+            for upload in open.values_mut() {
+                upload.parts.values_mut().for_each(ReadPart::end_unnamed);
+            }
         }
     }
 }
@@ -146,8 +206,11 @@ pub(super) async fn handle(
             complete(state, req, id, request_id).await
         }
         PartsStep::Complete => complete_unknown(state, req, request_id).await,
+        PartsStep::Cancel if state.uploads.is_batch(&id) => {
+            cancel(state, req, id, request_id).await
+        }
         // Not a batch's input, or not known to be: its completion tells.
-        PartsStep::Part => super::passthrough(state, req, request_id).await,
+        PartsStep::Part | PartsStep::Cancel => super::passthrough(state, req, request_id).await,
     }
 }
 
@@ -181,12 +244,30 @@ async fn create(
     super::guarded_response(status, head, respond::full(body), request_id, None)
 }
 
-/// Sends `req` upstream as it came and reads the whole answer.
-async fn relay_read(
-    state: &State,
+/// Cancels an upload of a batch's input: once the API has, the records of
+/// its parts end with the parts' own answers.
+async fn cancel(
+    state: &Arc<State>,
     req: Request<Incoming>,
+    upload: String,
     request_id: &str,
-) -> Result<(StatusCode, http::HeaderMap, Bytes), Response<ProxyBody>> {
+) -> Response<ProxyBody> {
+    let (status, head, body) = match relay_read(state, req, request_id).await {
+        Ok(read) => read,
+        Err(out) => return out,
+    };
+    if status.is_success() {
+        state.uploads.end(&upload);
+    }
+    super::guarded_response(status, head, respond::full(body), request_id, None)
+}
+
+/// An upstream's answer read whole (its status, headers and body), or
+/// the client's answer when it could not be.
+type ReadAnswer = Result<(StatusCode, http::HeaderMap, Bytes), Response<ProxyBody>>;
+
+/// Sends `req` upstream as it came and reads the whole answer.
+async fn relay_read(state: &State, req: Request<Incoming>, request_id: &str) -> ReadAnswer {
     let relayed = super::relay(state, req, Dialect::OpenAi, request_id, true).await?;
     read_answer(
         state,
@@ -205,7 +286,7 @@ async fn read_answer(
     response: Response<upstream::Answer>,
     timeout: Duration,
     request_id: &str,
-) -> Result<(StatusCode, http::HeaderMap, Bytes), Response<ProxyBody>> {
+) -> ReadAnswer {
     let dialect = Dialect::OpenAi;
     if super::is_encoded(response.headers()) {
         return Err(super::upstream_broken(
@@ -226,7 +307,8 @@ async fn read_answer(
 }
 
 /// Sends a part of a batch's input upstream as it arrives, reading its
-/// lines on the way, and keeps what was read under the part's id.
+/// lines on the way, and keeps what was read under the part's id
+/// ([`keep`]).
 async fn part(
     state: &Arc<State>,
     req: Request<Incoming>,
@@ -260,27 +342,73 @@ async fn part(
     let (copies, reading) = lines::read(state, &upstream, form, request_id, records);
     let frames = super::client_body(state, body).into_frames();
     let body = lines::tee(frames, copies, None);
+    let sent = Instant::now();
     let forwarded = super::forward(state, &upstream, Method::POST, &parts.uri, headers, body);
-    let (response, timeout) = match forwarded.await {
-        Ok(forwarded) => forwarded,
-        Err(failure) => return respond::failure(dialect, failure, request_id),
+    let (answer, upstream_time) = match forwarded.await {
+        Ok((response, timeout)) => {
+            let upstream_time = sent.elapsed();
+            let answer = read_answer(state, &upstream, response, timeout, request_id).await;
+            (answer, Some(upstream_time))
+        }
+        Err(failure) => (Err(respond::failure(dialect, failure, request_id)), None),
     };
-    let (status, head, body) =
-        match read_answer(state, &upstream, response, timeout, request_id).await {
-            Ok(read) => read,
-            Err(out) => return out,
-        };
-    let part = serde_json::from_slice::<Value>(&body)
-        .ok()
-        .and_then(|part| Some(part["id"].as_str()?.to_owned()));
-    if status.is_success()
-        && let Some(part) = part
-        && let Ok(Ok(read)) = tokio::time::timeout(timeout, reading).await
-    {
-        let records = read.records.into_held();
-        state.uploads.add_part(&upload, part, read.part, records);
+    let answered = answered_part(&answer, upstream_time);
+    keep(state, (&upstream, &upload), reading, answered).await;
+    match answer {
+        Ok((status, head, body)) => {
+            super::guarded_response(status, head, respond::full(body), request_id, None)
+        }
+        Err(out) => out,
     }
-    super::guarded_response(status, head, respond::full(body), request_id, None)
+}
+
+/// The part's own answer, from `answer` (the upstream's share of the
+/// time `upstream_time`), and the id the API gave the part, when it took
+/// it.
+fn answered_part(
+    answer: &ReadAnswer,
+    upstream_time: Option<Duration>,
+) -> (Answered, Option<String>) {
+    let (status, kept) = match answer {
+        Ok((status, head, body)) => (*status, Some((head, body))),
+        Err(out) => (out.status(), None),
+    };
+    let answered = Answered {
+        status: status.as_u16(),
+        upstream: upstream_time,
+        upstream_request_id: kept.and_then(|(head, _)| super::upstream_request_id(head)),
+    };
+    let part = kept
+        .filter(|_| status.is_success())
+        .and_then(|(_, body)| serde_json::from_slice::<Value>(body).ok())
+        .and_then(|part| Some(part["id"].as_str()?.to_owned()));
+    (answered, part)
+}
+
+/// Keeps what `reading` reads of a part for a completion, under the id
+/// the API gave it ([`answered_part`]); a part it did not take ends its
+/// records with its answer at once.
+async fn keep(
+    state: &State,
+    (upstream, upload): (&str, &str),
+    reading: tokio::task::JoinHandle<lines::Read>,
+    (answered, part): (Answered, Option<String>),
+) {
+    // The body has gone up, or stopped: the reader ends. One still
+    // reading when the upstream's timeout is over ends its records when
+    // it does, as abandoned.
+    let timeout_ms = state.config.upstreams.get(upstream).map(|u| u.timeout_ms);
+    let wait = Duration::from_millis(timeout_ms.unwrap_or_default());
+    if let Ok(Ok(read)) = tokio::time::timeout(wait, reading).await {
+        let records = read.records.into_held();
+        match part {
+            Some(part) => {
+                let read = (read.part, records);
+                state.uploads.add_part(upload, part, read, answered);
+            }
+            None => records.end(answered),
+        }
+    }
 }
 
 #[derive(Deserialize)]
