@@ -1133,6 +1133,12 @@ async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answ
     assert_eq!(response.status(), 400);
     parts.push(("refused".into(), support::request_id(&response), 400));
 
+    // The file's lines are the completion's requests, from its arrival.
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let asked = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
     let named = vec!["part_0".to_owned()];
     let completed = json!({"id": "upload_1", "object": "upload", "status": "completed"});
     let response = complete_upload(&proxy, "upload_1", completed, named).await;
@@ -1161,6 +1167,10 @@ async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answ
     for line in 1..=3 {
         let record = record(format!("{completion}.{line}"));
         assert_eq!(record["custom_id"], format!("named-{line}"));
+        let started = record["started_ms"].as_i64().unwrap();
+        assert!(started >= asked, "{line}: {started} < {asked}");
+        let (finished, total) = (&record["finished_ms"], &record["total_ms"]);
+        assert!(total.as_f64().unwrap() <= (finished.as_i64().unwrap() - asked + 1) as f64);
     }
     for (tag, part, status) in &parts {
         for line in 2..=3 {

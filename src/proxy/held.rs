@@ -46,6 +46,7 @@ pub(super) struct Answered {
 }
 
 impl Answered {
+    /// Ends `record`, of a request that arrived at `started`.
     fn end(&self, record: &mut ExchangeRecord, started: Instant) {
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         let total = started.elapsed();
@@ -55,6 +56,7 @@ impl Answered {
         record.proxy_ms = ms(total.saturating_sub(self.upstream.unwrap_or_default()));
         record.total_ms = ms(total);
         record.finished_ms = now_ms();
+        record.started_ms = record.finished_ms - total.as_millis() as i64;
     }
 }
 
@@ -76,9 +78,10 @@ impl HeldRecords {
 
     /// Numbers the records as lines of `request_id`'s file, after `lines`
     /// lines: the record of the line numbered 2 here is `<request_id>.7`
-    /// after 5.
-    pub(super) fn number_after(&mut self, request_id: &str, lines: usize) {
+    /// after 5. They are then that request's, which arrived at `started`.
+    pub(super) fn number_after(&mut self, (request_id, started): (&str, Instant), lines: usize) {
         self.numbered = Some((request_id.to_owned(), lines));
+        self.started = started;
     }
 
     /// Holds the record of the request on line `line` (`draft`, with the

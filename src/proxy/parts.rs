@@ -489,7 +489,7 @@ fn check(
     let heads = lines::head_lines(&named.iter().map(|part| &*part.read).collect::<Vec<_>>());
     for (part, head) in named.iter_mut().zip(heads) {
         if let (Some(mut held), Some(head)) = (part.records.take(), head) {
-            held.number_after(request_id, head - 1);
+            held.number_after((request_id, started), head - 1);
             records.hold(held);
         }
     }
