@@ -1185,6 +1185,47 @@ async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answ
 }
 
 #[tokio::test]
+async fn the_lines_of_a_part_whose_client_leaves_are_recorded() {
+    use tokio::io::AsyncWriteExt;
+    let (_mock, proxy) = start().await;
+    begin_upload(&proxy, "batch", 10_000).await;
+    // The part's lines, then the client leaves before the form's end.
+    let form = part_form(jsonl(&budget_questions("gone", 3)).as_bytes());
+    let sent = &form[..form.len() - "\r\n--XyZ--\r\n".len()];
+    let head = format!(
+        "POST /v1/uploads/upload_1/parts HTTP/1.1\r\nhost: fairgate\r\n\
+         content-type: multipart/form-data; boundary=XyZ\r\ncontent-length: {}\r\n\r\n",
+        form.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(sent).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    drop(stream);
+
+    // Lines 2 and 3, which it held whole (line 1 would be read with the
+    // parts before it), recorded with the 400 of a body that broke off,
+    // as nginx logs it: the client's failure, not the upstream's.
+    let rows = proxy.wait_for_results(2).await;
+    assert_eq!(rows.len(), 2, "{rows:#?}");
+    for line in 2..=3 {
+        let custom_id = format!("gone-{line}");
+        let row = rows
+            .iter()
+            .find(|row| row["exchange"]["custom_id"] == custom_id);
+        let record = &row.expect("a record of each line")["exchange"];
+        assert_eq!(record["status"], 400, "{record}");
+        let id = record["request_id"].as_str().unwrap();
+        assert!(id.ends_with(&format!(".{line}")), "{id}");
+    }
+    let metrics = proxy.metrics().await;
+    assert!(!metrics.contains("fairgate_upstream_errors_total{"), "{metrics}");
+    let answered = r#"fairgate_error_answers_total{code="incomplete_request_body"}"#;
+    assert_eq!(support::metric(&metrics, answered), Some(1.0), "{metrics}");
+    proxy.stop().await;
+}
+
+#[tokio::test]
 async fn an_upload_in_parts_refuses_what_it_cannot_read_or_redact() {
     let (mock, proxy) = start().await;
     // A redaction cannot be made in a part that went up.

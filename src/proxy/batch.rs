@@ -313,9 +313,9 @@ pub(super) async fn send_judged(
     let uri = &parts.uri;
     let forwarded = super::forward(state, upstream, Method::POST, uri, headers, body).await;
     // A body cut short by its client is not read to its end either: the
-    // timeout is the answer, not the unread body.
-    if let Err(Failure::ClientTimeout) = forwarded {
-        return respond::failure(dialect, Failure::ClientTimeout, request_id);
+    // timeout, or its breaking off, is the answer, not the unread body.
+    if let Err(failure @ (Failure::ClientTimeout | Failure::BodyBrokeOff)) = forwarded {
+        return respond::failure(dialect, failure, request_id);
     }
     // The body is over (sent, refused, or dropped with the request), so the
     // judgement is made or about to be.

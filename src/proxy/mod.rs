@@ -1005,9 +1005,9 @@ async fn forward_on(
     match upstream::send(&client, method, path, headers, body, timeout, upgrade).await {
         Ok(response) => Ok((response, timeout)),
         // The client's fault, not the upstream's.
-        Err((Failure::ClientTimeout, ..)) => {
-            tracing::debug!(upstream, "a request body stopped arriving on its way up");
-            Err(Failure::ClientTimeout)
+        Err((failure @ (Failure::ClientTimeout | Failure::BodyBrokeOff), ..)) => {
+            tracing::debug!(upstream, ?failure, "a request body failed on its way up");
+            Err(failure)
         }
         Err((failure, kind, error)) => {
             state

@@ -27,6 +27,10 @@ pub enum Failure {
     UnsupportedEncoding,
     /// The body stopped arriving for `client_body_timeout_ms`.
     ClientTimeout,
+    /// The body going up as it arrived broke off before its end (its
+    /// client closed the connection, or sent a malformed chunk): the
+    /// client's failure, answered as nginx logs it.
+    BodyBrokeOff,
     /// No upstream could be reached.
     UpstreamUnreachable,
     /// The upstream did not answer in time.
@@ -53,7 +57,8 @@ impl Failure {
             Failure::InvalidJson
             | Failure::AmbiguousJson
             | Failure::AmbiguousPath
-            | Failure::BadEncoding => StatusCode::BAD_REQUEST,
+            | Failure::BadEncoding
+            | Failure::BodyBrokeOff => StatusCode::BAD_REQUEST,
             Failure::UnsupportedEncoding => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Failure::ClientTimeout => StatusCode::REQUEST_TIMEOUT,
             Failure::UpstreamUnreachable | Failure::UpstreamBroken => StatusCode::BAD_GATEWAY,
@@ -72,6 +77,7 @@ impl Failure {
             Failure::BadEncoding => "invalid_encoding",
             Failure::UnsupportedEncoding => "unsupported_content_encoding",
             Failure::ClientTimeout => "request_timeout",
+            Failure::BodyBrokeOff => "incomplete_request_body",
             Failure::UpstreamUnreachable => "upstream_unreachable",
             Failure::UpstreamTimeout => "upstream_timeout",
             Failure::UpstreamBroken => "upstream_error",
@@ -98,6 +104,9 @@ impl Failure {
             Failure::ClientTimeout => {
                 "The request body stopped arriving before its end; send it again."
             }
+            Failure::BodyBrokeOff => {
+                "The request body broke off before its end (the connection closed, or a chunk was malformed); send it again."
+            }
             Failure::UpstreamUnreachable => "The upstream API could not be reached.",
             Failure::UpstreamTimeout => "The upstream API did not answer in time.",
             Failure::UpstreamBroken => "The upstream API's response could not be read.",
@@ -123,7 +132,8 @@ impl Failure {
             | Failure::AmbiguousPath
             | Failure::BadEncoding
             | Failure::UnsupportedEncoding
-            | Failure::ClientTimeout => "invalid_request_error",
+            | Failure::ClientTimeout
+            | Failure::BodyBrokeOff => "invalid_request_error",
             Failure::NoRoute => "not_found_error",
             Failure::UpgradeRefused => "permission_error",
             _ => "api_error",
@@ -139,6 +149,7 @@ impl Failure {
             | Failure::BadEncoding
             | Failure::UnsupportedEncoding
             | Failure::ClientTimeout
+            | Failure::BodyBrokeOff
             | Failure::NoRoute
             | Failure::UpgradeRefused => "invalid_request_error",
             _ => "server_error",

@@ -199,6 +199,8 @@ pub struct Watched<B> {
     stall: super::stall::Stall,
     /// The error it fails with.
     silent: fn() -> BoxError,
+    /// What the body's own errors become.
+    broken: fn(BoxError) -> BoxError,
 }
 
 /// A client's body, read whole by the proxy or going upstream as it
@@ -213,6 +215,12 @@ pub type ClientBody = Watched<Incoming>;
 #[error("the client's request body stopped arriving")]
 pub struct Stalled;
 
+/// The error of a [`ClientBody`] that broke off: its client closed the
+/// connection before the body's end, or sent it malformed (a bad chunk).
+#[derive(Debug, thiserror::Error)]
+#[error("the client's request body broke off: {0}")]
+pub struct BrokeOff(BoxError);
+
 /// The error of an upstream's answer that stopped arriving
 /// ([`Answer::watched`]).
 #[derive(Debug, thiserror::Error)]
@@ -225,6 +233,7 @@ impl ClientBody {
             body,
             stall: super::stall::Stall::new(idle),
             silent: || Box::new(Stalled),
+            broken: |error| Box::new(BrokeOff(error)),
         }
     }
 }
@@ -251,7 +260,7 @@ where
         let this = self.get_mut();
         let polled = Pin::new(&mut this.body).poll_frame(cx);
         this.stall.watch(polled, cx).map(|frame| match frame {
-            Some(frame) => frame.map(|frame| frame.map_err(Into::into)),
+            Some(frame) => frame.map(|frame| frame.map_err(|e| (this.broken)(e.into()))),
             None => Some(Err((this.silent)())),
         })
     }
@@ -282,6 +291,7 @@ impl Answer {
             body: self,
             stall: super::stall::Stall::new(Some(timeout)),
             silent: || Box::new(Silent),
+            broken: |error| error,
         }
     }
 
@@ -659,9 +669,14 @@ fn drive(connection: impl Future<Output = hyper::Result<()>> + Send + 'static) {
 }
 
 /// Why an upstream exchange failed, with the label it is counted under.
+/// A client's body that failed the request is labelled `client`: not the
+/// upstream's failure.
 pub fn classify(error: &SendError) -> (Failure, &'static str) {
-    if stalled(error) {
+    if from_client_body::<Stalled>(error) {
         return (Failure::ClientTimeout, "client");
+    }
+    if from_client_body::<BrokeOff>(error) {
+        return (Failure::BodyBrokeOff, "client");
     }
     match error {
         SendError::Connect(_) => (Failure::UpstreamUnreachable, "connect"),
@@ -669,15 +684,15 @@ pub fn classify(error: &SendError) -> (Failure, &'static str) {
     }
 }
 
-/// Whether `error` is that of a client's body that stopped arriving
-/// ([`Stalled`]), which fails the request the body was going up with.
-fn stalled(error: &SendError) -> bool {
+/// Whether `error` is that of a client's body going up with the request
+/// ([`Stalled`] or [`BrokeOff`]), which fails the request.
+fn from_client_body<E: std::error::Error + 'static>(error: &SendError) -> bool {
     let SendError::Request(error) = error else {
         return false;
     };
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&**error);
     while let Some(error) = source {
-        if error.is::<Stalled>() {
+        if error.is::<E>() {
             return true;
         }
         source = error.source();
