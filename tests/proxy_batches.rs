@@ -1219,7 +1219,10 @@ async fn the_lines_of_a_part_whose_client_leaves_are_recorded() {
         assert!(id.ends_with(&format!(".{line}")), "{id}");
     }
     let metrics = proxy.metrics().await;
-    assert!(!metrics.contains("fairgate_upstream_errors_total{"), "{metrics}");
+    assert!(
+        !metrics.contains("fairgate_upstream_errors_total{"),
+        "{metrics}"
+    );
     let answered = r#"fairgate_error_answers_total{code="incomplete_request_body"}"#;
     assert_eq!(support::metric(&metrics, answered), Some(1.0), "{metrics}");
     proxy.stop().await;

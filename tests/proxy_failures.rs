@@ -1014,6 +1014,45 @@ async fn a_request_body_that_stops_arriving_gets_408() {
     proxy.stop().await;
 }
 
+/// A request whose body breaks off (here a malformed chunk) gets 400
+/// `incomplete_request_body` in its dialect, as nginx answers it: a
+/// guarded one before anything goes upstream, a passed-through one with
+/// its upstream request given up, which is not the upstream's error.
+#[tokio::test]
+async fn a_request_body_that_breaks_off_gets_400() {
+    use tokio::io::AsyncWriteExt;
+    let (mock, proxy) = support::start().await;
+    let body = chat("How do I start a budget?", false).to_string();
+    let (start, _) = body.split_at(20);
+    for path in ["/v1/chat/completions", "/v1/messages", "/v1/embeddings"] {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: fairgate\r\ncontent-type: application/json\r\n\
+             transfer-encoding: chunked\r\n\r\n{:x}\r\n{start}\r\nzz\r\n",
+            start.len()
+        );
+        let mut stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let got = support::until_closed(&mut stream, Duration::from_secs(10)).await;
+        assert!(got.starts_with("HTTP/1.1 400"), "{path}: {got}");
+        let json: Value = serde_json::from_str(got.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+        assert_eq!(json["error"]["type"], "invalid_request_error", "{path}");
+        if path != "/v1/messages" {
+            assert_eq!(json["error"]["code"], "incomplete_request_body", "{path}");
+        }
+    }
+    // Only the passed-through one went up, and not whole.
+    let sent = mock.requests();
+    assert!(sent.iter().all(|r| r.path == "/v1/embeddings"), "{sent:?}");
+    let metrics = proxy.metrics().await;
+    assert!(
+        !metrics.contains("fairgate_upstream_errors_total{"),
+        "{metrics}"
+    );
+    let series = r#"fairgate_error_answers_total{code="incomplete_request_body"}"#;
+    assert_eq!(support::metric(&metrics, series), Some(3.0), "{metrics}");
+    proxy.stop().await;
+}
+
 /// An HTTP/2 connection to the proxy at `addr` (prior knowledge, no
 /// TLS): its sender, and its task, which ends when the connection does.
 async fn http2_client<B>(

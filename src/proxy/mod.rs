@@ -1848,7 +1848,7 @@ impl ReadRequest {
 
 /// A client's request body, read whole: [`Failure::TooLarge`] past `limit`
 /// bytes, [`Failure::ClientTimeout`] when no part of it has come for
-/// `client_body_timeout_ms`, [`Failure::InvalidJson`] when the client
+/// `client_body_timeout_ms`, [`Failure::BodyBrokeOff`] when the client
 /// breaks it off. A body that came in one frame is not copied.
 async fn read_whole(state: &State, body: Incoming, limit: usize) -> Result<Bytes, Failure> {
     // Memory is taken as the body arrives, never for the length the
@@ -1886,13 +1886,13 @@ fn client_body(state: &State, body: Incoming) -> upstream::ClientBody {
 
 /// The next frame of a client's body read by the proxy:
 /// [`Failure::ClientTimeout`] when none has come in time,
-/// [`Failure::InvalidJson`] when the client broke the body off.
+/// [`Failure::BodyBrokeOff`] when the client broke the body off.
 async fn next_frame(body: &mut upstream::ClientBody) -> Result<Option<Frame<Bytes>>, Failure> {
     match body.frame().await {
         None => Ok(None),
         Some(Ok(frame)) => Ok(Some(frame)),
         Some(Err(error)) if error.is::<upstream::Stalled>() => Err(Failure::ClientTimeout),
-        Some(Err(_)) => Err(Failure::InvalidJson),
+        Some(Err(_)) => Err(Failure::BodyBrokeOff),
     }
 }
 
