@@ -32,7 +32,8 @@
 //! without it, cancelled or expired, or when the proxy stops; a part the
 //! API refused, or whose sending failed, ends them with that answer at
 //! once. Those are the lines it holds whole: the lines across parts are
-//! read only at a completion.
+//! read only at a completion. An upload is found expired at the next step
+//! of any upload in parts.
 //!
 //! Uploads are kept in this process's memory: the parts of an upload
 //! created before a restart, or through another instance of fairgate, go
@@ -102,8 +103,14 @@ struct Named {
 }
 
 impl Uploads {
+    /// Whether `upload` is a batch's input in progress (the expired ones
+    /// forgotten first).
     fn is_batch(&self, upload: &str) -> bool {
-        self.open.lock().is_ok_and(|open| open.contains_key(upload))
+        let Ok(mut open) = self.open.lock() else {
+            return false;
+        };
+        forget_expired(&mut open);
+        open.contains_key(upload)
     }
 
     /// Keeps `upload` until `expires_at` (in an hour, the API's default,
@@ -112,17 +119,9 @@ impl Uploads {
         let Ok(mut open) = self.open.lock() else {
             return;
         };
-        let now = crate::record::now_ms() / 1000;
-        let expires_at = expires_at.unwrap_or(now + 3600);
-        let expired: Vec<(String, Upload)> = open
-            .extract_if(|_, upload| upload.expires_at <= now)
-            .collect();
+        let expires_at = expires_at.unwrap_or(forget_expired(&mut open) + 3600);
         let parts = HashMap::new();
         open.insert(upload, Upload { expires_at, parts });
-        drop(open);
-        for (_, mut upload) in expired {
-            upload.parts.values_mut().for_each(ReadPart::end_unnamed);
-        }
     }
 
     /// Keeps what was read of `part` of `upload`, answered as `answered`,
@@ -189,6 +188,17 @@ impl Uploads {
             }
         }
     }
+}
+
+/// Forgets the uploads of `open` the API has forgotten: the records of
+/// their parts no completion took end with the parts' own answers. The
+/// time now, in Unix seconds.
+fn forget_expired(open: &mut HashMap<String, Upload>) -> i64 {
+    let now = crate::record::now_ms() / 1000;
+    for (_, mut upload) in open.extract_if(|_, upload| upload.expires_at <= now) {
+        upload.parts.values_mut().for_each(ReadPart::end_unnamed);
+    }
+    now
 }
 
 /// A step of an upload in parts, relayed as the guard allows.
