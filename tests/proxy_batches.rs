@@ -1223,13 +1223,9 @@ async fn the_lines_of_a_part_whose_client_leaves_are_recorded() {
         let id = record["request_id"].as_str().unwrap();
         assert!(id.ends_with(&format!(".{line}")), "{id}");
     }
-    let metrics = proxy.metrics().await;
-    assert!(
-        !metrics.contains("fairgate_upstream_errors_total{"),
-        "{metrics}"
-    );
-    let answered = r#"fairgate_error_answers_total{code="incomplete_request_body"}"#;
-    assert_eq!(support::metric(&metrics, answered), Some(1.0), "{metrics}");
+    proxy
+        .assert_client_failures("incomplete_request_body", 1.0)
+        .await;
     proxy.stop().await;
 }
 

@@ -995,13 +995,7 @@ async fn a_request_body_that_stops_arriving_gets_408() {
             .iter()
             .all(|r| r.body.len() < embeddings.len())
     );
-    let metrics = proxy.metrics().await;
-    assert!(
-        !metrics.contains("fairgate_upstream_errors_total{"),
-        "{metrics}"
-    );
-    let series = r#"fairgate_error_answers_total{code="request_timeout"}"#;
-    assert_eq!(support::metric(&metrics, series), Some(3.0), "{metrics}");
+    proxy.assert_client_failures("request_timeout", 3.0).await;
     // Eight parts 100 ms apart: 0.8 s in all, more than the limit.
     let path = "/v1/chat/completions";
     let response = post_trickled(&proxy, (path, JSON), &openai, 100).await;
@@ -1043,13 +1037,9 @@ async fn a_request_body_that_breaks_off_gets_400() {
     // Only the passed-through one went up, and not whole.
     let sent = mock.requests();
     assert!(sent.iter().all(|r| r.path == "/v1/embeddings"), "{sent:?}");
-    let metrics = proxy.metrics().await;
-    assert!(
-        !metrics.contains("fairgate_upstream_errors_total{"),
-        "{metrics}"
-    );
-    let series = r#"fairgate_error_answers_total{code="incomplete_request_body"}"#;
-    assert_eq!(support::metric(&metrics, series), Some(3.0), "{metrics}");
+    proxy
+        .assert_client_failures("incomplete_request_body", 3.0)
+        .await;
     proxy.stop().await;
 }
 

@@ -546,6 +546,17 @@ impl Proxy {
         self.admin_page("/metrics").await
     }
 
+    /// Asserts that the client's own failures were answered `n` times
+    /// with the error `code`, and that none was counted as the upstream's
+    /// (`fairgate_upstream_errors_total` has no series).
+    pub async fn assert_client_failures(&self, code: &str, n: f64) {
+        let metrics = self.metrics().await;
+        let upstream = "fairgate_upstream_errors_total{";
+        assert!(!metrics.contains(upstream), "{metrics}");
+        let series = format!("fairgate_error_answers_total{{code=\"{code}\"}}");
+        assert_eq!(metric(&metrics, &series), Some(n), "{metrics}");
+    }
+
     /// Asserts that `n` blocks of `scope` were counted on `route` (in
     /// `fairgate_blocks_total`, for a model not listed as a label).
     pub async fn assert_blocks(&self, route: &str, scope: &str, n: f64) {
