@@ -43,6 +43,7 @@
 //! clients upload batch inputs with `POST /v1/files`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -65,7 +66,7 @@ use crate::exchange::{Dialect, PartsStep};
 pub struct Uploads {
     open: Mutex<HashMap<String, Upload>>,
     /// Set when the proxy stops: a part read after it is not kept.
-    closed: std::sync::atomic::AtomicBool,
+    closed: AtomicBool,
 }
 
 struct Upload {
@@ -134,7 +135,7 @@ impl Uploads {
             records: Some(records),
             answered,
         };
-        if !self.closed.load(std::sync::atomic::Ordering::Acquire)
+        if !self.closed.load(Ordering::Acquire)
             && let Ok(mut open) = self.open.lock()
             && let Some(upload) = open.get_mut(upload)
         {
@@ -180,8 +181,7 @@ impl Uploads {
     /// end with their parts' own answers, while what was read of the parts
     /// stays for a completion still under way.
     pub(super) fn close(&self) {
-        self.closed
-            .store(true, std::sync::atomic::Ordering::Release);
+        self.closed.store(true, Ordering::Release);
         if let Ok(mut open) = self.open.lock() {
             for upload in open.values_mut() {
                 upload.parts.values_mut().for_each(ReadPart::end_unnamed);
@@ -236,22 +236,19 @@ async fn create(
     req: Request<Incoming>,
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let (status, head, body) = match relay_read(state, req, request_id).await {
-        Ok(read) => read,
-        Err(out) => return out,
-    };
-    if status.is_success()
-        && let Ok(upload) = serde_json::from_slice::<Value>(&body)
-        && let Some(id) = upload["id"].as_str()
-    {
-        match upload["purpose"] == "batch" {
-            true => state
-                .uploads
-                .begin(id.to_owned(), upload["expires_at"].as_i64()),
-            false => state.uploads.end(id),
+    relay_seen(state, req, request_id, |body| {
+        if let Ok(upload) = serde_json::from_slice::<Value>(body)
+            && let Some(id) = upload["id"].as_str()
+        {
+            match upload["purpose"] == "batch" {
+                true => state
+                    .uploads
+                    .begin(id.to_owned(), upload["expires_at"].as_i64()),
+                false => state.uploads.end(id),
+            }
         }
-    }
-    super::guarded_response(status, head, respond::full(body), request_id, None)
+    })
+    .await
 }
 
 /// Cancels an upload of a batch's input: once the API has, the records of
@@ -262,12 +259,23 @@ async fn cancel(
     upload: String,
     request_id: &str,
 ) -> Response<ProxyBody> {
+    relay_seen(state, req, request_id, |_| state.uploads.end(&upload)).await
+}
+
+/// Relays `req` and reads its answer whole, which `seen` sees when it is a
+/// success before it is passed on.
+async fn relay_seen(
+    state: &State,
+    req: Request<Incoming>,
+    request_id: &str,
+    seen: impl FnOnce(&Bytes),
+) -> Response<ProxyBody> {
     let (status, head, body) = match relay_read(state, req, request_id).await {
         Ok(read) => read,
         Err(out) => return out,
     };
     if status.is_success() {
-        state.uploads.end(&upload);
+        seen(&body);
     }
     super::guarded_response(status, head, respond::full(body), request_id, None)
 }
