@@ -1190,6 +1190,71 @@ async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answ
 }
 
 #[tokio::test]
+async fn a_completion_under_way_when_another_serving_thread_stops_takes_its_parts_records() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_mock, mut proxy) = start().await;
+    // A second serving thread: its own listener, on the same state.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let second = listener.local_addr().unwrap();
+    let (stop_second, stopped) = tokio::sync::oneshot::channel::<()>();
+    let stops = async move {
+        let _ = stopped.await;
+    };
+    let second_task = tokio::spawn(fairgate::proxy::run(
+        proxy.state.clone(),
+        listener,
+        None,
+        stops,
+    ));
+    begin_upload(&proxy, "batch", 10_000).await;
+    let file = jsonl(&budget_questions("kept", 3));
+    let response = send_part(&proxy, "upload_1", 0, file.as_bytes()).await;
+    assert_eq!(response.status(), 200);
+    let part = support::request_id(&response);
+
+    // The completion reaches the second thread; the first stops while
+    // its body is still on the way.
+    let completed = json!({"id": "upload_1", "object": "upload", "status": "completed"});
+    let body = json!({"part_ids": ["part_0"]}).to_string();
+    let head = format!(
+        "POST /v1/uploads/upload_1/complete HTTP/1.1\r\nhost: fairgate\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\
+         x-mock-reply: {}\r\n\r\n",
+        body.len(),
+        mock_json(completed)
+    );
+    let (first_half, rest) = body.split_at(body.len() / 2);
+    let mut stream = tokio::net::TcpStream::connect(second).await.unwrap();
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(first_half.as_bytes()).await.unwrap();
+    let first_task = proxy.task.take().unwrap();
+    proxy.begin_shutdown();
+    support::stops_soon(first_task).await;
+    stream.write_all(rest.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let completion = answer
+        .lines()
+        .find_map(|line| line.strip_prefix("x-fairgate-request-id: "))
+        .expect("a request id")
+        .to_owned();
+    let _ = stop_second.send(());
+    support::stops_soon(second_task).await;
+
+    // Every line is the completion's request, none its part's.
+    let rows = proxy.wait_for_results(3).await;
+    assert_eq!(rows.len(), 3, "{rows:#?}");
+    for line in 1..=3 {
+        let record = &support::row_of(&rows, &format!("{completion}.{line}"))["exchange"];
+        assert_eq!(record["custom_id"], format!("kept-{line}"));
+        assert_eq!(record["status"], 200, "{record}");
+    }
+    assert!(!format!("{rows:?}").contains(&part), "{rows:#?}");
+    proxy.stop_pipeline().await;
+}
+
+#[tokio::test]
 async fn the_lines_of_a_part_whose_client_leaves_are_recorded() {
     use tokio::io::AsyncWriteExt;
     let (_mock, proxy) = start().await;

@@ -336,6 +336,7 @@ pub async fn run(
     admin: Option<TcpListener>,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    let serving = state.uploads.serving();
     let (closing, _) = tokio::sync::watch::channel(false);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     let idle = state.config.client_header_timeout();
@@ -403,8 +404,9 @@ pub async fn run(
         () = finished => tracing::info!("all connections finished"),
         () = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing remaining connections"),
     }
-    // Records held for completions that will not come here.
-    state.uploads.close();
+    // Records held for completions that will not come, once no thread
+    // serves.
+    drop(serving);
     Ok(())
 }
 

@@ -29,11 +29,12 @@
 //! records end with the part's own answer, under the part's id
 //! (`<part's id>.<line>`, numbered within the part, what comes before its
 //! first line break counting as line 1), once the upload is completed
-//! without it, cancelled or expired, or when the proxy stops; a part the
-//! API refused, or whose sending failed, ends them with that answer at
-//! once. Those are the lines it holds whole: the lines across parts are
-//! read only at a completion. An upload is found expired at the next step
-//! of any upload in parts.
+//! without it, cancelled or expired, or when the proxy stops (its last
+//! serving thread: a completion under way on another still takes them);
+//! a part the API refused, or whose sending failed, ends them with that
+//! answer at once. Those are the lines it holds whole: the lines across
+//! parts are read only at a completion. An upload is found expired at the
+//! next step of any upload in parts.
 //!
 //! Uploads are kept in this process's memory: the parts of an upload
 //! created before a restart, or through another instance of fairgate, go
@@ -43,7 +44,7 @@
 //! clients upload batch inputs with `POST /v1/files`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -67,6 +68,22 @@ pub struct Uploads {
     open: Mutex<HashMap<String, Upload>>,
     /// Set when the proxy stops: a part read after it is not kept.
     closed: AtomicBool,
+    /// The serving threads still serving: the last to stop closes.
+    serving: AtomicUsize,
+}
+
+/// A serving thread's hold on the uploads: the last one dropped (the
+/// proxy has stopped serving) closes them ([`Uploads::close`]). A
+/// completion still under way on another thread then still finds the
+/// records of its parts' lines.
+pub(super) struct Serving<'a>(&'a Uploads);
+
+impl Drop for Serving<'_> {
+    fn drop(&mut self) {
+        if self.0.serving.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.close();
+        }
+    }
 }
 
 struct Upload {
@@ -104,6 +121,12 @@ struct Named {
 }
 
 impl Uploads {
+    /// Held by each serving thread while it serves.
+    pub(super) fn serving(&self) -> Serving<'_> {
+        self.serving.fetch_add(1, Ordering::AcqRel);
+        Serving(self)
+    }
+
     /// Whether `upload` is a batch's input in progress (the expired ones
     /// forgotten first).
     fn is_batch(&self, upload: &str) -> bool {
@@ -180,7 +203,7 @@ impl Uploads {
     /// When the proxy stops: the records of every part no completion took
     /// end with their parts' own answers, while what was read of the parts
     /// stays for a completion still under way.
-    pub(super) fn close(&self) {
+    fn close(&self) {
         self.closed.store(true, Ordering::Release);
         if let Ok(mut open) = self.open.lock() {
             for upload in open.values_mut() {
