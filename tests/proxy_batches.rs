@@ -1255,6 +1255,33 @@ async fn a_completion_under_way_when_another_serving_thread_stops_takes_its_part
 }
 
 #[tokio::test]
+async fn the_lines_of_an_expired_upload_are_recorded_with_no_step_after_it() {
+    let (_mock, proxy) = start().await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let upload = json!({"id": "upload_1", "object": "upload", "purpose": "batch",
+        "status": "pending", "bytes": 1000, "filename": "input.jsonl",
+        "created_at": 1, "expires_at": now + 1});
+    create_upload(&proxy, upload).await;
+    let file = jsonl(&budget_questions("expired", 3));
+    let response = send_part(&proxy, "upload_1", 0, file.as_bytes()).await;
+    assert_eq!(response.status(), 200);
+    let part = support::request_id(&response);
+
+    // Nothing more is sent: the proxy finds the expiry on its own.
+    let rows = proxy.wait_for_results(2).await;
+    assert_eq!(rows.len(), 2, "{rows:#?}");
+    for line in 2..=3 {
+        let record = &support::row_of(&rows, &format!("{part}.{line}"))["exchange"];
+        assert_eq!(record["custom_id"], format!("expired-{line}"));
+        assert_eq!(record["status"], 200, "{record}");
+    }
+    proxy.stop().await;
+}
+
+#[tokio::test]
 async fn the_lines_of_a_part_whose_client_leaves_are_recorded() {
     use tokio::io::AsyncWriteExt;
     let (_mock, proxy) = start().await;

@@ -347,6 +347,8 @@ pub async fn run(
         .header_read_timeout(idle);
     tokio::pin!(shutdown);
     let mut warned = None;
+    let mut sweep = tokio::time::interval(Duration::from_secs(1));
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             (accepted, slot) = accept_within(&listener, state.connections.as_ref()) => {
@@ -386,6 +388,9 @@ pub async fn run(
                 let closing = closing.subscribe();
                 tokio::spawn(drive(connection, requests, (idle, sending), closing, |c| c.graceful_shutdown()));
             }
+            // An expired upload's records end without waiting for a
+            // step of another.
+            _ = sweep.tick() => state.uploads.forget_expired(),
             () = &mut shutdown => break,
         }
     }

@@ -33,8 +33,9 @@
 //! serving thread: a completion under way on another still takes them);
 //! a part the API refused, or whose sending failed, ends them with that
 //! answer at once. Those are the lines it holds whole: the lines across
-//! parts are read only at a completion. An upload is found expired at the
-//! next step of any upload in parts.
+//! parts are read only at a completion. An upload is found expired within
+//! a second (each serving thread looks every second), or sooner at a step
+//! of an upload in parts.
 //!
 //! Uploads are kept in this process's memory: the parts of an upload
 //! created before a restart, or through another instance of fairgate, go
@@ -135,6 +136,14 @@ impl Uploads {
         };
         forget_expired(&mut open);
         open.contains_key(upload)
+    }
+
+    /// Forgets the uploads the API has forgotten, with no step of theirs
+    /// needed: each serving thread calls it every second.
+    pub(super) fn forget_expired(&self) {
+        if let Ok(mut open) = self.open.lock() {
+            forget_expired(&mut open);
+        }
     }
 
     /// Keeps `upload` until `expires_at` (in an hour, the API's default,
