@@ -430,6 +430,9 @@ async fn batch_input(
     };
     let rules = state.rules.snapshot();
     let mut edits = Vec::new();
+    // Every line is scanned and recorded; the first that refuses the
+    // batch is named in the refusal.
+    let mut refused = None;
     let mut at = 0;
     for (index, line) in file.split(|b| *b == b'\n').enumerate() {
         let offset = at;
@@ -440,21 +443,26 @@ async fn batch_input(
         let request = match exchange::read_batch_input(line) {
             Ok(request) => request,
             Err(error) => {
-                let what = format!("Line {} of the batch input", index + 1);
-                return Err(respond::unreadable(
-                    dialect,
-                    &error,
-                    Some(&what),
-                    request_id,
-                ));
+                refused.get_or_insert_with(|| {
+                    let what = format!("Line {} of the batch input", index + 1);
+                    respond::unreadable(dialect, &error, Some(&what), request_id)
+                });
+                continue;
             }
         };
-        let place = format!("line {}", index + 1);
-        let found = records
-            .scan(&rules, headers, (&place, index + 1), &request)
-            .map_err(|refused| *refused)?;
-        let shift = |span: Range<usize>| span.start + offset..span.end + offset;
-        edits.extend(found.into_iter().map(|(span, text)| (shift(span), text)));
+        match records.scan(&rules, headers, index + 1, &request) {
+            Ok(found) => {
+                let shift = |span: Range<usize>| span.start + offset..span.end + offset;
+                edits.extend(found.into_iter().map(|(span, text)| (shift(span), text)));
+            }
+            Err(refusal) => {
+                let place = format!("line {}", index + 1);
+                refused.get_or_insert_with(|| refusal.respond(dialect, &place, request_id));
+            }
+        }
+    }
+    if let Some(refused) = refused {
+        return Err(refused);
     }
     if edits.is_empty() {
         return Ok(form);
@@ -619,18 +627,16 @@ impl<'a> OutsideRecords<'a> {
         recorded
     }
 
-    /// One request of the batch, the `number`th (from 1), at `place`
-    /// (`requests.1`, `line 2`), scanned as a prompt and counted: its
-    /// redactions, or the 400 that refuses the batch when it is blocked
-    /// (naming it by its place and `custom_id`). Its record is kept to
-    /// end with the others.
+    /// One request of the batch, the `number`th (from 1), scanned as a
+    /// prompt and counted: its redactions, or why it refuses the batch
+    /// when it is blocked. Its record is kept to end with the others.
     fn scan(
         &mut self,
         rules: &RuleSet,
         headers: &HeaderMap,
-        (place, number): (&str, usize),
+        number: usize,
         request: &BatchRequest,
-    ) -> Result<Edits, Box<Response<ProxyBody>>> {
+    ) -> Result<Edits, Refusal> {
         let id = format!("{}.{number}", self.request_id);
         let read_as = (REQUESTS, self.dialect, self.upstream);
         let of = (headers, request);
@@ -639,10 +645,7 @@ impl<'a> OutsideRecords<'a> {
         let refusal = Refusal::of_block(request, &verdict.hits, verdict.decision);
         self.read.push((draft, verdict));
         match refusal {
-            Some(refusal) => {
-                let refused = refusal.respond(self.dialect, place, self.request_id);
-                Err(Box::new(refused))
-            }
+            Some(refusal) => Err(refusal),
             None => Ok(scan.edits),
         }
     }
@@ -932,12 +935,21 @@ async fn create(
     let rules = state.rules.snapshot();
     let mut records = OutsideRecords::new(state, (dialect, &upstream), (request_id, started));
     let mut edits = Vec::new();
+    // Every request is scanned and recorded; the first blocked one is
+    // named in the refusal.
+    let mut refused = None;
     for (index, request) in requests.iter().enumerate() {
-        let place = (format!("requests.{index}"), index + 1);
-        match records.scan(&rules, &read.parts.headers, (&place.0, place.1), request) {
+        match records.scan(&rules, &read.parts.headers, index + 1, request) {
             Ok(found) => edits.extend(found),
-            Err(refused) => return records.refused(*refused),
+            Err(refusal) => {
+                refused.get_or_insert_with(|| {
+                    refusal.respond(dialect, &format!("requests.{index}"), request_id)
+                });
+            }
         }
+    }
+    if let Some(refused) = refused {
+        return records.refused(refused);
     }
     let body = match edits.is_empty() {
         true => read.bytes.clone(),

@@ -343,9 +343,10 @@ impl LineReader {
         }
     }
 
-    /// Scans a line whole within the file (the first refusal is kept).
+    /// Scans a line whole within the file, and records it (the first
+    /// refusal is kept).
     fn check(&mut self, line: &[u8]) {
-        if self.part.refused.is_some() || self.part.too_long {
+        if self.part.too_long {
             return;
         }
         let index = self.part.lines;
@@ -353,7 +354,7 @@ impl LineReader {
         // The first line is the file's head: this is line 2 on.
         let recorded = (&mut self.records, index + 2);
         if let Some(refused) = refusal(read_by, line, &self.request_id, recorded) {
-            self.part.refused = Some((index, refused));
+            self.part.refused.get_or_insert((index, refused));
         }
     }
 
@@ -420,29 +421,35 @@ pub(super) fn check(
     };
     // The line begun in earlier parts, and the number of lines before it.
     let (mut carry, mut lines) = (Vec::new(), 0);
+    // Every line is scanned and recorded; the first that refuses the
+    // batch is named in the refusal.
+    let mut first = None;
     for part in parts {
+        let too_large = || respond::failure(dialect, Failure::TooLarge, request_id);
         if part.too_long {
-            return Some(respond::failure(dialect, Failure::TooLarge, request_id));
+            return Some(first.unwrap_or_else(too_large));
         }
         if let Some(head) = &part.head {
             carry.extend_from_slice(head);
             lines += 1;
             if let Some(refused) = refusal(read_by, &carry, request_id, (records, lines)) {
-                return Some(refuse(&refused, lines));
+                first.get_or_insert_with(|| refuse(&refused, lines));
             }
             carry.clear();
             if let Some((index, refused)) = &part.refused {
-                return Some(refuse(refused, lines + 1 + index));
+                first.get_or_insert_with(|| refuse(refused, lines + 1 + index));
             }
             lines += part.lines;
         }
         carry.extend_from_slice(&part.tail);
         if carry.len() > limit {
-            return Some(respond::failure(dialect, Failure::TooLarge, request_id));
+            return Some(first.unwrap_or_else(too_large));
         }
     }
-    let refused = refusal(read_by, &carry, request_id, (records, lines + 1))?;
-    Some(refuse(&refused, lines + 1))
+    if let Some(refused) = refusal(read_by, &carry, request_id, (records, lines + 1)) {
+        first.get_or_insert_with(|| refuse(&refused, lines + 1));
+    }
+    first
 }
 
 #[cfg(test)]
