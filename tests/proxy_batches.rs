@@ -139,15 +139,7 @@ async fn each_request_of_a_batch_read_whole_leaves_a_record() {
         request("f", "Read all the same: the batch is refused, but it was sent."),
     ]});
     let refused = proxy.post("/v1/messages/batches", json!({}), &batch).await;
-    assert_eq!(refused.status(), 400);
-    let refused_id = support::request_id(&refused);
-    let answer: Value = refused.json().await.unwrap();
-    let message = answer["error"]["message"].as_str().unwrap();
-    assert!(
-        message.starts_with("requests.1 (custom_id \"d\"): "),
-        "{message}"
-    );
-    let refused = refused_id;
+    let refused = refused_naming(refused, "requests.1 (custom_id \"d\")").await;
     // An OpenAI batch's input, uploaded whole: numbered by its lines.
     let file = format!(
         "{}\n\n{}\n",
@@ -170,14 +162,7 @@ async fn each_request_of_a_batch_read_whole_leaves_a_record() {
         )
     );
     let response = upload(&proxy, upload_form("batch", &file)).await;
-    assert_eq!(response.status(), 400);
-    let refused_upload = support::request_id(&response);
-    let answer: Value = response.json().await.unwrap();
-    let message = answer["error"]["message"].as_str().unwrap();
-    assert!(
-        message.starts_with("line 2 (custom_id \"u-2\"): "),
-        "{message}"
-    );
+    let refused_upload = refused_naming(response, "line 2 (custom_id \"u-2\")").await;
     // The client gives up while the upstream is still creating the batch.
     let gone = client()
         .post(proxy.url("/v1/messages/batches"))
@@ -989,6 +974,17 @@ async fn complete_upload(
         .unwrap()
 }
 
+/// The request id of `response`, a 400 that refuses a batch naming
+/// `named` (the first of its requests that refuses it).
+async fn refused_naming(response: reqwest::Response, named: &str) -> String {
+    assert_eq!(response.status(), 400);
+    let request_id = support::request_id(&response);
+    let answer: Value = response.json().await.unwrap();
+    let message = answer["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with(&format!("{named}: ")), "{message}");
+    request_id
+}
+
 /// The body of a 400 `upload_not_read`, the answer to a completion that
 /// would make a batch's input of parts that went up unread.
 async fn refused_as_unread(response: reqwest::Response) -> Value {
@@ -1090,12 +1086,7 @@ async fn each_line_of_an_upload_in_parts_is_recorded_when_it_is_completed() {
     let mut refusals = Vec::new();
     for size in [5000, 50] {
         let response = upload_in_parts(&proxy, "batch", &refused, size, None).await;
-        assert_eq!(response.status(), 400);
-        refusals.push(support::request_id(&response));
-        let answer: Value = response.json().await.unwrap();
-        let message = answer["error"]["message"].as_str().unwrap();
-        let named = "line 2 (custom_id \"r-2\"): ";
-        assert!(message.starts_with(named), "parts of {size}: {message}");
+        refusals.push(refused_naming(response, "line 2 (custom_id \"r-2\")").await);
     }
 
     let rows = proxy.wait_for_results(3 * 4 + 2 * 4).await;
