@@ -349,7 +349,7 @@ fn judge(
         Some(b"batch") if !part.unread => {
             let rules = state.rules.snapshot();
             let read_by = (state, &*rules, upstream);
-            let refused = lines::check(read_by, &[&part], request_id, &mut records);
+            let refused = lines::check(read_by, &[(&part, true)], request_id, &mut records);
             hand_over(state, recorded, Late::Held(records.into_held()));
             refused
         }

@@ -7,8 +7,11 @@
 //! reader on a blocking thread ([`read`]), which splits the file's field
 //! into lines and scans every line whole within it. What comes before the
 //! first line break and after the last is kept, for [`check`] to scan with
-//! the lines around it. A file that went up cannot be edited, so a line
-//! that a rule redacts refuses the batch, as one it blocks does.
+//! the lines around it; what comes before the first line break is read
+//! then too when it is a request of its own (a part that begins with a
+//! line), so that the records of a part no completion takes hold it. A
+//! file that went up cannot be edited, so a line that a rule redacts
+//! refuses the batch, as one it blocks does.
 //!
 //! Each line read is recorded as a batch's request read whole is
 //! ([`LineRecords`]), its record held on disk until the answer of the
@@ -54,6 +57,11 @@ pub(super) struct Part {
     /// The first of those lines that refuses the batch, by its index among
     /// them.
     refused: Option<(usize, Refused)>,
+    /// When the bytes before its first line break are a request of their
+    /// own (the file's first line, or a part's that begins with a line: a
+    /// piece of a line is never a whole request), recorded as its line 1:
+    /// the refusal that line makes, if any.
+    head_read: Option<Option<Refused>>,
     /// A line, or a head or tail, longer than `guard.max_body_bytes`.
     too_long: bool,
     /// The form could not be read to its end, or had no one file field.
@@ -323,7 +331,10 @@ impl LineReader {
             self.keep(&data[..at]);
             let line = std::mem::take(&mut self.line);
             match self.part.head {
-                None => self.part.head = Some(line),
+                None => {
+                    self.read_head(&line);
+                    self.part.head = Some(line);
+                }
                 Some(_) => {
                     self.check(&line);
                     self.part.lines += 1;
@@ -341,6 +352,21 @@ impl LineReader {
         } else {
             self.line.extend_from_slice(data);
         }
+    }
+
+    /// Scans and records the bytes before the first line break as line 1
+    /// when they are a request of their own ([`Part::head_read`]): the
+    /// records of a part no completion takes then hold it too.
+    fn read_head(&mut self, head: &[u8]) {
+        if self.part.too_long {
+            return;
+        }
+        let Ok(request) = exchange::read_batch_input(head) else {
+            return;
+        };
+        let read_by = (&*self.state, &*self.rules, self.upstream.as_str());
+        let recorded = (&mut self.records, 1);
+        self.part.head_read = Some(read_line(read_by, &request, &self.request_id, recorded));
     }
 
     /// Scans a line whole within the file, and records it (the first
@@ -375,12 +401,22 @@ fn refusal(
     if line.trim_ascii().is_empty() {
         return None;
     }
-    let request = match exchange::read_batch_input(line) {
-        Ok(request) => request,
-        Err(error) => return Some(Refused::Unreadable(error)),
-    };
-    let verdict = records.scan(read_by, &request, (request_id, number));
-    Refusal::of_uneditable(&request, &verdict, UNEDITABLE).map(Refused::Rules)
+    match exchange::read_batch_input(line) {
+        Ok(request) => read_line(read_by, &request, request_id, (records, number)),
+        Err(error) => Some(Refused::Unreadable(error)),
+    }
+}
+
+/// What refuses a batch in `request`, line `number` of its input, if
+/// anything does; the line is recorded in `records`.
+fn read_line(
+    read_by: (&State, &RuleSet, &str),
+    request: &BatchRequest,
+    request_id: &str,
+    (records, number): (&mut LineRecords, usize),
+) -> Option<Refused> {
+    let verdict = records.scan(read_by, request, (request_id, number));
+    Refusal::of_uneditable(request, &verdict, UNEDITABLE).map(Refused::Rules)
 }
 
 /// The number of each part's first line in the file of `parts` in order
@@ -399,13 +435,16 @@ pub(super) fn head_lines(parts: &[&Part]) -> Vec<Option<usize>> {
 }
 
 /// Reads a batch's input from its parts in order (a file read whole is one
-/// part): the lines across parts, and the first and last, are scanned
-/// here, and recorded in `records`; those within one were as it went up.
-/// The 400 of the first line that refuses the batch, if one does. Parts
-/// must have been read whole (see [`Part::unread`]).
+/// part), each with whether its records end with this reading's (a part
+/// named twice has them once): the lines across parts, and the first
+/// and last, are scanned here, and recorded in `records`; those within
+/// one were as it went up, and so was a part's first line when the part
+/// begins with it ([`Part::head_read`]). The 400 of the first line that
+/// refuses the batch, if one does. Parts must have been read whole (see
+/// [`Part::unread`]).
 pub(super) fn check(
     read_by: (&State, &RuleSet, &str),
-    parts: &[&Part],
+    parts: &[(&Part, bool)],
     request_id: &str,
     records: &mut LineRecords,
 ) -> Option<Response<ProxyBody>> {
@@ -424,16 +463,30 @@ pub(super) fn check(
     // Every line is scanned and recorded; the first that refuses the
     // batch is named in the refusal.
     let mut first = None;
-    for part in parts {
+    for &(part, recorded) in parts {
         let too_large = || respond::failure(dialect, Failure::TooLarge, request_id);
         if part.too_long {
             return Some(first.unwrap_or_else(too_large));
         }
         if let Some(head) = &part.head {
+            // The part's first line when nothing but blanks comes before
+            // it: read and recorded with the part. (After a line begun in
+            // an earlier part, the two make a line that is no request,
+            // which refuses the batch: the part's record of it stays.)
+            let read =
+                (part.head_read.as_ref()).filter(|_| recorded && carry.trim_ascii().is_empty());
             carry.extend_from_slice(head);
             lines += 1;
-            if let Some(refused) = refusal(read_by, &carry, request_id, (records, lines)) {
-                first.get_or_insert_with(|| refuse(&refused, lines));
+            let scanned;
+            let refused = match read {
+                Some(read) => read.as_ref(),
+                None => {
+                    scanned = refusal(read_by, &carry, request_id, (records, lines));
+                    scanned.as_ref()
+                }
+            };
+            if let Some(refused) = refused {
+                first.get_or_insert_with(|| refuse(refused, lines));
             }
             carry.clear();
             if let Some((index, refused)) = &part.refused {

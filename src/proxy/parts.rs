@@ -28,7 +28,8 @@
 //! went up all the same, to the API's storage if to no model: their
 //! records end with the part's own answer, under the part's id
 //! (`<part's id>.<line>`, numbered within the part, what comes before its
-//! first line break counting as line 1), once the upload is completed
+//! first line break counting as line 1 and recorded when it is a request
+//! of its own), once the upload is completed
 //! without it, cancelled or expired, or when the proxy stops (its last
 //! serving thread: a completion under way on another still takes them);
 //! a part the API refused, or whose sending failed, ends them with that
@@ -536,6 +537,9 @@ fn check(
         Ok(named) => named,
         Err(missing) => return Some(not_read(&missing, request_id)),
     };
+    // Whether each mention ends its part's records (a part named twice
+    // has them at its first).
+    let recorded: Vec<bool> = named.iter().map(|part| part.records.is_some()).collect();
     let heads = lines::head_lines(&named.iter().map(|part| &*part.read).collect::<Vec<_>>());
     for (part, head) in named.iter_mut().zip(heads) {
         if let (Some(mut held), Some(head)) = (part.records.take(), head) {
@@ -546,7 +550,9 @@ fn check(
     if let Some(part) = named.iter().find(|part| part.read.unread) {
         return Some(not_read(&part.id, request_id));
     }
-    let read: Vec<&Part> = named.iter().map(|part| &*part.read).collect();
+    let read: Vec<(&Part, bool)> = (named.iter().zip(recorded))
+        .map(|(part, recorded)| (&*part.read, recorded))
+        .collect();
     let rules = state.rules.snapshot();
     let mut across = LineRecords::new(state.clone(), headers.clone(), started);
     let refused = lines::check((state, &rules, upstream), &read, request_id, &mut across);
