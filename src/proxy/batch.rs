@@ -314,7 +314,9 @@ pub(super) async fn send_judged(
     let forwarded = super::forward(state, upstream, Method::POST, uri, headers, body).await;
     // A body cut short by its client is not read to its end either: the
     // timeout, or its breaking off, is the answer, not the unread body.
-    if let Err(failure @ (Failure::ClientTimeout | Failure::BodyBrokeOff)) = forwarded {
+    if let Err(failure) = forwarded
+        && failure.of_client_body()
+    {
         return respond::failure(dialect, failure, request_id);
     }
     // The body is over (sent, refused, or dropped with the request), so the

@@ -477,16 +477,12 @@ pub(super) fn check(
                 (part.head_read.as_ref()).filter(|_| recorded && carry.trim_ascii().is_empty());
             carry.extend_from_slice(head);
             lines += 1;
-            let scanned;
             let refused = match read {
-                Some(read) => read.as_ref(),
-                None => {
-                    scanned = refusal(read_by, &carry, request_id, (records, lines));
-                    scanned.as_ref()
-                }
+                Some(read) => read.clone(),
+                None => refusal(read_by, &carry, request_id, (records, lines)),
             };
             if let Some(refused) = refused {
-                first.get_or_insert_with(|| refuse(refused, lines));
+                first.get_or_insert_with(|| refuse(&refused, lines));
             }
             carry.clear();
             if let Some((index, refused)) = &part.refused {

@@ -1012,7 +1012,7 @@ async fn forward_on(
     match upstream::send(&client, method, path, headers, body, timeout, upgrade).await {
         Ok(response) => Ok((response, timeout)),
         // The client's fault, not the upstream's.
-        Err((failure @ (Failure::ClientTimeout | Failure::BodyBrokeOff), ..)) => {
+        Err((failure, ..)) if failure.of_client_body() => {
             tracing::debug!(upstream, ?failure, "a request body failed on its way up");
             Err(failure)
         }

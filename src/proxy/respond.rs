@@ -51,6 +51,13 @@ pub enum Failure {
 }
 
 impl Failure {
+    /// Whether the client's own body failed the request on its way up
+    /// (stopped arriving, or broke off): the client's failure, not the
+    /// upstream's, and its answer rather than the unread body.
+    pub fn of_client_body(self) -> bool {
+        matches!(self, Failure::ClientTimeout | Failure::BodyBrokeOff)
+    }
+
     fn status(self) -> StatusCode {
         match self {
             Failure::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
