@@ -917,11 +917,24 @@ async fn upload_in_parts(
 /// Creates upload `upload_1` of `bytes` bytes for `purpose`, as the SDKs
 /// do; the upload the API answered.
 async fn begin_upload(proxy: &support::Proxy, purpose: &str, bytes: usize) -> Value {
-    let upload = json!({"id": "upload_1", "object": "upload", "purpose": purpose,
-        "status": "pending", "bytes": bytes, "filename": "input.jsonl",
-        "created_at": 1, "expires_at": 4_000_000_000u64});
+    let mut upload = batch_upload("upload_1", 4_000_000_000);
+    upload["purpose"] = json!(purpose);
+    upload["bytes"] = json!(bytes);
     create_upload(proxy, upload.clone()).await;
     upload
+}
+
+/// The API's answer to the creation of upload `id` of a batch's input,
+/// pending until `expires_at` (Unix seconds).
+fn batch_upload(id: &str, expires_at: u64) -> Value {
+    json!({"id": id, "object": "upload", "purpose": "batch", "status": "pending",
+        "bytes": 1000, "filename": "input.jsonl", "created_at": 1, "expires_at": expires_at})
+}
+
+/// The time now, in `unit`s since the Unix epoch (`as_secs`, `as_millis`).
+fn unix_now<T>(unit: impl Fn(&std::time::Duration) -> T) -> T {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    unit(&since.unwrap())
 }
 
 /// Creates an upload; the API answers `upload`.
@@ -1170,14 +1183,7 @@ async fn a_part_that_begins_with_a_whole_request_is_read_with_what_comes_before_
 #[tokio::test]
 async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answers() {
     let (_mock, mut proxy) = support::start().await;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let upload = |id: &str, expires_at: u64| {
-        json!({"id": id, "object": "upload", "purpose": "batch", "status": "pending",
-            "bytes": 1000, "filename": "input.jsonl", "created_at": 1, "expires_at": expires_at})
-    };
+    let now = unix_now(std::time::Duration::as_secs);
     // Each part holds three lines whole, recorded under its id: its first
     // too, since the part begins with it (whether it ends a line of an
     // earlier part is known only at a completion).
@@ -1190,18 +1196,18 @@ async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answ
     };
 
     // Completed without its second part.
-    create_upload(&proxy, upload("upload_1", 4_000_000_000)).await;
+    create_upload(&proxy, batch_upload("upload_1", 4_000_000_000)).await;
     let named = send_part(&proxy, "upload_1", 0, part_of("named").as_bytes()).await;
     assert_eq!(named.status(), 200);
     part("upload_1", 1, "left-out").await;
     // Cancelled (and a second part, below).
-    create_upload(&proxy, upload("upload_2", 4_000_000_000)).await;
+    create_upload(&proxy, batch_upload("upload_2", 4_000_000_000)).await;
     part("upload_2", 0, "cancelled").await;
     // Expired, found so at the next step of an upload in parts.
-    create_upload(&proxy, upload("upload_3", now + 1)).await;
+    create_upload(&proxy, batch_upload("upload_3", now + 1)).await;
     part("upload_3", 0, "expired").await;
     // Still open when the proxy stops.
-    create_upload(&proxy, upload("upload_4", 4_000_000_000)).await;
+    create_upload(&proxy, batch_upload("upload_4", 4_000_000_000)).await;
     part("upload_4", 0, "open").await;
     // Refused by the API: the part's lines went up all the same.
     let refused = json!({"raw_json": json!({"error": {"message": "too large",
@@ -1225,10 +1231,7 @@ async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answ
 
     // The file's lines are the completion's requests, from its arrival.
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    let asked = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64;
+    let asked = unix_now(std::time::Duration::as_millis) as i64;
     let named = vec!["part_0".to_owned()];
     let completed = json!({"id": "upload_1", "object": "upload", "status": "completed"});
     let response = complete_upload(&proxy, "upload_1", completed, named).await;
@@ -1236,7 +1239,10 @@ async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answ
     let completion = support::request_id(&response);
     let response = client()
         .post(proxy.url("/v1/uploads/upload_2/cancel"))
-        .header("x-mock-reply", mock_json(upload("upload_2", 4_000_000_000)))
+        .header(
+            "x-mock-reply",
+            mock_json(batch_upload("upload_2", 4_000_000_000)),
+        )
         .send()
         .await
         .unwrap();
@@ -1347,14 +1353,8 @@ async fn a_completion_under_way_when_another_serving_thread_stops_takes_its_part
 #[tokio::test]
 async fn the_lines_of_an_expired_upload_are_recorded_with_no_step_after_it() {
     let (_mock, proxy) = start().await;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let upload = json!({"id": "upload_1", "object": "upload", "purpose": "batch",
-        "status": "pending", "bytes": 1000, "filename": "input.jsonl",
-        "created_at": 1, "expires_at": now + 1});
-    create_upload(&proxy, upload).await;
+    let now = unix_now(std::time::Duration::as_secs);
+    create_upload(&proxy, batch_upload("upload_1", now + 1)).await;
     let file = jsonl(&budget_questions("expired", 3));
     let response = send_part(&proxy, "upload_1", 0, file.as_bytes()).await;
     assert_eq!(response.status(), 200);
