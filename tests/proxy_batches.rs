@@ -1274,15 +1274,27 @@ async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answ
         assert!(total.as_f64().unwrap() <= (finished.as_i64().unwrap() - asked + 1) as f64);
     }
     for (tag, part, status, first) in &parts {
-        for line in *first..=3 {
-            let record = record(format!("{part}.{line}"));
-            assert_eq!(record["custom_id"], format!("{tag}-{line}"), "{record}");
-            assert_eq!(record["route"], "batches");
-            assert_eq!(record["status"], *status, "{tag}: {record}");
-            assert_eq!(record["verdict"], "allow");
-        }
+        assert_allowed_lines(&rows, (part, *first..=3), tag, *status);
     }
     proxy.stop_pipeline().await;
+}
+
+/// Asserts that `rows` hold the record `<id>.<line>` of each of `lines`:
+/// the request `<tag>-<line>` (as [`budget_questions`] names them) of a
+/// batch's input, allowed, with `status`.
+fn assert_allowed_lines(
+    rows: &[Value],
+    (id, lines): (&str, std::ops::RangeInclusive<usize>),
+    tag: &str,
+    status: u16,
+) {
+    for line in lines {
+        let record = &support::row_of(rows, &format!("{id}.{line}"))["exchange"];
+        assert_eq!(record["custom_id"], format!("{tag}-{line}"), "{record}");
+        assert_eq!(record["route"], "batches");
+        assert_eq!(record["status"], status, "{tag}: {record}");
+        assert_eq!(record["verdict"], "allow");
+    }
 }
 
 #[tokio::test]
@@ -1341,11 +1353,7 @@ async fn a_completion_under_way_when_another_serving_thread_stops_takes_its_part
     // Every line is the completion's request, none its part's.
     let rows = proxy.wait_for_results(3).await;
     assert_eq!(rows.len(), 3, "{rows:#?}");
-    for line in 1..=3 {
-        let record = &support::row_of(&rows, &format!("{completion}.{line}"))["exchange"];
-        assert_eq!(record["custom_id"], format!("kept-{line}"));
-        assert_eq!(record["status"], 200, "{record}");
-    }
+    assert_allowed_lines(&rows, (&completion, 1..=3), "kept", 200);
     assert!(!format!("{rows:?}").contains(&part), "{rows:#?}");
     proxy.stop_pipeline().await;
 }
@@ -1363,11 +1371,7 @@ async fn the_lines_of_an_expired_upload_are_recorded_with_no_step_after_it() {
     // Nothing more is sent: the proxy finds the expiry on its own.
     let rows = proxy.wait_for_results(3).await;
     assert_eq!(rows.len(), 3, "{rows:#?}");
-    for line in 1..=3 {
-        let record = &support::row_of(&rows, &format!("{part}.{line}"))["exchange"];
-        assert_eq!(record["custom_id"], format!("expired-{line}"));
-        assert_eq!(record["status"], 200, "{record}");
-    }
+    assert_allowed_lines(&rows, (&part, 1..=3), "expired", 200);
     proxy.stop().await;
 }
 
