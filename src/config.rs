@@ -185,6 +185,9 @@ pub struct UpstreamConfig {
     /// the client's own `Authorization` / `x-api-key` is forwarded.
     pub api_key_env: Option<String>,
     pub connect_timeout_ms: u64,
+    /// How long a connection to it may wait unused for its next request
+    /// before it is closed (within a second after); 0: none is reused.
+    pub idle_timeout_ms: u64,
     /// The longest the upstream may send nothing: before its answer's
     /// head, and between two parts of its body. Each wait, as the SDKs'
     /// own read timeout, not the whole exchange: a stream goes on as long
@@ -207,6 +210,7 @@ impl Default for UpstreamConfig {
             url: String::new(),
             api_key_env: None,
             connect_timeout_ms: 5_000,
+            idle_timeout_ms: 90_000,
             timeout_ms: 600_000,
         }
     }

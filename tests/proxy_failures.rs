@@ -6,6 +6,8 @@
 mod support;
 
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -1314,5 +1316,118 @@ async fn a_path_that_reads_as_a_guarded_one_once_normalized_is_refused() {
     let sent = mock.requests();
     assert_eq!(sent.len(), 1);
     assert_eq!(sent[0].path, "/v1/files/file%2Dabc/content");
+    proxy.stop().await;
+}
+
+/// An upstream that answers every request of a connection with a chat
+/// completion, and counts the connections it takes. Each time the proxy
+/// closes one, when is sent on the receiver.
+async fn counting_upstream() -> (
+    String,
+    Arc<AtomicUsize>,
+    tokio::sync::mpsc::UnboundedReceiver<tokio::time::Instant>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (closed, closes) = tokio::sync::mpsc::unbounded_channel();
+    let taken = Arc::new(AtomicUsize::new(0));
+    let counted = taken.clone();
+    let answer = json!({"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Saved."},
+        "finish_reason": "stop"}]})
+    .to_string();
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+        answer.len()
+    );
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let (closed, answer) = (closed.clone(), answer.clone());
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = [0; 4096];
+                loop {
+                    let n = stream.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        let _ = closed.send(tokio::time::Instant::now());
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    while let Some(length) = whole_request(&got) {
+                        got.drain(..length);
+                        stream.write_all(answer.as_bytes()).await.unwrap();
+                    }
+                }
+            });
+        }
+    });
+    (url, taken, closes)
+}
+
+/// The length of the request at the start of `got`, once it is whole (its
+/// head, and the body its `content-length` gives).
+fn whole_request(got: &[u8]) -> Option<usize> {
+    let head = got.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let text = String::from_utf8_lossy(&got[..head]).to_ascii_lowercase();
+    let length = text
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .map_or(0, |value| value.trim().parse::<usize>().unwrap());
+    (got.len() >= head + length).then_some(head + length)
+}
+
+/// A connection to the upstream is kept for the next request, and closed
+/// once it has been unused for the upstream's `idle_timeout_ms`, with no
+/// request after it to notice.
+#[tokio::test]
+async fn an_upstream_connection_unused_for_its_idle_timeout_is_closed() {
+    let (url, taken, mut closes) = counting_upstream().await;
+    let mut config = config(&url, Path::new("rules"));
+    config.upstreams.get_mut("openai").unwrap().idle_timeout_ms = 1_000;
+    let proxy = start_proxy(config).await;
+    for question in ["How do I start a budget?", "And an emergency fund?"] {
+        let response = client()
+            .post(proxy.url("/v1/chat/completions"))
+            .json(&chat(question, false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["choices"][0]["message"]["content"], "Saved.");
+    }
+    let answered = tokio::time::Instant::now();
+    assert_eq!(taken.load(Ordering::SeqCst), 1, "the connection was reused");
+    let closed = tokio::time::timeout(Duration::from_secs(10), closes.recv())
+        .await
+        .expect("the idle connection was closed, not kept")
+        .unwrap();
+    let kept = closed - answered;
+    assert!(
+        kept >= Duration::from_millis(900),
+        "closed {kept:?} after its last answer, before its idle timeout"
+    );
+    proxy.stop().await;
+}
+
+/// With `idle_timeout_ms: 0`, no connection to the upstream is reused.
+#[tokio::test]
+async fn with_no_idle_timeout_each_request_takes_a_new_upstream_connection() {
+    let (url, taken, _closes) = counting_upstream().await;
+    let mut config = config(&url, Path::new("rules"));
+    config.upstreams.get_mut("openai").unwrap().idle_timeout_ms = 0;
+    let proxy = start_proxy(config).await;
+    for _ in 0..3 {
+        let response = client()
+            .post(proxy.url("/v1/chat/completions"))
+            .json(&chat("How do I start a budget?", false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+    }
+    assert_eq!(taken.load(Ordering::SeqCst), 3);
     proxy.stop().await;
 }

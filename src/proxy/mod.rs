@@ -389,8 +389,12 @@ pub async fn run(
                 tokio::spawn(drive(connection, requests, (idle, sending), closing, |c| c.graceful_shutdown()));
             }
             // An expired upload's records end without waiting for a
-            // step of another.
-            _ = sweep.tick() => state.uploads.forget_expired(),
+            // step of another, and upstream connections unused too long
+            // are closed without waiting for the next request.
+            _ = sweep.tick() => {
+                state.uploads.forget_expired();
+                upstream::sweep_idle();
+            }
             () = &mut shutdown => break,
         }
     }

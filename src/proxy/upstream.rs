@@ -21,9 +21,10 @@
 //! HTTP/1 connection goes back into the pool when its answer's body has
 //! been read to the end ([`Answer`]), with no task spawned to wait for
 //! that; one whose answer is dropped before its end is closed by hyper.
-//! Unlike hyper-util, there is no timer task: a connection idle for longer than
-//! [`IDLE_TIMEOUT`] is dropped when the pool is next used (or when the
-//! upstream closes it), not at once.
+//! A connection unused for the upstream's `idle_timeout_ms` is closed,
+//! and one the upstream closed is let go, within a second: each serving
+//! thread sweeps its pools once a second ([`sweep_idle`]), in its accept
+//! loop, rather than keeping a timer task per connection as hyper-util does.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -338,8 +339,22 @@ impl Drop for Answer {
     }
 }
 
-/// How long a connection may stay unused in the pool.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+thread_local! {
+    /// This serving thread's clients ([`UpstreamClient::of_this_thread`]).
+    static CLIENTS: RefCell<Vec<UpstreamClient>> = Default::default();
+}
+
+/// Closes the connections in this serving thread's pools that have been
+/// unused for longer than their upstream's `idle_timeout_ms`, and lets go
+/// of those the upstream has closed. Each serving thread calls it once a
+/// second.
+pub fn sweep_idle() {
+    CLIENTS.with_borrow(|clients| {
+        for client in clients {
+            client.pool.sweep();
+        }
+    });
+}
 
 /// The connections of one serving thread to one upstream. Cloning it is
 /// cheap and shares the pool.
@@ -352,6 +367,8 @@ struct Pool {
     /// The upstream's base URL as configured, to find this client again.
     url: String,
     connect_timeout_ms: u64,
+    /// How long a connection may stay unused in the pool.
+    idle_timeout: Duration,
     /// Offers HTTP/2 and HTTP/1.1 by ALPN.
     connector: HttpsConnector<HttpConnector>,
     /// Offers HTTP/1.1 only: an upgrade has no meaning on HTTP/2.
@@ -372,7 +389,8 @@ struct Idle {
     /// HTTP/1 connections done with their answers, with when they were
     /// last seen in use, oldest first.
     http1: VecDeque<(http1::SendRequest<UpstreamBody>, Instant)>,
-    http2: Option<http2::SendRequest<UpstreamBody>>,
+    /// The HTTP/2 connection, with when a request last took it.
+    http2: Option<(http2::SendRequest<UpstreamBody>, Instant)>,
 }
 
 enum Sender {
@@ -433,6 +451,7 @@ impl UpstreamClient {
             pool: Arc::new(Pool {
                 url: upstream.url.clone(),
                 connect_timeout_ms: upstream.connect_timeout_ms,
+                idle_timeout: Duration::from_millis(upstream.idle_timeout_ms),
                 connector: https().enable_http2().wrap_connector(http.clone()),
                 upgrade_connector: https().wrap_connector(http),
                 prefix: base.path().trim_end_matches('/').to_owned(),
@@ -452,9 +471,6 @@ impl UpstreamClient {
     /// not their names: proxies in one process (tests) may name different
     /// upstreams alike.
     pub fn of_this_thread(upstream: &UpstreamConfig) -> Option<UpstreamClient> {
-        thread_local! {
-            static CLIENTS: RefCell<Vec<UpstreamClient>> = Default::default();
-        }
         CLIENTS.with_borrow_mut(|clients| {
             if let Some(client) = clients.iter().find(|client| client.serves(upstream)) {
                 return Some(client.clone());
@@ -467,7 +483,10 @@ impl UpstreamClient {
 
     /// Whether this is the client of `upstream` (the same URL and settings).
     fn serves(&self, upstream: &UpstreamConfig) -> bool {
-        self.pool.url == upstream.url && self.pool.connect_timeout_ms == upstream.connect_timeout_ms
+        let pool = &self.pool;
+        pool.url == upstream.url
+            && pool.connect_timeout_ms == upstream.connect_timeout_ms
+            && pool.idle_timeout == Duration::from_millis(upstream.idle_timeout_ms)
     }
 
     /// Sends `method path_and_query` with `headers` and `body` and waits for
@@ -562,16 +581,17 @@ impl Pool {
     /// closed or idle too long are dropped.
     fn checkout(&self) -> Option<Sender> {
         let mut idle = self.idle.lock().ok()?;
-        if let Some(http2) = &idle.http2 {
-            if !http2.is_closed() {
+        let now = Instant::now();
+        if let Some((http2, seen)) = &mut idle.http2 {
+            if !http2.is_closed() && now.duration_since(*seen) <= self.idle_timeout {
+                *seen = now;
                 return Some(Sender::Http2(http2.clone()));
             }
             idle.http2 = None;
         }
-        let now = Instant::now();
         for _ in 0..idle.http1.len() {
             let (sender, seen) = idle.http1.pop_front()?;
-            if sender.is_closed() || now.duration_since(seen) > IDLE_TIMEOUT {
+            if sender.is_closed() || now.duration_since(seen) > self.idle_timeout {
                 continue;
             }
             if sender.is_ready() {
@@ -588,6 +608,25 @@ impl Pool {
     fn put_back(&self, sender: http1::SendRequest<UpstreamBody>) {
         if let Ok(mut idle) = self.idle.lock() {
             idle.http1.push_back((sender, Instant::now()));
+        }
+    }
+
+    /// Drops the connections unused for longer than the idle timeout, and
+    /// those the upstream has closed. Dropped, an HTTP/1 connection is
+    /// closed; the HTTP/2 one once the requests that took it are done.
+    fn sweep(&self) {
+        let Ok(mut idle) = self.idle.lock() else {
+            return;
+        };
+        let now = Instant::now();
+        let open =
+            |closed: bool, seen: Instant| !closed && now.duration_since(seen) <= self.idle_timeout;
+        idle.http1
+            .retain(|(sender, seen)| open(sender.is_closed(), *seen));
+        if let Some((http2, seen)) = &idle.http2
+            && !open(http2.is_closed(), *seen)
+        {
+            idle.http2 = None;
         }
     }
 
@@ -611,7 +650,8 @@ impl Pool {
             let (sender, connection) = handshake_http2(io).await.map_err(handshake)?;
             drive(connection);
             if let Ok(mut idle) = self.idle.lock() {
-                idle.http2.get_or_insert_with(|| sender.clone());
+                idle.http2
+                    .get_or_insert_with(|| (sender.clone(), Instant::now()));
             }
             return Ok(Sender::Http2(sender));
         }
@@ -1059,6 +1099,29 @@ mod tests {
             assert_eq!(seen.connection, 0, "{seen:?}");
         }
         assert_eq!(seen[0].uri, format!("https://{}/v1/first", upstream.addr));
+    }
+
+    #[tokio::test]
+    async fn an_http2_connection_unused_for_the_idle_timeout_is_not_taken_again() {
+        let (upstream, tls) = tls_upstream(&[b"h2", b"http/1.1"]).await;
+        let mut config = UpstreamConfig::new(&format!("https://{}", upstream.addr));
+        config.idle_timeout_ms = 300;
+        let client = UpstreamClient::with_tls(&config, || {
+            HttpsConnectorBuilder::new().with_tls_config(tls.clone())
+        })
+        .unwrap();
+        // Each request takes it again, and so keeps it.
+        for _ in 0..3 {
+            assert_eq!(post(&client, "/v1/x").await, "ok");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            client.pool.sweep();
+        }
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        client.pool.sweep();
+        assert!(client.pool.idle.lock().unwrap().http2.is_none());
+        assert_eq!(post(&client, "/v1/x").await, "ok");
+        let connections: Vec<usize> = upstream.seen().iter().map(|s| s.connection).collect();
+        assert_eq!(connections, [0, 0, 0, 1]);
     }
 
     #[tokio::test]
