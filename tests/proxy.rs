@@ -2918,3 +2918,93 @@ async fn content_sent_as_parts_is_guarded_openai() {
     assert_eq!(body, harmless, "allowed parts arrive as they were sent");
     proxy.stop().await;
 }
+
+/// Some OpenAI-compatible servers send a message's role with its first
+/// text, and its finish (with the usage) with its last text, in one chunk.
+/// Both reach the client, in every mode, whether the text is re-framed
+/// (holdback; buffer, when it redacts) or not: the role with the first
+/// text, the finish once, after the last text, and the usage once.
+#[tokio::test]
+async fn a_chunk_with_text_and_the_role_or_finish_keeps_them() {
+    use fairgate::config::StreamMode;
+    let chunk = |content: &str, finish: Value, usage: Value| {
+        let mut chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1,
+            "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant", "content": content},
+            "finish_reason": finish}]});
+        if !usage.is_null() {
+            chunk["usage"] = usage;
+        }
+        format!("data: {chunk}\n\n")
+    };
+    let usage = json!({"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9});
+    let stream = |texts: &[&str]| {
+        let (last, first) = texts.split_last().unwrap();
+        let mut raw: String = first
+            .iter()
+            .map(|t| chunk(t, Value::Null, Value::Null))
+            .collect();
+        raw += &chunk(last, json!("stop"), usage.clone());
+        raw + "data: [DONE]\n\n"
+    };
+    let card = "Pay with 4111 1111 1111 1111.";
+    let cases = [
+        (vec!["Start with ", "a budget."], "Start with a budget."),
+        // The whole answer in one chunk.
+        (vec!["Start with a budget."], "Start with a budget."),
+        // Redacted: buffer mode re-frames it too.
+        (
+            vec!["Start with a budget. ", card],
+            "Start with a budget. Pay with [REDACTED:card].",
+        ),
+    ];
+    for mode in [
+        StreamMode::Holdback,
+        StreamMode::Buffer,
+        StreamMode::Monitor,
+    ] {
+        let (_mock, proxy) = start_with(|c| c.guard.stream_mode = mode).await;
+        for (texts, expected) in &cases {
+            let question = chat("How do I save?", true);
+            let body = relay_stream(&proxy, "/v1/chat/completions", stream(texts), &question).await;
+            let (text, finishes, done) = openai_stream_text(&body);
+            let expected = match mode {
+                StreamMode::Monitor => texts.concat(),
+                _ => expected.to_string(),
+            };
+            assert_eq!(text, expected, "{mode:?}: {body}");
+            assert_eq!(finishes, ["stop"], "{mode:?}: {body}");
+            assert!(done, "{mode:?}: {body}");
+            let chunks: Vec<Value> = body
+                .split("\n\n")
+                .filter_map(|e| e.strip_prefix("data: "))
+                .filter(|data| *data != "[DONE]")
+                .map(|data| serde_json::from_str(data).unwrap())
+                .collect();
+            let first = &chunks[0]["choices"][0]["delta"];
+            assert_eq!(first["role"], "assistant", "{mode:?}: {body}");
+            assert!(first["content"].as_str().is_some_and(|t| !t.is_empty()));
+            let last = &chunks[chunks.len() - 1];
+            assert_eq!(
+                last["choices"][0]["finish_reason"], "stop",
+                "{mode:?}: {body}"
+            );
+            let usages: Vec<&Value> = chunks.iter().filter_map(|c| c.get("usage")).collect();
+            assert_eq!(usages, [&usage], "{mode:?}: {body}");
+        }
+        proxy.stop().await;
+    }
+    // A block in the last text ends the stream with `content_filter`, and
+    // never `stop`.
+    let (_mock, proxy) = start().await;
+    let texts = [
+        "Fine words first. ",
+        "Then: borrow money to invest in crypto.",
+    ];
+    let question = chat("Ideas?", true);
+    let body = relay_stream(&proxy, "/v1/chat/completions", stream(&texts), &question).await;
+    let (text, finishes, done) = openai_stream_text(&body);
+    assert!(!text.contains("crypto"), "{body}");
+    assert_eq!(finishes, ["content_filter"], "{body}");
+    assert!(done);
+    proxy.stop().await;
+}

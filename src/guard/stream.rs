@@ -23,7 +23,9 @@
 //!   the `logprobs` entries of the upstream chunks whose text it
 //!   completes, but for redacted text). An OpenAI text chunk is the
 //!   upstream's first one with only its text changed, when that one is
-//!   plain (see `plain_text`); else it is rebuilt from it. On a block the
+//!   plain (see `plain_text`); else it is rebuilt from it (with the
+//!   `role` of the chunk that began the text, when it gave one). A chunk
+//!   with both text and its finish is read as two (see `split_finish`). On a block the
 //!   stream ends as the SDKs expect: OpenAI, a chunk with
 //!   `finish_reason: "content_filter"` and `data: [DONE]` (when the
 //!   client asked for usage, the upstream is read on, unsent, for up to
@@ -790,6 +792,12 @@ pub struct Guard {
     /// The data of the event being classified, when it carried such a
     /// text and a redaction rewrote it: the event goes on in its place.
     redacted_data: Option<String>,
+    /// Whether the event being classified, an OpenAI chunk, carries both
+    /// text and its choice's finish ([`split_finish`]).
+    text_with_finish: bool,
+    /// The `role` of the chunk that began the answer's text, until a
+    /// re-framed chunk carries it out.
+    role: Option<String>,
     /// The first OpenAI chunk with text (its JSON text), the template for
     /// re-framed chunks.
     template: Option<String>,
@@ -891,6 +899,8 @@ impl Guard {
             context_texts: Vec::new(),
             context_redactions: Vec::new(),
             redacted_data: None,
+            text_with_finish: false,
+            role: None,
             template: None,
             template_tree: OnceCell::new(),
             part_templates: Vec::new(),
@@ -977,6 +987,21 @@ impl Guard {
         };
         self.final_seen |= matches!(kind, Kind::Final);
         let frames = match kind {
+            Kind::Text { text, block } if std::mem::take(&mut self.text_with_finish) => {
+                match split_finish(&event, self.setup.endpoint) {
+                    Some((with_text, finish)) => {
+                        // Its text, read from it before it is set apart.
+                        let text = EventText::Decoded(text.of_event(&event).to_owned());
+                        let mut frames = self.by_mode(with_text, Kind::Text { text, block });
+                        self.final_seen = true;
+                        if !self.finished {
+                            frames.append(&mut self.by_mode(finish, Kind::Final));
+                        }
+                        frames
+                    }
+                    None => self.by_mode(event, Kind::Text { text, block }),
+                }
+            }
             Kind::Choice(index) => self.on_other_choice(index, event),
             Kind::Done if !self.others.is_empty() => {
                 let (mut frames, blocked) = self.end_other_choices();
@@ -1392,10 +1417,19 @@ impl Guard {
             Endpoint::Completions => &choice.text,
             _ => &choice.delta.content,
         };
-        // A chunk with both text and a finish reason: the text first; the
-        // finish follows as its own chunk when released.
+        // A chunk with both text and a finish reason (as some
+        // OpenAI-compatible servers send their last) is read as two: its
+        // text, then its finish ([`split_finish`]).
         let kind = match text {
-            Some(text) if !text.value.is_empty() => self.text(event, text, 0, data),
+            Some(text) if !text.value.is_empty() => {
+                self.text_with_finish = choice.finished && self.setup.mode != StreamMode::Monitor;
+                if let Some(role) = &choice.delta.role
+                    && self.released == 0
+                {
+                    self.role = Some(role.value.clone().into_owned());
+                }
+                self.text(event, text, 0, data)
+            }
             _ if choice.finished => Kind::Final,
             _ => return Kind::Other,
         };
@@ -2110,14 +2144,27 @@ impl Guard {
     }
 
     /// A re-framed chat completion chunk of `text` that carries `logprobs`
-    /// entries, when the stream has them; else as [`Guard::text_frame`].
-    fn text_frame_with(&self, text: &str, block: u64, logprobs: Vec<Value>) -> Bytes {
-        if self.logprobs.is_empty() || self.dialect != Dialect::OpenAi {
+    /// entries, when the stream has them, and the message's `role`, when
+    /// the chunk that began the text gave it and none went out yet; else as
+    /// [`Guard::text_frame`].
+    fn text_frame_with(&mut self, text: &str, block: u64, logprobs: Vec<Value>) -> Bytes {
+        let role = match self.dialect {
+            Dialect::OpenAi => self.role.take(),
+            Dialect::Anthropic => None,
+        };
+        if role.is_none() && (self.logprobs.is_empty() || self.dialect != Dialect::OpenAi) {
             return self.text_frame(text, block);
         }
         let mut chunk = self.openai_chunk(text, Value::Null);
         if let Some(choice) = chunk.pointer_mut("/choices/0") {
-            choice["logprobs"] = json!({"content": logprobs, "refusal": null});
+            if let Some(role) = role
+                && let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut)
+            {
+                delta.insert("role".into(), json!(role));
+            }
+            if !self.logprobs.is_empty() {
+                choice["logprobs"] = json!({"content": logprobs, "refusal": null});
+            }
         }
         sse(None, &chunk)
     }
@@ -2316,11 +2363,8 @@ impl Guard {
                         sent_blocks.push(block);
                         let (from, to) = self.block_range(&held, block);
                         let logprobs = self.take_logprobs(to);
-                        frames.push(self.text_frame_with(
-                            &self.redacted(from, to),
-                            block,
-                            logprobs,
-                        ));
+                        let text = self.redacted(from, to);
+                        frames.push(self.text_frame_with(&text, block, logprobs));
                     }
                 }
                 _ => frames.push(event.raw.clone()),
@@ -2338,6 +2382,32 @@ impl Guard {
         let to = ranges.map(|t| t.1).max().unwrap_or(from);
         (from, to)
     }
+}
+
+/// An OpenAI chunk that carries both text and its choice's finish, as
+/// the two chunks the API itself sends: the text, `finish_reason` null
+/// and with no `usage`; then the finish, with no text (an empty delta),
+/// no `logprobs`, and the chunk's `usage`. Read as one, its finish would
+/// be lost: its text is re-framed as it is released, and a re-framed
+/// chunk carries text only.
+fn split_finish(event: &SseEvent, endpoint: Endpoint) -> Option<(SseEvent, SseEvent)> {
+    let mut finish: Value = serde_json::from_str(event.data.as_deref()?).ok()?;
+    let mut text = finish.clone();
+    text.pointer_mut("/choices/0")?["finish_reason"] = Value::Null;
+    text.as_object_mut()?.remove("usage");
+    let choice = finish.pointer_mut("/choices/0")?;
+    match endpoint {
+        Endpoint::Completions => choice["text"] = json!(""),
+        _ => choice["delta"] = json!({}),
+    }
+    if let Some(logprobs) = choice.get_mut("logprobs") {
+        *logprobs = Value::Null;
+    }
+    let name = event.event.as_deref();
+    Some((
+        parse_event(sse(name, &text))?,
+        parse_event(sse(name, &finish))?,
+    ))
 }
 
 /// Whether `data`, an OpenAI chunk whose text is at `token`, is plain: a

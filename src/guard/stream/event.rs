@@ -94,6 +94,8 @@ pub struct Delta<'a> {
     /// Whether it carries `annotations` (OpenAI: the pages a web search
     /// found, which its text cites).
     pub annotated: bool,
+    /// Its `role` (OpenAI: the first delta of a choice's message).
+    pub role: Option<Text<'a>>,
 }
 
 /// An OpenAI choice.
@@ -225,6 +227,7 @@ impl<'a> Delta<'a> {
             "audio",
             "function_call",
             "annotations",
+            "role",
         ];
         reader
             .object(keys, |reader, key| {
@@ -294,6 +297,7 @@ impl<'a> Delta<'a> {
                     2 => delta.content = string,
                     3 => delta.refusal = string,
                     4 => delta.partial_json = string,
+                    12 => delta.role = string,
                     _ => delta.reasoning.extend(string),
                 }
                 Ok(())
