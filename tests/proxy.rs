@@ -2993,6 +2993,37 @@ async fn a_chunk_with_text_and_the_role_or_finish_keeps_them() {
         }
         proxy.stop().await;
     }
+    // The same of a legacy completion's last chunk.
+    let (_mock, proxy) = start().await;
+    let completion = |text: &str, finish: Value| {
+        let chunk = json!({"id": "cmpl-t", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]});
+        format!("data: {chunk}\n\n")
+    };
+    let raw = completion("Start with ", Value::Null)
+        + &completion("a budget.", json!("length"))
+        + "data: [DONE]\n\n";
+    let question = json!({"model": "m", "prompt": "How do I save?", "stream": true});
+    let body = relay_stream(&proxy, "/v1/completions", raw, &question).await;
+    let chunks: Vec<Value> = body
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, "Start with a budget.", "{body}");
+    let finishes: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finishes, [&json!("length")], "{body}");
+    proxy.stop().await;
+
     // A block in the last text ends the stream with `content_filter`, and
     // never `stop`.
     let (_mock, proxy) = start().await;
