@@ -1422,7 +1422,8 @@ impl Guard {
         // text, then its finish ([`split_finish`]).
         let kind = match text {
             Some(text) if !text.value.is_empty() => {
-                self.text_with_finish = choice.finished && self.setup.mode != StreamMode::Monitor;
+                self.text_with_finish =
+                    choice.finished && choice.alone && self.setup.mode != StreamMode::Monitor;
                 if let Some(role) = &choice.delta.role
                     && self.released == 0
                 {
@@ -2384,8 +2385,8 @@ impl Guard {
     }
 }
 
-/// An OpenAI chunk that carries both text and its choice's finish, as
-/// the two chunks the API itself sends: the text, `finish_reason` null
+/// An OpenAI chunk of one choice that carries both text and its finish,
+/// as the two chunks the API itself sends: the text, `finish_reason` null
 /// and with no `usage`; then the finish, with no text (an empty delta),
 /// no `logprobs`, and the chunk's `usage`. Read as one, its finish would
 /// be lost: its text is re-framed as it is released, and a re-framed
