@@ -2919,6 +2919,15 @@ async fn content_sent_as_parts_is_guarded_openai() {
     proxy.stop().await;
 }
 
+/// The chunks of an OpenAI stream, but its `[DONE]`.
+fn chunks_of(body: &str) -> Vec<Value> {
+    body.split("\n\n")
+        .filter_map(|event| event.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect()
+}
+
 /// Some OpenAI-compatible servers send a message's role with its first
 /// text, and its finish (with the usage) with its last text, in one chunk.
 /// Both reach the client, in every mode, whether the text is re-framed
@@ -2974,12 +2983,7 @@ async fn a_chunk_with_text_and_the_role_or_finish_keeps_them() {
             assert_eq!(text, expected, "{mode:?}: {body}");
             assert_eq!(finishes, ["stop"], "{mode:?}: {body}");
             assert!(done, "{mode:?}: {body}");
-            let chunks: Vec<Value> = body
-                .split("\n\n")
-                .filter_map(|e| e.strip_prefix("data: "))
-                .filter(|data| *data != "[DONE]")
-                .map(|data| serde_json::from_str(data).unwrap())
-                .collect();
+            let chunks = chunks_of(&body);
             let first = &chunks[0]["choices"][0]["delta"];
             assert_eq!(first["role"], "assistant", "{mode:?}: {body}");
             assert!(first["content"].as_str().is_some_and(|t| !t.is_empty()));
@@ -3005,12 +3009,7 @@ async fn a_chunk_with_text_and_the_role_or_finish_keeps_them() {
         + "data: [DONE]\n\n";
     let question = json!({"model": "m", "prompt": "How do I save?", "stream": true});
     let body = relay_stream(&proxy, "/v1/completions", raw, &question).await;
-    let chunks: Vec<Value> = body
-        .split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: "))
-        .filter(|data| *data != "[DONE]")
-        .map(|data| serde_json::from_str(data).unwrap())
-        .collect();
+    let chunks = chunks_of(&body);
     let text: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["text"].as_str())

@@ -197,7 +197,7 @@ class Upstream(BaseHTTPRequestHandler):
                 elif responses_api:
                     frames = responses_stream(text)
                 else:
-                    frames = openai_stream(text)
+                    frames = openai_stream(text, gemini=body.get("model", "").startswith("gemini"))
                 # Asked to break off: half the events, then the connection
                 # closes without the body's end.
                 frames = list(frames)
@@ -298,15 +298,23 @@ def realtime_session(ws):
                                 "item_id": event["item_id"]}))
 
 
-def openai_stream(text):
+def openai_stream(text, gemini=False):
+    """OpenAI's chunks: the role alone, the text, the finish alone. With
+    `gemini`, as Gemini's OpenAI-compatible API sends them: the role with
+    every text, and the finish with the last."""
     def frame(delta, finish=None):
         return "data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
                                       "model": "gpt-4o-mini",
                                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
-    yield frame({"role": "assistant", "content": ""})
-    for piece in chunks(text):
-        yield frame({"content": piece})
-    yield frame({}, "stop")
+    pieces = list(chunks(text))
+    if gemini:
+        for n, piece in enumerate(pieces):
+            yield frame({"role": "assistant", "content": piece}, "stop" if n == len(pieces) - 1 else None)
+    else:
+        yield frame({"role": "assistant", "content": ""})
+        for piece in pieces:
+            yield frame({"content": piece})
+        yield frame({}, "stop")
     yield "data: [DONE]\n\n"
 
 
@@ -526,6 +534,28 @@ routes:
                 assert completion.choices[0].message.content is None, (path, completion)
                 sent = Upstream.requests[-1][0]
                 assert sent == path + "chat/completions", sent
+
+        def gemini_stream_keeps_role_and_finish():
+            # Gemini's chunks carry the role with each text and the finish
+            # with the last: the SDK's stream helper builds the whole message.
+            client = openai.OpenAI(base_url=base + "/v1beta/openai/", api_key="sk-test", max_retries=0)
+            with client.chat.completions.stream(model="gemini-2.5-flash",
+                                                messages=[{"role": "user", "content": "tips?"}]) as stream:
+                final = stream.get_final_completion()
+            choice = final.choices[0]
+            assert choice.message.content == SAFE, final
+            assert choice.message.role == "assistant", final
+            assert choice.finish_reason == "stop", final
+            # Blocked, it ends with content_filter, never stop.
+            finishes, text = [], ""
+            for chunk in client.chat.completions.create(model="gemini-2.5-flash", stream=True,
+                                                        messages=[{"role": "user", "content": "something risky"}]):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finishes.append(chunk.choices[0].finish_reason)
+            assert finishes == ["content_filter"], finishes
+            assert "savings" not in text, text
 
         def openai_prefilled_answers_refused():
             # A prefix, as OpenAI-compatible servers (Mistral, DeepSeek) take it.
@@ -944,6 +974,8 @@ routes:
         check("openai blocked stream ends with content_filter", openai_blocked_stream)
         check("openai SDK on Gemini's and DeepSeek's base URLs: blocked prompt and answer",
               other_providers_base_urls_guarded)
+        check("openai SDK stream helper on a Gemini-style stream (role and finish with the text) gets both",
+              gemini_stream_keeps_role_and_finish)
         check("openai-compatible answers that make risky advice of their prefix end with content_filter",
               openai_prefilled_answers_refused)
         check("openai stream the upstream breaks off raises APIError", openai_broken_stream)
