@@ -3036,5 +3036,30 @@ async fn a_chunk_with_text_and_the_role_or_finish_keeps_them() {
     assert!(!text.contains("crypto"), "{body}");
     assert_eq!(finishes, ["content_filter"], "{body}");
     assert!(done);
+    // Some servers mark every chunk with text as finished: a finish goes
+    // out only once the text is over, and a match across two such chunks
+    // is held back as any other (no word of it goes out).
+    let every = |texts: &[&str]| {
+        let raw: String = texts
+            .iter()
+            .map(|t| chunk(t, json!("stop"), Value::Null))
+            .collect();
+        raw + "data: [DONE]\n\n"
+    };
+    let texts = [
+        "Fine words first. Then: borrow money",
+        " to invest in crypto.",
+    ];
+    let body = relay_stream(&proxy, "/v1/chat/completions", every(&texts), &question).await;
+    let (text, finishes, done) = openai_stream_text(&body);
+    assert!(!text.contains("borrow"), "{body}");
+    assert_eq!(finishes, ["content_filter"], "{body}");
+    assert!(done);
+    let texts = ["Start with ", "a budget."];
+    let body = relay_stream(&proxy, "/v1/chat/completions", every(&texts), &question).await;
+    let (text, finishes, done) = openai_stream_text(&body);
+    assert_eq!(text, "Start with a budget.", "{body}");
+    assert_eq!(finishes, ["stop"], "{body}");
+    assert!(done);
     proxy.stop().await;
 }

@@ -25,7 +25,8 @@
 //!   upstream's first one with only its text changed, when that one is
 //!   plain (see `plain_text`); else it is rebuilt from it (with the
 //!   `role` of the chunk that began the text, when it gave one). A chunk
-//!   with both text and its finish is read as two (see `split_finish`). On a block the
+//!   with both text and its finish is read as two (see `split_finish`),
+//!   the finish held until the choice's text is over. On a block the
 //!   stream ends as the SDKs expect: OpenAI, a chunk with
 //!   `finish_reason: "content_filter"` and `data: [DONE]` (when the
 //!   client asked for usage, the upstream is read on, unsent, for up to
@@ -795,6 +796,9 @@ pub struct Guard {
     /// Whether the event being classified, an OpenAI chunk, carries both
     /// text and its choice's finish ([`split_finish`]).
     text_with_finish: bool,
+    /// The finish of a chunk read with its text, until the choice's text
+    /// is over.
+    finish_held: Option<SseEvent>,
     /// The `role` of the chunk that began the answer's text, until a
     /// re-framed chunk carries it out.
     role: Option<String>,
@@ -839,6 +843,9 @@ pub struct Guard {
     /// The shape of the last text event read in full: the next ones that
     /// differ from it only in their strings are read by those alone.
     shape: Option<Shape>,
+    /// Whether the event of `shape` carried its choice's finish with its
+    /// text ([`split_finish`]).
+    shape_finishes: bool,
     /// OpenAI: the choice this guard reads (0 but in `others`), and a guard
     /// of its own for each other choice of a stream of several (`n` > 1),
     /// whose chunks come interleaved: each choice is a text of its own.
@@ -900,6 +907,8 @@ impl Guard {
             context_redactions: Vec::new(),
             redacted_data: None,
             text_with_finish: false,
+            finish_held: None,
+            shape_finishes: false,
             role: None,
             template: None,
             template_tree: OnceCell::new(),
@@ -985,22 +994,33 @@ impl Guard {
             Some(data) => parse_event(sse_text(event.event.as_deref(), &data)).unwrap_or(event),
             None => event,
         };
+        // A finish read with its chunk's text goes on once the choice's
+        // text is over: at the next event that is not more of it (some
+        // servers mark every chunk with text as finished).
+        let mut frames = Vec::new();
+        if !matches!(kind, Kind::Text { .. }) {
+            frames = self.finish_held_text();
+            if self.finished {
+                return self.outgoing(frames);
+            }
+        }
         self.final_seen |= matches!(kind, Kind::Final);
-        let frames = match kind {
+        frames.append(&mut match kind {
             Kind::Text { text, block } if std::mem::take(&mut self.text_with_finish) => {
                 match split_finish(&event, self.setup.endpoint) {
                     Some((with_text, finish)) => {
                         // Its text, read from it before it is set apart.
                         let text = EventText::Decoded(text.of_event(&event).to_owned());
-                        let mut frames = self.by_mode(with_text, Kind::Text { text, block });
-                        self.final_seen = true;
-                        if !self.finished {
-                            frames.append(&mut self.by_mode(finish, Kind::Final));
-                        }
-                        frames
+                        self.finish_held = Some(finish);
+                        self.by_mode(with_text, Kind::Text { text, block })
                     }
                     None => self.by_mode(event, Kind::Text { text, block }),
                 }
+            }
+            Kind::Text { text, block } => {
+                // More text: the finish before it was not the end.
+                self.finish_held = None;
+                self.by_mode(event, Kind::Text { text, block })
             }
             Kind::Choice(index) => self.on_other_choice(index, event),
             Kind::Done if !self.others.is_empty() => {
@@ -1032,7 +1052,7 @@ impl Guard {
                 frames
             }
             kind => self.by_mode(event, kind),
-        };
+        });
         let mut frames = self.outgoing(frames);
         if self.malformed && self.finished {
             frames.extend(self.malformed_ending());
@@ -1070,12 +1090,27 @@ impl Guard {
         parse_event(sse(event.event.as_deref(), &json)).unwrap_or_else(|| event.clone())
     }
 
+    /// The finish held back with the text of its chunk ([`split_finish`]),
+    /// read as the choice's final event.
+    fn finish_held_text(&mut self) -> Vec<Bytes> {
+        let Some(finish) = self.finish_held.take() else {
+            return Vec::new();
+        };
+        self.final_seen = true;
+        self.by_mode(finish, Kind::Final)
+    }
+
     /// The upstream ended (or failed) without a final event.
     pub fn on_end(&mut self) -> Vec<Bytes> {
         if self.finished {
             return Vec::new();
         }
+        let held = self.finish_held_text();
+        if self.finished {
+            return self.outgoing(held);
+        }
         let (mut frames, blocked) = self.end_other_choices();
+        frames.splice(0..0, held);
         if blocked {
             frames.append(&mut self.block());
             return frames;
@@ -1326,6 +1361,8 @@ impl Guard {
         if let Some(shape) = &self.shape
             && let Some(text) = shape.text(data)
         {
+            // Its finish too, if that one's had one.
+            self.text_with_finish = self.shape_finishes;
             return Kind::Text {
                 text: EventText::of(text),
                 block: shape.block,
@@ -1385,6 +1422,7 @@ impl Guard {
         // have one shape.
         if self.setup.endpoint != Endpoint::Responses {
             self.shape = Some(Shape::of(data, text.token.clone(), &event.skipped, block));
+            self.shape_finishes = self.text_with_finish;
         }
         Kind::Text {
             text: EventText::of(text.clone()),
