@@ -2983,6 +2983,10 @@ async fn a_chunk_with_text_and_the_role_or_finish_keeps_them() {
             assert_eq!(text, expected, "{mode:?}: {body}");
             assert_eq!(finishes, ["stop"], "{mode:?}: {body}");
             assert!(done, "{mode:?}: {body}");
+            // Passed on, or replayed unredacted, the chunks are the upstream's.
+            if mode == StreamMode::Monitor || mode == StreamMode::Buffer && text == texts.concat() {
+                assert_eq!(body, stream(texts), "{mode:?}");
+            }
             let chunks = chunks_of(&body);
             let first = &chunks[0]["choices"][0]["delta"];
             assert_eq!(first["role"], "assistant", "{mode:?}: {body}");

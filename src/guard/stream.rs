@@ -1460,8 +1460,10 @@ impl Guard {
         // text, then its finish ([`split_finish`]).
         let kind = match text {
             Some(text) if !text.value.is_empty() => {
+                // In holdback only: monitor mode passes the chunk as it
+                // came, and buffer mode replays it so (see `replay_or_block`).
                 self.text_with_finish =
-                    choice.finished && choice.alone && self.setup.mode != StreamMode::Monitor;
+                    choice.finished && choice.alone && self.setup.mode == StreamMode::Holdback;
                 if let Some(role) = &choice.delta.role
                     && self.released == 0
                 {
@@ -2405,6 +2407,13 @@ impl Guard {
                         let text = self.redacted(from, to);
                         frames.push(self.text_frame_with(&text, block, logprobs));
                     }
+                    // A finish that came with text goes on after it.
+                    if self.dialect == Dialect::OpenAi
+                        && event.data.as_deref().is_some_and(finishes)
+                        && let Some((_, finish)) = split_finish(event, self.setup.endpoint)
+                    {
+                        frames.push(finish.raw);
+                    }
                 }
                 _ => frames.push(event.raw.clone()),
             }
@@ -2447,6 +2456,11 @@ fn split_finish(event: &SseEvent, endpoint: Endpoint) -> Option<(SseEvent, SseEv
         parse_event(sse(name, &text))?,
         parse_event(sse(name, &finish))?,
     ))
+}
+
+/// Whether `data`, an OpenAI chunk of one choice, has its finish.
+fn finishes(data: &str) -> bool {
+    Event::read(data).is_ok_and(|event| event.choice.finished && event.choice.alone)
 }
 
 /// Whether `data`, an OpenAI chunk whose text is at `token`, is plain: a
