@@ -2996,6 +2996,12 @@ async fn a_chunk_with_text_and_the_role_or_finish_keeps_them() {
                 last["choices"][0]["finish_reason"], "stop",
                 "{mode:?}: {body}"
             );
+            // No chunk is empty: each has text, or the finish.
+            let empty = |c: &&Value| {
+                let choice = &c["choices"][0];
+                !choice["delta"]["content"].is_string() && choice["finish_reason"].is_null()
+            };
+            assert_eq!(chunks.iter().find(empty), None, "{mode:?}: {body}");
             let usages: Vec<&Value> = chunks.iter().filter_map(|c| c.get("usage")).collect();
             assert_eq!(usages, [&usage], "{mode:?}: {body}");
         }

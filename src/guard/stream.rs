@@ -2189,10 +2189,8 @@ impl Guard {
     /// the chunk that began the text gave it and none went out yet; else as
     /// [`Guard::text_frame`].
     fn text_frame_with(&mut self, text: &str, block: u64, logprobs: Vec<Value>) -> Bytes {
-        let role = match self.dialect {
-            Dialect::OpenAi => self.role.take(),
-            Dialect::Anthropic => None,
-        };
+        // Only a chat completion's chunk gives one.
+        let role = self.role.take();
         if role.is_none() && (self.logprobs.is_empty() || self.dialect != Dialect::OpenAi) {
             return self.text_frame(text, block);
         }
@@ -2409,7 +2407,6 @@ impl Guard {
                     }
                     // A finish that came with text goes on after it.
                     if self.dialect == Dialect::OpenAi
-                        && event.data.as_deref().is_some_and(finishes)
                         && let Some((_, finish)) = split_finish(event, self.setup.endpoint)
                     {
                         frames.push(finish.raw);
@@ -2437,9 +2434,14 @@ impl Guard {
 /// and with no `usage`; then the finish, with no text (an empty delta),
 /// no `logprobs`, and the chunk's `usage`. Read as one, its finish would
 /// be lost: its text is re-framed as it is released, and a re-framed
-/// chunk carries text only.
+/// chunk carries text only. `None` for a chunk of several choices, or
+/// with no finish.
 fn split_finish(event: &SseEvent, endpoint: Endpoint) -> Option<(SseEvent, SseEvent)> {
     let mut finish: Value = serde_json::from_str(event.data.as_deref()?).ok()?;
+    let one = finish["choices"].as_array().is_some_and(|c| c.len() == 1);
+    if !one || finish["choices"][0]["finish_reason"].is_null() {
+        return None;
+    }
     let mut text = finish.clone();
     text.pointer_mut("/choices/0")?["finish_reason"] = Value::Null;
     text.as_object_mut()?.remove("usage");
@@ -2456,11 +2458,6 @@ fn split_finish(event: &SseEvent, endpoint: Endpoint) -> Option<(SseEvent, SseEv
         parse_event(sse(name, &text))?,
         parse_event(sse(name, &finish))?,
     ))
-}
-
-/// Whether `data`, an OpenAI chunk of one choice, has its finish.
-fn finishes(data: &str) -> bool {
-    Event::read(data).is_ok_and(|event| event.choice.finished && event.choice.alone)
 }
 
 /// Whether `data`, an OpenAI chunk whose text is at `token`, is plain: a
