@@ -583,7 +583,7 @@ impl Pool {
         let mut idle = self.idle.lock().ok()?;
         let now = Instant::now();
         if let Some((http2, seen)) = &mut idle.http2 {
-            if !http2.is_closed() && now.duration_since(*seen) <= self.idle_timeout {
+            if self.usable(http2.is_closed(), *seen, now) {
                 *seen = now;
                 return Some(Sender::Http2(http2.clone()));
             }
@@ -591,7 +591,7 @@ impl Pool {
         }
         for _ in 0..idle.http1.len() {
             let (sender, seen) = idle.http1.pop_front()?;
-            if sender.is_closed() || now.duration_since(seen) > self.idle_timeout {
+            if !self.usable(sender.is_closed(), seen, now) {
                 continue;
             }
             if sender.is_ready() {
@@ -619,15 +619,19 @@ impl Pool {
             return;
         };
         let now = Instant::now();
-        let open =
-            |closed: bool, seen: Instant| !closed && now.duration_since(seen) <= self.idle_timeout;
         idle.http1
-            .retain(|(sender, seen)| open(sender.is_closed(), *seen));
+            .retain(|(sender, seen)| self.usable(sender.is_closed(), *seen, now));
         if let Some((http2, seen)) = &idle.http2
-            && !open(http2.is_closed(), *seen)
+            && !self.usable(http2.is_closed(), *seen, now)
         {
             idle.http2 = None;
         }
+    }
+
+    /// Whether a pooled connection can take a request at `now`: it is open,
+    /// and was last used (`seen`) no longer than the idle timeout ago.
+    fn usable(&self, closed: bool, seen: Instant, now: Instant) -> bool {
+        !closed && now.duration_since(seen) <= self.idle_timeout
     }
 
     /// Opens a connection: HTTP/2 when the upstream chose it by ALPN (it is
