@@ -1195,6 +1195,11 @@ async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answ
         parts.push((tag.to_owned(), support::request_id(&response), 200, 1));
     };
 
+    // Expired, found so by the serving threads' sweep: first, and with
+    // seconds to spare, so that its part comes before it expires however
+    // slow the machine.
+    create_upload(&proxy, batch_upload("upload_3", now + 3)).await;
+    part("upload_3", 0, "expired").await;
     // Completed without its second part.
     create_upload(&proxy, batch_upload("upload_1", 4_000_000_000)).await;
     let named = send_part(&proxy, "upload_1", 0, part_of("named").as_bytes()).await;
@@ -1203,9 +1208,6 @@ async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answ
     // Cancelled (and a second part, below).
     create_upload(&proxy, batch_upload("upload_2", 4_000_000_000)).await;
     part("upload_2", 0, "cancelled").await;
-    // Expired, found so at the next step of an upload in parts.
-    create_upload(&proxy, batch_upload("upload_3", now + 1)).await;
-    part("upload_3", 0, "expired").await;
     // Still open when the proxy stops.
     create_upload(&proxy, batch_upload("upload_4", 4_000_000_000)).await;
     part("upload_4", 0, "open").await;
@@ -1247,7 +1249,11 @@ async fn the_lines_of_parts_no_completion_takes_are_recorded_with_the_parts_answ
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
+    // Past the expiry (a whole second after it, as times are in seconds),
+    // and a sweep after that.
+    let expired = (now + 4) * 1000 + 1100;
+    let left = expired.saturating_sub(unix_now(std::time::Duration::as_millis) as u64);
+    tokio::time::sleep(std::time::Duration::from_millis(left)).await;
     let response = client()
         .post(proxy.url("/v1/uploads/upload_9/cancel"))
         .send()
