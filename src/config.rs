@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::exchange::Dialect;
 use crate::record::TextMode;
 use crate::risk::RiskConfig;
 use crate::rules::CompileOptions;
@@ -74,18 +75,14 @@ impl Default for Config {
                 ),
             ]),
             routes: vec![
+                RouteConfig::new("/v1/messages", "anthropic"),
+                // The rest of Anthropic's API (models, files, skills), as
+                // its SDKs call it.
                 RouteConfig {
-                    path_prefix: "/v1/messages".into(),
-                    model_prefix: None,
-                    upstream: "anthropic".into(),
-                    stream_mode: None,
+                    api: Some(Dialect::Anthropic),
+                    ..RouteConfig::new("/", "anthropic")
                 },
-                RouteConfig {
-                    path_prefix: "/".into(),
-                    model_prefix: None,
-                    upstream: "openai".into(),
-                    stream_mode: None,
-                },
+                RouteConfig::new("/", "openai"),
             ],
             guard: GuardConfig::default(),
             rules: RulesConfig::default(),
@@ -182,8 +179,13 @@ pub struct UpstreamConfig {
     /// Base URL, such as `https://api.openai.com`.
     pub url: String,
     /// The environment variable holding this upstream's API key. Without one
-    /// the client's own `Authorization` / `x-api-key` is forwarded.
+    /// the client's own `Authorization` / `x-api-key` / `api-key` is
+    /// forwarded; with one, the client's are dropped and this key sent.
     pub api_key_env: Option<String>,
+    /// The header that carries the key: by default, `x-api-key` for a
+    /// request to Anthropic's API, else `authorization` (a bearer token);
+    /// `api-key` for Azure OpenAI's API keys.
+    pub api_key_header: Option<KeyHeader>,
     pub connect_timeout_ms: u64,
     /// How long a connection to it may wait unused for its next request
     /// before it is closed (within a second after); 0: none is reused.
@@ -209,11 +211,24 @@ impl Default for UpstreamConfig {
         UpstreamConfig {
             url: String::new(),
             api_key_env: None,
+            api_key_header: None,
             connect_timeout_ms: 5_000,
             idle_timeout_ms: 90_000,
             timeout_ms: 600_000,
         }
     }
+}
+
+/// The header an upstream's own key goes in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KeyHeader {
+    /// `Authorization: Bearer <key>`.
+    Authorization,
+    /// `x-api-key: <key>`, as Anthropic's API takes it.
+    XApiKey,
+    /// `api-key: <key>`, as Azure OpenAI's API takes it.
+    ApiKey,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -223,10 +238,29 @@ pub struct RouteConfig {
     /// Only requests whose `model` starts with this.
     #[serde(default)]
     pub model_prefix: Option<String>,
+    /// Only requests to this API: `anthropic`, those that carry the
+    /// `anthropic-version` header (Anthropic's API requires it of every
+    /// request, and its SDKs send it) or go to the Messages API's path;
+    /// `openai`, the others.
+    #[serde(default)]
+    pub api: Option<Dialect>,
     pub upstream: String,
     /// Overrides `guard.stream_mode` for this route.
     #[serde(default)]
     pub stream_mode: Option<StreamMode>,
+}
+
+impl RouteConfig {
+    /// Every request whose path starts with `path_prefix` to `upstream`.
+    pub fn new(path_prefix: &str, upstream: &str) -> Self {
+        RouteConfig {
+            path_prefix: path_prefix.to_owned(),
+            model_prefix: None,
+            api: None,
+            upstream: upstream.to_owned(),
+            stream_mode: None,
+        }
+    }
 }
 
 /// How a streamed response is guarded (see `guard::stream`).
@@ -708,10 +742,11 @@ impl Config {
         millis(self.client_send_timeout_ms)
     }
 
-    /// The route for a request path and model.
-    pub fn route(&self, path: &str, model: Option<&str>) -> Option<&RouteConfig> {
+    /// The route for a request to `api`, by its path and model.
+    pub fn route(&self, api: Dialect, path: &str, model: Option<&str>) -> Option<&RouteConfig> {
         self.routes.iter().find(|r| {
             path.starts_with(&r.path_prefix)
+                && r.api.is_none_or(|only| only == api)
                 && r.model_prefix
                     .as_deref()
                     .is_none_or(|prefix| model.is_some_and(|m| m.starts_with(prefix)))
@@ -749,6 +784,47 @@ mod tests {
         assert!(
             text.contains("risk.block_threshold") && text.contains("risk.weights.prompt"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn a_route_may_take_only_the_requests_of_one_api() {
+        let text = "routes:\n  - {path_prefix: /, api: anthropic, upstream: anthropic}\n  - {path_prefix: /v1/, api: openai, upstream: openai}\n";
+        let parsed = Config::parse(Path::new("f.yaml"), text).unwrap();
+        let upstream = |api, path| parsed.route(api, path, None).map(|r| r.upstream.as_str());
+        assert_eq!(
+            upstream(Dialect::Anthropic, "/v1/models"),
+            Some("anthropic")
+        );
+        assert_eq!(upstream(Dialect::OpenAi, "/v1/models"), Some("openai"));
+        assert_eq!(upstream(Dialect::OpenAi, "/models"), None);
+        // The defaults: Anthropic's API to its upstream, the rest to OpenAI's.
+        let defaults = Config::default();
+        let upstream = |api, path| defaults.route(api, path, None).map(|r| r.upstream.as_str());
+        assert_eq!(upstream(Dialect::Anthropic, "/v1/files"), Some("anthropic"));
+        assert_eq!(upstream(Dialect::OpenAi, "/v1/files"), Some("openai"));
+        assert_eq!(upstream(Dialect::OpenAi, "/v1/messages"), Some("anthropic"));
+        let e = Config::parse(
+            Path::new("f.yaml"),
+            "routes:\n  - {path_prefix: /, api: gemini, upstream: openai}\n",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("unknown variant `gemini`"), "{e}");
+    }
+
+    #[test]
+    fn an_upstream_key_header_is_one_the_apis_take() {
+        let text = "upstreams:\n  openai:\n    url: \"https://x.openai.azure.com\"\n    api_key_header: api-key\n  anthropic:\n    url: \"https://api.anthropic.com\"\n";
+        let parsed = Config::parse(Path::new("f.yaml"), text).unwrap();
+        assert_eq!(
+            parsed.upstreams["openai"].api_key_header,
+            Some(KeyHeader::ApiKey)
+        );
+        let e = Config::parse(Path::new("f.yaml"), &text.replace("api-key", "bearer")).unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("upstreams.openai.api_key_header: unknown variant `bearer`"),
+            "{e}"
         );
     }
 

@@ -23,7 +23,8 @@ use crate::json::{ReadError, Reader};
 use crate::rules::Scope;
 
 /// The API an endpoint speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Dialect {
     OpenAi,
     Anthropic,

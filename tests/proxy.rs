@@ -703,6 +703,104 @@ async fn routes_pick_the_upstream_by_model_prefix() {
     proxy.stop().await;
 }
 
+/// On the default routes, a request to Anthropic's API (it carries the
+/// `anthropic-version` header that API requires of every request) goes to
+/// the anthropic upstream whatever its path, as its SDK's `models.list()`
+/// and Files API do, with the upstream's key in `x-api-key` and its
+/// failures in Anthropic's shape; the same path without the header goes
+/// to the openai upstream, its failures in OpenAI's shape.
+#[tokio::test]
+async fn a_request_to_anthropics_api_goes_to_its_upstream_whatever_its_path() {
+    let openai = support::start_mock().await;
+    let anthropic = support::start_mock().await;
+    let mut config = support::config(&openai.url(), std::path::Path::new("rules"));
+    let mut upstream = fairgate::config::UpstreamConfig::new(&anthropic.url());
+    // PATH is set in every environment: its value stands in for a key.
+    upstream.api_key_env = Some("PATH".into());
+    config.upstreams.insert("anthropic".into(), upstream);
+    let proxy = support::start_proxy(config).await;
+    for path in ["/v1/models", "/v1/files/file_011C/content"] {
+        client()
+            .get(proxy.url(path))
+            .header("anthropic-version", "2023-06-01")
+            .header("x-api-key", "sk-ant-client")
+            .header("authorization", "Bearer sk-ant-oauth")
+            .header("api-key", "a-third-key")
+            .send()
+            .await
+            .unwrap();
+    }
+    client()
+        .get(proxy.url("/v1/models"))
+        .header("authorization", "Bearer sk-client")
+        .send()
+        .await
+        .unwrap();
+    let seen = anthropic.requests();
+    let paths: Vec<&str> = seen.iter().map(|r| r.path.as_str()).collect();
+    assert_eq!(paths, ["/v1/models", "/v1/files/file_011C/content"]);
+    let key = std::env::var("PATH").unwrap();
+    for request in &seen {
+        assert_eq!(request.header("x-api-key"), Some(key.as_str()));
+        assert_eq!(request.header("authorization"), None);
+        assert_eq!(request.header("api-key"), None);
+        assert_eq!(request.header("anthropic-version"), Some("2023-06-01"));
+    }
+    let seen = openai.requests();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].header("authorization"), Some("Bearer sk-client"));
+    proxy.stop().await;
+
+    // Neither upstream up: each failure in the shape of the API asked.
+    let down = support::config("http://127.0.0.1:9", std::path::Path::new("rules"));
+    let proxy = support::start_proxy(down).await;
+    let response = client()
+        .get(proxy.url("/v1/models"))
+        .header("anthropic-version", "2023-06-01")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 502);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["type"], "error", "{body}");
+    assert_eq!(body["error"]["type"], "api_error", "{body}");
+    let response = client().get(proxy.url("/v1/models")).send().await.unwrap();
+    assert_eq!(response.status(), 502);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "upstream_unreachable", "{body}");
+    assert_eq!(body.get("type"), None, "{body}");
+    proxy.stop().await;
+}
+
+/// An upstream's key goes in the header its `api_key_header` names, as
+/// Azure OpenAI takes an API key (`api-key`), and whichever key header the
+/// client sent is dropped.
+#[tokio::test]
+async fn a_configured_key_goes_in_the_header_its_upstream_takes() {
+    let (mock, proxy) = start_with(|c| {
+        let upstream = c.upstreams.get_mut("openai").unwrap();
+        upstream.api_key_env = Some("PATH".into());
+        upstream.api_key_header = Some(fairgate::config::KeyHeader::ApiKey);
+    })
+    .await;
+    let path = "/openai/deployments/gpt-4o/chat/completions?api-version=2024-10-21";
+    let response = client()
+        .post(proxy.url(path))
+        .header("api-key", "azure-client-key")
+        .header("authorization", "Bearer sk-client")
+        .json(&chat("hello", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let seen = mock.requests();
+    let key = std::env::var("PATH").unwrap();
+    assert_eq!(seen[0].header("api-key"), Some(key.as_str()));
+    assert_eq!(seen[0].header("authorization"), None);
+    assert_eq!(seen[0].header("x-api-key"), None);
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn configured_tags_mark_retrieved_context_inside_a_prompt() {
     let (mock, proxy) = start_with(|c| c.guard.context_tags = vec!["documents".into()]).await;

@@ -458,10 +458,8 @@ async fn a_request_to_count_tokens_is_read_as_the_request_it_counts() {
 async fn a_token_count_is_routed_as_its_request_is() {
     let (mock, proxy) = support::start_with(|c| {
         c.routes = vec![fairgate::config::RouteConfig {
-            path_prefix: "/v1/".into(),
             model_prefix: Some("claude-".into()),
-            upstream: "anthropic".into(),
-            stream_mode: None,
+            ..fairgate::config::RouteConfig::new("/v1/", "anthropic")
         }];
     })
     .await;

@@ -204,7 +204,8 @@ impl HeldForm {
             }
         };
         let start = start.freeze();
-        let Some(route) = state.config.route(parts.uri.path(), None) else {
+        let (headers, path) = (&parts.headers, parts.uri.path());
+        let Some(route) = super::route(state, headers, Dialect::OpenAi, path, None) else {
             return Err(fail(Failure::NoRoute));
         };
         let upstream = route.upstream.clone();

@@ -40,7 +40,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
-use crate::config::{Config, OnBlock, StreamMode};
+use crate::config::{Config, KeyHeader, OnBlock, RouteConfig, StreamMode};
 use crate::exchange::{self, Batch, Dialect, Endpoint, RequestBody, ResponseBody, Stored};
 use crate::guard::stream::{StreamOutcome, StreamSetup, guard_body};
 use crate::guard::{self, block_message, rule_ids};
@@ -741,7 +741,7 @@ async fn answer(
 ) -> Result<Response<ProxyBody>, Infallible> {
     let started = Instant::now();
     let request_id = state.request_id();
-    let dialect = dialect_of_path(req.uri().path());
+    let dialect = dialect_of(req.headers(), req.uri().path());
     let handled = handle(&state, req, &request_id, started);
     let answer = caught(handled, &state.metrics, dialect, &request_id).await;
     if let Some(respond::ErrorAnswer(code)) = answer.extensions().get() {
@@ -786,7 +786,11 @@ async fn handle(
     if let Some(plain) = plain_path(req.uri().path())
         && Reading::of(req.method(), &plain) != reading
     {
-        return respond::failure(dialect_of_path(&plain), Failure::AmbiguousPath, request_id);
+        return respond::failure(
+            dialect_of(req.headers(), &plain),
+            Failure::AmbiguousPath,
+            request_id,
+        );
     }
     if tunnel::is_websocket(req.headers()) {
         return Box::pin(tunnel::relay(state, req, request_id)).await;
@@ -950,9 +954,15 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, ours: bool) {
     }
 }
 
+const X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
+/// Azure OpenAI's key header.
+const AZURE_API_KEY: HeaderName = HeaderName::from_static("api-key");
+const ANTHROPIC_VERSION: HeaderName = HeaderName::from_static("anthropic-version");
+
 /// The headers to send upstream: the client's, less hop-by-hop headers and
 /// fairgate's own, with the upstream's key in place of the client's when one
-/// is configured (as `x-api-key` for Anthropic, a bearer token for OpenAI).
+/// is configured: in its `api_key_header`, by default `x-api-key` for a
+/// request to Anthropic's API ([`api_of`]), else a bearer token.
 fn upstream_headers(
     state: &State,
     upstream: &str,
@@ -961,13 +971,25 @@ fn upstream_headers(
 ) -> HeaderMap {
     strip_hop_by_hop(&mut headers, true);
     if let Some(key) = state.keys.get(upstream) {
+        let configured = state.config.upstreams.get(upstream);
+        let in_header = configured
+            .and_then(|u| u.api_key_header)
+            .unwrap_or_else(|| match api_of(&headers, dialect) {
+                Dialect::Anthropic => KeyHeader::XApiKey,
+                Dialect::OpenAi => KeyHeader::Authorization,
+            });
+        // Whichever the client sent: only the proxy's key goes up.
         headers.remove(header::AUTHORIZATION);
-        headers.remove("x-api-key");
-        match dialect {
-            Dialect::Anthropic => {
-                headers.insert("x-api-key", key.clone());
+        headers.remove(X_API_KEY);
+        headers.remove(AZURE_API_KEY);
+        match in_header {
+            KeyHeader::XApiKey => {
+                headers.insert(X_API_KEY, key.clone());
             }
-            Dialect::OpenAi => {
+            KeyHeader::ApiKey => {
+                headers.insert(AZURE_API_KEY, key.clone());
+            }
+            KeyHeader::Authorization => {
                 let bearer = format!("Bearer {}", key.to_str().unwrap_or_default());
                 if let Ok(bearer) = HeaderValue::from_str(&bearer) {
                     headers.insert(header::AUTHORIZATION, bearer);
@@ -976,6 +998,29 @@ fn upstream_headers(
         }
     }
     headers
+}
+
+/// The API a request is for: Anthropic's when it carries the
+/// `anthropic-version` header, which Anthropic's API requires of every
+/// request (its SDKs send it with each, to `/v1/models` and the Files API
+/// too), else `dialect`, its path's or its endpoint's.
+fn api_of(headers: &HeaderMap, dialect: Dialect) -> Dialect {
+    match headers.contains_key(ANTHROPIC_VERSION) {
+        true => Dialect::Anthropic,
+        false => dialect,
+    }
+}
+
+/// The route of a request in `dialect`, by the API it is for
+/// ([`api_of`]), its path and the model it names.
+fn route<'a>(
+    state: &'a State,
+    headers: &HeaderMap,
+    dialect: Dialect,
+    path: &str,
+    model: Option<&str>,
+) -> Option<&'a RouteConfig> {
+    state.config.route(api_of(headers, dialect), path, model)
 }
 
 /// Sends a request to `upstream` for the client's method and path, with
@@ -1045,11 +1090,13 @@ fn push_hex(out: &mut String, value: u64) {
     }
 }
 
-fn dialect_of_path(path: &str) -> Dialect {
-    if path.starts_with("/v1/messages") {
-        Dialect::Anthropic
-    } else {
-        Dialect::OpenAi
+/// The dialect of a request, by its path and headers: Anthropic's for the
+/// Messages API's paths and any request to Anthropic's API ([`api_of`]),
+/// else OpenAI's.
+fn dialect_of(headers: &HeaderMap, path: &str) -> Dialect {
+    match path.starts_with("/v1/messages") {
+        true => Dialect::Anthropic,
+        false => api_of(headers, Dialect::OpenAi),
     }
 }
 
@@ -1325,7 +1372,7 @@ async fn passthrough(
     req: Request<Incoming>,
     request_id: &str,
 ) -> Response<ProxyBody> {
-    let dialect = dialect_of_path(req.uri().path());
+    let dialect = dialect_of(req.headers(), req.uri().path());
     match relay(state, req, dialect, request_id, false).await {
         Ok(relayed) => stream_back(relayed.response, relayed.timeout, request_id, None),
         Err(out) => out,
@@ -1363,7 +1410,7 @@ async fn relay(
     request_id: &str,
     uncompressed: bool,
 ) -> Result<Relayed, Response<ProxyBody>> {
-    let Some(route) = state.config.route(req.uri().path(), None) else {
+    let Some(route) = route(state, req.headers(), dialect, req.uri().path(), None) else {
         return Err(respond::failure(dialect, Failure::NoRoute, request_id));
     };
     let (upstream, stream_mode) = (route.upstream.clone(), route.stream_mode);
@@ -1492,7 +1539,8 @@ async fn guarded(
     let model = read.model.as_deref().map(str::to_owned);
     let model_label = state.config.metrics.model_label(model.as_deref());
     let (streaming, include_usage) = (read.stream, read.include_usage);
-    let Some(route) = state.config.route(parts.uri.path(), model.as_deref()) else {
+    let path = parts.uri.path();
+    let Some(route) = route(state, &parts.headers, dialect, path, model.as_deref()) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
     let upstream = route.upstream.clone();
@@ -1822,7 +1870,8 @@ impl ReadRequest {
         model: Option<&str>,
         request_id: &str,
     ) -> Result<String, Box<Response<ProxyBody>>> {
-        match state.config.route(self.parts.uri.path(), model) {
+        let (headers, path) = (&self.parts.headers, self.parts.uri.path());
+        match route(state, headers, self.dialect, path, model) {
             Some(route) => Ok(route.upstream.clone()),
             None => Err(Box::new(respond::failure(
                 self.dialect,
@@ -2101,7 +2150,7 @@ mod tests {
                 let service = service_fn(move |req: Request<Incoming>| {
                     let metrics = metrics.clone();
                     async move {
-                        let dialect = dialect_of_path(req.uri().path());
+                        let dialect = dialect_of(req.headers(), req.uri().path());
                         let fails = req.uri().query() == Some("fail");
                         let handled = async move {
                             assert!(!fails, "a fault in the handler");

@@ -373,7 +373,7 @@ async fn part(
         // Unreadable here: the part is not recorded, so completing fails.
         return super::passthrough(state, req, request_id).await;
     };
-    let Some(route) = state.config.route(req.uri().path(), None) else {
+    let Some(route) = super::route(state, req.headers(), dialect, req.uri().path(), None) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
     let upstream = route.upstream.clone();
@@ -491,7 +491,7 @@ async fn complete(
             Err(failure) => return respond::failure(dialect, failure, request_id),
         };
     }
-    let Some(route) = state.config.route(parts.uri.path(), None) else {
+    let Some(route) = super::route(state, &parts.headers, dialect, parts.uri.path(), None) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
     let upstream = route.upstream.clone();

@@ -30,7 +30,7 @@ use hyper_util::rt::TokioIo;
 
 use super::respond::{self, Failure};
 use super::{
-    ProxyBody, State, dialect_of_path, forward_on, plain_path, realtime, response_headers,
+    ProxyBody, State, dialect_of, forward_on, plain_path, realtime, response_headers, route,
     stream_back, upstream_headers,
 };
 use crate::config::{StreamMode, Upgrades};
@@ -68,7 +68,7 @@ pub async fn relay(
     request_id: &str,
 ) -> Response<ProxyBody> {
     let path = req.uri().path();
-    let dialect = dialect_of_path(path);
+    let dialect = dialect_of(req.headers(), path);
     if state.config.guard.upgrades == Upgrades::Refuse || is_guarded(req.method(), path) {
         return respond::failure(dialect, Failure::UpgradeRefused, request_id);
     }
@@ -79,7 +79,7 @@ pub async fn relay(
     if state.config.guard.upgrades == Upgrades::Guarded && !realtime {
         return respond::failure(dialect, Failure::UpgradeRefused, request_id);
     }
-    let Some(route) = state.config.route(path, None) else {
+    let Some(route) = route(state, req.headers(), dialect, path, None) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
     let mut headers = upstream_headers(state, &route.upstream, dialect, req.headers().clone());

@@ -243,6 +243,70 @@ REALTIME_HANDSHAKES = []
 REALTIME_EVENTS = []
 
 
+class ModelsUpstream(BaseHTTPRequestHandler):
+    """An upstream that lists its models in its own API's shape
+    (`server.api`) and notes each request: its path and key headers."""
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.server.seen.append((self.path, self.headers.get("x-api-key"), self.headers.get("authorization")))
+        if self.server.api == "anthropic":
+            body = {"data": [{"type": "model", "id": "claude-x", "display_name": "Claude X",
+                              "created_at": "2025-01-01T00:00:00Z"}],
+                    "has_more": False, "first_id": "claude-x", "last_id": "claude-x"}
+        else:
+            body = {"object": "list", "data": [{"id": "gpt-x", "object": "model", "created": 1, "owned_by": "x"}]}
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def default_routes_send_each_sdk_to_its_api(binary):
+    """fairgate on its embedded defaults (no configuration file, the two
+    upstreams given by flags): the Anthropic SDK lists models at
+    /v1/models as the OpenAI SDK does, and each reaches its own API."""
+    servers = {}
+    for api in ["openai", "anthropic"]:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), ModelsUpstream)
+        server.api, server.seen = api, []
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers[api] = server
+    url = {api: f"http://127.0.0.1:{server.server_address[1]}" for api, server in servers.items()}
+    port, admin_port = free_port(), free_port()
+    scratch = tempfile.mkdtemp()
+    proxy = subprocess.Popen([os.path.abspath(binary), "serve", "--listen", f"127.0.0.1:{port}",
+                              "--admin-listen", f"127.0.0.1:{admin_port}", "--rules", os.path.abspath("rules"),
+                              "--upstream-openai", url["openai"], "--upstream-anthropic", url["anthropic"]],
+                             cwd=scratch, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(f"http://127.0.0.1:{admin_port}/healthz")
+        base = f"http://127.0.0.1:{port}"
+        models = anthropic.Anthropic(base_url=base, api_key="sk-ant-test", max_retries=0).models.list()
+        assert [m.id for m in models.data] == ["claude-x"], models
+        models = openai.OpenAI(base_url=base + "/v1", api_key="sk-test", max_retries=0).models.list()
+        assert [m.id for m in models.data] == ["gpt-x"], models
+        # The client's key, in the header its SDK puts it in (x-api-key,
+        # or a bearer token in newer ones).
+        assert [(p.split("?")[0], "sk-ant-test" in f"{key} {auth}") for p, key, auth in servers["anthropic"].seen] \
+            == [("/v1/models", True)], servers["anthropic"].seen
+        assert [(p, auth) for p, _, auth in servers["openai"].seen] == [("/v1/models", "Bearer sk-test")], \
+            servers["openai"].seen
+    finally:
+        proxy.terminate()
+        try:
+            proxy.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proxy.kill()
+        for server in servers.values():
+            server.shutdown()
+
+
 def realtime_response(n, text):
     """The events of a response of the GA Realtime API that says `text`
     in a text part, in deltas of a few characters."""
@@ -1031,6 +1095,8 @@ routes:
 
         check("openai realtime session: an answer passes, a blocked prompt is an error event, "
               "a blocked answer ends incomplete for content_filter", within(30, openai_realtime_session))
+        check("on the embedded defaults, anthropic and openai models.list reach each its own API",
+              lambda: default_routes_send_each_sdk_to_its_api(binary))
     finally:
         proxy.terminate()
         try:

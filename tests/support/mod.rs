@@ -832,10 +832,8 @@ pub async fn start_with_model_route(path_prefix: &str, model_prefix: &str) -> (M
         c.upstreams
             .insert("local".into(), UpstreamConfig::new(&other_url));
         let route = fairgate::config::RouteConfig {
-            path_prefix: path_prefix.into(),
             model_prefix: Some(model_prefix.into()),
-            upstream: "local".into(),
-            stream_mode: None,
+            ..fairgate::config::RouteConfig::new(path_prefix, "local")
         };
         c.routes.insert(0, route);
     })
