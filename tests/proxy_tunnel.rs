@@ -242,7 +242,6 @@ async fn no_websocket_goes_around_a_guarded_path() {
     let (upstream, handshakes) = start_ws_upstream().await;
     let proxy = start_proxy(config(&format!("http://{upstream}"), Path::new("rules"))).await;
     for path in [
-        "/v1/responses",
         "/v1/chat/completions",
         "/v1/messages",
         "/v1/responses/resp_1",

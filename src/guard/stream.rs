@@ -383,6 +383,72 @@ impl<S, F: FnOnce(StreamOutcome)> Drop for Run<S, F> {
     }
 }
 
+/// The guard of a stream whose events come one by one, each its JSON, not
+/// in an SSE body: a response of the Responses API's WebSocket mode. The
+/// same guard as [`guard_body`]'s, event by event; what it gives out is
+/// the JSON of each event to send.
+pub struct EventGuard {
+    guard: Guard,
+    first_byte: Option<Duration>,
+    guard_time: Duration,
+}
+
+impl EventGuard {
+    pub fn new(setup: StreamSetup) -> EventGuard {
+        EventGuard {
+            guard: Guard::new(setup),
+            first_byte: None,
+            guard_time: Duration::ZERO,
+        }
+    }
+
+    /// Takes one event (its JSON); returns the events to send.
+    pub fn on_event(&mut self, data: &str) -> Vec<ByteString> {
+        let began = Instant::now();
+        let frames = match parse_event(sse_text(None, data)) {
+            Some(event) if !self.guard.finished => self.guard.on_event(event),
+            _ => Vec::new(),
+        };
+        self.sent(frames, began)
+    }
+
+    /// The upstream's response is over (its last event taken, or the
+    /// connection gone): the events still to send.
+    pub fn on_end(&mut self) -> Vec<ByteString> {
+        let began = Instant::now();
+        let frames = self.guard.on_end();
+        self.sent(frames, began)
+    }
+
+    /// The guard has ended the response: blocked, or at its end.
+    pub fn finished(&self) -> bool {
+        self.guard.finished
+    }
+
+    pub fn outcome(&self) -> StreamOutcome {
+        self.guard.outcome(self.first_byte, self.guard_time)
+    }
+
+    /// The data of `frames`, each an event.
+    fn sent(&mut self, frames: Vec<Bytes>, began: Instant) -> Vec<ByteString> {
+        let mut parser = SseParser::default();
+        let events: Vec<ByteString> = frames
+            .into_iter()
+            .flat_map(|frame| {
+                parser
+                    .push(frame)
+                    .filter_map(|e| e.data)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        if self.first_byte.is_none() && !events.is_empty() {
+            self.first_byte = Some(self.guard.setup.started.elapsed());
+        }
+        self.guard_time += began.elapsed();
+        events
+    }
+}
+
 /// One server-sent event. Its name and data are, in the forms the APIs
 /// send, slices of `raw` (not copies).
 #[derive(Debug, Clone)]

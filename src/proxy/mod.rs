@@ -15,6 +15,7 @@ mod media;
 mod parts;
 mod realtime;
 pub mod respond;
+mod responses_socket;
 mod stall;
 mod stored;
 mod tunnel;
@@ -2003,7 +2004,6 @@ fn guarded_stream(
     };
     let started = draft.started;
     let request_id = draft.request_id.clone();
-    let upstream = draft.upstream.clone();
     let setup = StreamSetup {
         endpoint,
         mode,
@@ -2015,14 +2015,30 @@ fn guarded_stream(
         include_usage,
         prefill: scan.prefill.clone().unwrap_or_default(),
     };
-    let metrics_state = state.clone();
-    let route = endpoint.route();
-    let upstream_name = upstream.clone();
-    let id = request_id.clone();
     // From here the guard's outcome records the exchange, however the
     // stream ends (its body dropped included).
-    let draft = pending.take();
-    let done = move |outcome: StreamOutcome| {
+    let (route, status_code) = (endpoint.route(), status.as_u16());
+    let done = stream_recorder(state, route, status_code, before_upstream, pending.take());
+    let body = guard_body(setup, upstream::body_stream(body, timeout), done);
+    let verdict = Some(scan.verdict.decision.as_str());
+    guarded_response(status, headers, body, &request_id, verdict)
+}
+
+/// What records a guarded stream's exchange once its guard reports how it
+/// ended (see [`guard_body`]): the metrics of its verdict and its end, and
+/// the record, of `status`. `before_upstream`: fairgate's time before the
+/// upstream was called.
+fn stream_recorder(
+    state: &Arc<State>,
+    route: &'static str,
+    status: u16,
+    before_upstream: Duration,
+    draft: RecordDraft,
+) -> impl FnOnce(StreamOutcome) + Send + 'static {
+    let metrics_state = state.clone();
+    let upstream_name = draft.upstream.clone();
+    let id = draft.request_id.clone();
+    move |outcome: StreamOutcome| {
         let metrics = &metrics_state.metrics;
         // fairgate's share: before the upstream call, and the guard's own
         // work on the events; the rest is the upstream's.
@@ -2087,17 +2103,14 @@ fn guarded_stream(
                 verdict: &outcome.verdict,
                 response: vec![outcome.text],
                 context: outcome.context,
-                status: status.as_u16(),
+                status,
                 upstream: Some(total.saturating_sub(proxy)),
                 proxy,
                 usage: outcome.usage,
                 stream_end: Some(outcome.end),
             },
         );
-    };
-    let body = guard_body(setup, upstream::body_stream(body, timeout), done);
-    let verdict = Some(scan.verdict.decision.as_str());
-    guarded_response(status, headers, body, &request_id, verdict)
+    }
 }
 
 #[cfg(test)]

@@ -250,6 +250,25 @@ type Socket = WebSocketStream<TokioIo<Upgraded>>;
 /// Guards a session whose handshake both sides completed, until either
 /// side closes.
 pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upstream: Upgraded) {
+    relay(Session::new(state, handshake), client, upstream).await;
+}
+
+/// What a guarded WebSocket session does with each side's events (its
+/// text messages). Binary messages and closes pass as they come; pings
+/// are answered by the sockets themselves.
+pub(super) trait Relay {
+    /// The messages to send for an event from the client.
+    fn client_event(&mut self, text: Utf8Bytes) -> Vec<Send>;
+    /// The messages to send for an event from the upstream.
+    fn upstream_event(&mut self, text: Utf8Bytes) -> Vec<Send>;
+    /// How the session ends, as the first side to close or fail tells.
+    fn ending(&mut self, end: StreamEnd);
+}
+
+/// Relays a WebSocket session between `client` and `upstream`, each
+/// message through `session`, until either side closes (the other has a
+/// while to answer the close) or fails.
+pub(super) async fn relay(mut session: impl Relay, client: Upgraded, upstream: Upgraded) {
     // No extension was let through the handshake (see `tunnel`), so
     // frames come uncompressed; messages as large as the API takes.
     let config = WebSocketConfig::default()
@@ -260,7 +279,6 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
         Socket::from_raw_socket(TokioIo::new(upstream), Role::Client, Some(config)).await;
     let (mut to_client, mut from_client) = client.split();
     let (mut to_upstream, mut from_upstream) = upstream.split();
-    let mut session = Session::new(state, handshake);
     let mut closing: Option<tokio::time::Instant> = None;
     loop {
         // After a close, the other side has a while to answer it.
@@ -275,9 +293,13 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
                 Some(Ok(message)) => {
                     if matches!(message, Message::Close(_)) {
                         closing.get_or_insert_with(close_deadline);
-                        session.ended.get_or_insert(StreamEnd::ClientClosed);
+                        session.ending(StreamEnd::ClientClosed);
                     }
-                    session.client_message(message)
+                    match message {
+                        Message::Text(text) => session.client_event(text),
+                        Message::Binary(_) | Message::Close(_) => vec![Send::Upstream(message)],
+                        Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Vec::new(),
+                    }
                 }
                 _ => break,
             },
@@ -285,12 +307,16 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
                 Some(Ok(message)) => {
                     if matches!(message, Message::Close(_)) {
                         closing.get_or_insert_with(close_deadline);
-                        session.ended.get_or_insert(StreamEnd::UpstreamFailed);
+                        session.ending(StreamEnd::UpstreamFailed);
                     }
-                    session.upstream_message(message)
+                    match message {
+                        Message::Text(text) => session.upstream_event(text),
+                        Message::Binary(_) | Message::Close(_) => vec![Send::Client(message)],
+                        Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Vec::new(),
+                    }
                 }
                 _ => {
-                    session.ended.get_or_insert(StreamEnd::UpstreamFailed);
+                    session.ending(StreamEnd::UpstreamFailed);
                     break;
                 }
             },
@@ -312,7 +338,7 @@ fn close_deadline() -> tokio::time::Instant {
 }
 
 /// A message for one side.
-enum Send {
+pub(super) enum Send {
     Client(Message),
     Upstream(Message),
 }
@@ -320,15 +346,15 @@ enum Send {
 /// The prompt a response answers: what the client's events said since
 /// the response before it.
 #[derive(Default)]
-struct Turn {
-    prompt: Vec<String>,
-    context: Vec<String>,
-    hits: Vec<Hit>,
-    relevance: Vec<f64>,
+pub(super) struct Turn {
+    pub(super) prompt: Vec<String>,
+    pub(super) context: Vec<String>,
+    pub(super) hits: Vec<Hit>,
+    pub(super) relevance: Vec<f64>,
 }
 
 impl Turn {
-    fn add(&mut self, scan: guard::RequestScan) {
+    pub(super) fn add(&mut self, scan: guard::RequestScan) {
         self.prompt.extend(scan.texts.prompt);
         self.context.extend(scan.texts.context);
         self.hits.extend(scan.verdict.hits);
@@ -560,16 +586,7 @@ impl Session {
         }
     }
 
-    fn client_message(&mut self, message: Message) -> Vec<Send> {
-        match message {
-            Message::Text(text) => self.client_event(text),
-            Message::Binary(_) | Message::Close(_) => vec![Send::Upstream(message)],
-            // Answered by the socket itself.
-            Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Vec::new(),
-        }
-    }
-
-    fn client_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
+    fn client_text(&mut self, text: Utf8Bytes) -> Vec<Send> {
         let started = Instant::now();
         let event = match exchange::read_realtime_event(text.as_bytes()) {
             Ok(event) => event,
@@ -654,15 +671,7 @@ impl Session {
         Send::Client(Message::text(event.to_string()))
     }
 
-    fn upstream_message(&mut self, message: Message) -> Vec<Send> {
-        match message {
-            Message::Text(text) => self.upstream_event(text),
-            Message::Binary(_) | Message::Close(_) => vec![Send::Client(message)],
-            Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Vec::new(),
-        }
-    }
-
-    fn upstream_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
+    fn upstream_text(&mut self, text: Utf8Bytes) -> Vec<Send> {
         let started = Instant::now();
         let Ok(head) = serde_json::from_str::<Head>(text.as_str()) else {
             tracing::warn!(
@@ -1069,6 +1078,20 @@ impl Session {
             "{OWN_EVENT}{}_{}",
             self.handshake.request_id, self.own_events
         )
+    }
+}
+
+impl Relay for Session {
+    fn client_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
+        self.client_text(text)
+    }
+
+    fn upstream_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
+        self.upstream_text(text)
+    }
+
+    fn ending(&mut self, end: StreamEnd) {
+        self.ended.get_or_insert(end);
     }
 }
 

@@ -14,12 +14,14 @@
 //! connection's slot of `max_connections` until it closes.
 //!
 //! A Realtime API session (a path whose last segment is `realtime`) is
-//! read event by event by [`realtime`]; what goes through any other
-//! tunnel is not scanned. So a WebSocket on a path the guard reads as
-//! HTTP (a Responses API session at `/v1/responses`, say) is refused with
-//! 403 `upgrade_refused`; `guard.upgrades: guarded` refuses every one but
-//! a Realtime API session's, for deployments where no session may go
-//! around the rules, and `refuse` every one.
+//! read event by event by [`realtime`], a Responses API socket (a path
+//! the guard reads as the Responses API's, `/v1/responses`) by
+//! [`responses_socket`]; what goes through any other tunnel is not
+//! scanned. So a WebSocket on any other path the guard reads as HTTP (a
+//! chat completion's, say) is refused with 403 `upgrade_refused`;
+//! `guard.upgrades: guarded` refuses every one but those the guard reads,
+//! for deployments where no session may go around the rules, and
+//! `refuse` every one.
 
 use std::sync::Arc;
 
@@ -30,8 +32,8 @@ use hyper_util::rt::TokioIo;
 
 use super::respond::{self, Failure};
 use super::{
-    ProxyBody, State, dialect_of, forward_on, plain_path, realtime, response_headers, route,
-    stream_back, upstream_headers,
+    ProxyBody, State, dialect_of, forward_on, plain_path, realtime, response_headers,
+    responses_socket, route, stream_back, upstream_headers,
 };
 use crate::config::{StreamMode, Upgrades};
 use crate::exchange::{Batch, Endpoint, Stored};
@@ -69,14 +71,18 @@ pub async fn relay(
 ) -> Response<ProxyBody> {
     let path = req.uri().path();
     let dialect = dialect_of(req.headers(), path);
-    if state.config.guard.upgrades == Upgrades::Refuse || is_guarded(req.method(), path) {
+    // A Responses API socket is read event by event.
+    let responses = responses_socket::is_responses_socket(path);
+    if state.config.guard.upgrades == Upgrades::Refuse
+        || (is_guarded(req.method(), path) && !responses)
+    {
         return respond::failure(dialect, Failure::UpgradeRefused, request_id);
     }
     // A path that reads as a Realtime session's once normalized is read
     // as one: the upstream may serve it so.
     let realtime =
         realtime::is_realtime(path) || plain_path(path).is_some_and(|p| realtime::is_realtime(&p));
-    if state.config.guard.upgrades == Upgrades::Guarded && !realtime {
+    if state.config.guard.upgrades == Upgrades::Guarded && !realtime && !responses {
         return respond::failure(dialect, Failure::UpgradeRefused, request_id);
     }
     let Some(route) = route(state, req.headers(), dialect, path, None) else {
@@ -88,16 +94,28 @@ pub async fn relay(
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
     }
     // The guard reads frames as they are: no compression.
-    if realtime {
+    if realtime || responses {
         headers.remove(header::SEC_WEBSOCKET_EXTENSIONS);
     }
-    let handshake = realtime.then(|| realtime::Handshake {
-        request_id: request_id.to_owned(),
-        upstream: route.upstream.clone(),
-        model: realtime::Handshake::model_of(req.uri().query()),
-        client: ClientMeta::read(req.headers(), None),
-        monitor: route.stream_mode.unwrap_or(state.config.guard.stream_mode) == StreamMode::Monitor,
-    });
+    let mode = route.stream_mode.unwrap_or(state.config.guard.stream_mode);
+    let handshake = if realtime {
+        Some(Read::Realtime(realtime::Handshake {
+            request_id: request_id.to_owned(),
+            upstream: route.upstream.clone(),
+            model: realtime::Handshake::model_of(req.uri().query()),
+            client: ClientMeta::read(req.headers(), None),
+            monitor: mode == StreamMode::Monitor,
+        }))
+    } else if responses {
+        Some(Read::Responses(responses_socket::Handshake {
+            request_id: request_id.to_owned(),
+            upstream: route.upstream.clone(),
+            client: ClientMeta::read(req.headers(), None),
+            mode,
+        }))
+    } else {
+        None
+    };
     let from_client = hyper::upgrade::on(&mut req);
     let connection = req.extensions_mut().remove::<Arc<super::Connection>>();
     let (method, body) = (req.method().clone(), Either::Left(Full::default()));
@@ -148,8 +166,14 @@ pub async fn relay(
                 return;
             }
         };
-        if let Some(handshake) = handshake {
-            return realtime::run(state, handshake, client, upstream).await;
+        match handshake {
+            Some(Read::Realtime(handshake)) => {
+                return realtime::run(state, handshake, client, upstream).await;
+            }
+            Some(Read::Responses(handshake)) => {
+                return responses_socket::run(state, handshake, client, upstream).await;
+            }
+            None => {}
         }
         metrics
             .tunnels
@@ -161,6 +185,12 @@ pub async fn relay(
         }
     });
     out
+}
+
+/// A session the guard reads, as its handshake set it up.
+enum Read {
+    Realtime(realtime::Handshake),
+    Responses(responses_socket::Handshake),
 }
 
 /// One tunnel in `fairgate_tunnels_open` and in the count a shutdown waits

@@ -1,0 +1,455 @@
+//! The guard of the Responses API's WebSocket mode: the socket that
+//! `client.responses.connect()` of OpenAI's SDKs (and the Agents SDK's
+//! WebSocket transport) opens at the base URL's `/responses` (`GET
+//! /v1/responses`, upgraded), read event by event.
+//!
+//! **What the client sends.** Each event (`response.create`; a
+//! `response.steer`, which adds input to a response under way) is read as
+//! the body of `POST /v1/responses` is, its instructions, input, tools and
+//! a stored prompt's variables, and scanned as a request before it goes
+//! upstream. A block keeps it from the upstream and answers the client
+//! with the API's `error` event: `status: 400`, an error of type
+//! `invalid_request_error` and `code: "content_filter"` with fairgate's
+//! rule ids beside it, on the event's lane (its `stream_id`). A redaction
+//! rewrites the event. An event that is not JSON, or gives a key the guard
+//! reads twice, is not sent on: the client gets an `error` event
+//! (`invalid_json`, `ambiguous_json`).
+//!
+//! **What the upstream answers.** A response opens on its lane (the
+//! `stream_id` of its events, or the connection's own) with the first
+//! event of it the upstream sends (its `response.created`), whether a
+//! `response.create` asked for it or it follows one on its own (a
+//! steered response's successor). Its events, up to its last
+//! (`response.completed`, `.failed`, `.incomplete`, or an `error`), go
+//! through the stream guard of the Responses API
+//! ([`crate::guard::stream`]) as the events of a streamed `POST
+//! /v1/responses` do, in the route's stream mode. In `holdback` text is
+//! re-framed and released once no match may be under way in it, and
+//! `sequence_number`s follow the events sent; a block ends the response as
+//! a blocked stream ends (its `response.incomplete`, reason
+//! `content_filter`), and what the upstream sends of it after that is
+//! dropped. An event the guard writes itself carries the lane's
+//! `stream_id`. An `error` that refuses a request before any response
+//! of it and a steer's acknowledgements (`response.steer.*`) pass as
+//! they came, as do binary messages and closes; an `error` that refuses a
+//! second `response.create` on a lane (`response_already_in_flight`)
+//! leaves the response under way open. An upstream event that is not JSON is dropped
+//! and counted (`fairgate_upstream_errors_total{kind="malformed"}`).
+//!
+//! Each response is an exchange record (route `responses`), with the
+//! prompt of the `response.create` that asked for it (a successor's:
+//! the steering input sent since); so is each blocked event. A response
+//! the session's end cuts off is recorded with what had come of it.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytestring::ByteString;
+use hyper::upgrade::Upgraded;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
+
+use super::realtime::{Relay, Send, Turn};
+use super::{Ending, RecordDraft, State, respond};
+use crate::config::StreamMode;
+use crate::exchange::{Dialect, Endpoint, RequestBody};
+use crate::guard::stream::{EventGuard, StreamOutcome, StreamSetup};
+use crate::guard::{self, block_message, rule_ids};
+use crate::record::{ClientMeta, StreamEnd, now_ms};
+use crate::risk::{Decision, Verdict};
+use crate::rules::Scope;
+
+/// Whether an upgrade to `path` opens a Responses API socket.
+pub fn is_responses_socket(path: &str) -> bool {
+    Endpoint::from_path(path) == Some(Endpoint::Responses)
+}
+
+/// What a session knows from its handshake.
+pub struct Handshake {
+    pub request_id: String,
+    pub upstream: String,
+    pub client: ClientMeta,
+    pub mode: StreamMode,
+}
+
+/// Relays a Responses API socket, each event through the guard.
+pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upstream: Upgraded) {
+    let session = Session {
+        state,
+        handshake,
+        lanes: HashMap::new(),
+        asked: HashMap::new(),
+        steered: Turn::default(),
+        model: None,
+        records: 0,
+        ended: None,
+    };
+    super::realtime::relay(session, client, upstream).await;
+}
+
+/// The events that end a response.
+const LAST_EVENTS: [&str; 4] = [
+    "response.completed",
+    "response.failed",
+    "response.incomplete",
+    "error",
+];
+
+/// What the session reads of every event: its type, its lane, and an
+/// error's code.
+#[derive(Deserialize, Default)]
+struct Head<'a> {
+    #[serde(rename = "type", borrow, default)]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    stream_id: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    error: Option<ErrorHead<'a>>,
+    /// An error's HTTP status.
+    #[serde(default)]
+    status: Option<u16>,
+}
+
+#[derive(Deserialize, Default)]
+struct ErrorHead<'a> {
+    #[serde(borrow, default)]
+    code: Option<Cow<'a, str>>,
+}
+
+struct Session {
+    state: Arc<State>,
+    handshake: Handshake,
+    /// The responses under way, by lane (`""`: the connection's own).
+    lanes: HashMap<String, Lane>,
+    /// What the client asked on each lane, for the response that answers
+    /// it.
+    asked: HashMap<String, Asked>,
+    /// The steering input sent since the last response opened: a steer
+    /// names no lane.
+    steered: Turn,
+    /// The model of the last request, for a response no request asked for.
+    model: Option<String>,
+    records: u64,
+    ended: Option<StreamEnd>,
+}
+
+/// A request sent upstream, waiting for its response.
+struct Asked {
+    turn: Turn,
+    model: Option<String>,
+    started: Instant,
+    prefill: String,
+}
+
+/// A response under way.
+struct Lane {
+    guard: EventGuard,
+    /// Records the response once it ends; taken then.
+    record: Option<Box<dyn FnOnce(StreamOutcome) + std::marker::Send>>,
+}
+
+impl Lane {
+    fn record(&mut self) {
+        if let Some(record) = self.record.take() {
+            record(self.guard.outcome());
+        }
+    }
+}
+
+impl Relay for Session {
+    fn client_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
+        let started = Instant::now();
+        let read = match RequestBody::read(Endpoint::Responses, text.as_bytes()) {
+            Ok(read) => read,
+            Err(error) => {
+                let (failure, message) = respond::unreadable_failure(&error, "The event");
+                let mut body = respond::failure_body(Dialect::OpenAi, failure, Some(&message));
+                return vec![error_event(400, body["error"].take(), None)];
+            }
+        };
+        let head: Head = serde_json::from_str(text.as_str()).unwrap_or_default();
+        let lane = head.stream_id.as_deref().unwrap_or_default().to_owned();
+        let model = read.model.as_deref().map(str::to_owned);
+        let rules = self.state.rules.snapshot();
+        let config = &self.state.config;
+        let context_tags = &config.guard.context_tags;
+        let scan = guard::scan_request(&rules, &config.risk, context_tags, &read.texts);
+        if scan.verdict.decision == Decision::Block {
+            return vec![self.block_event(scan, model, lane, started)];
+        }
+        let forwarded = match scan.redacted(text.as_bytes()) {
+            Some(body) => match Utf8Bytes::try_from(body) {
+                Ok(body) => body,
+                Err(_) => unreachable!("a splice of JSON strings into UTF-8 is UTF-8"),
+            },
+            None => text.clone(),
+        };
+        if head.kind.as_deref() == Some("response.create") {
+            if model.is_some() {
+                self.model.clone_from(&model);
+            }
+            let prefill = read.prefill.map(Cow::into_owned).unwrap_or_default();
+            let mut turn = Turn::default();
+            turn.add(scan);
+            let asked = Asked {
+                turn,
+                model,
+                started,
+                prefill,
+            };
+            self.asked.insert(lane, asked);
+        } else {
+            self.steered.add(scan);
+        }
+        vec![Send::Upstream(Message::Text(forwarded))]
+    }
+
+    fn upstream_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
+        let Ok(head) = serde_json::from_str::<Head>(text.as_str()) else {
+            tracing::warn!("a Responses API socket event that is not a JSON object: dropped");
+            self.state
+                .metrics
+                .upstream_errors
+                .with_label_values(&[&self.handshake.upstream, "malformed"])
+                .inc();
+            return Vec::new();
+        };
+        let key = head.stream_id.as_deref().unwrap_or_default();
+        let kind = head.kind.as_deref().unwrap_or_default();
+        let code = head.error.as_ref().and_then(|e| e.code.as_deref());
+        let open = self.lanes.contains_key(key);
+        // Of no response: a request refused, or its steering acknowledged.
+        let aside = kind.starts_with("response.steer.")
+            || (kind == "error" && (!open || code == Some("response_already_in_flight")));
+        if aside {
+            if kind == "error" {
+                // The latest request on the lane gets no response.
+                let status = head.status.unwrap_or(400);
+                self.refused(key, status);
+            }
+            return vec![Send::Client(Message::Text(text))];
+        }
+        if !open {
+            self.open(key);
+        }
+        let Some(lane) = self.lanes.get_mut(key) else {
+            unreachable!("a lane is open once its first event has come")
+        };
+        let last = LAST_EVENTS.contains(&kind);
+        let mut sent = lane.guard.on_event(text.as_str());
+        if last {
+            sent.extend(lane.guard.on_end());
+        }
+        if lane.guard.finished() || last {
+            lane.record();
+        }
+        if last {
+            self.lanes.remove(key);
+        }
+        sent.into_iter()
+            .map(|data| Send::Client(Message::Text(on_lane(data, key))))
+            .collect()
+    }
+
+    fn ending(&mut self, end: StreamEnd) {
+        self.ended.get_or_insert(end);
+    }
+}
+
+impl Session {
+    /// Opens a response on lane `key`, for what was asked on it (or, for
+    /// a response none asked for, the steering sent since).
+    fn open(&mut self, key: &str) {
+        let steered = std::mem::take(&mut self.steered);
+        let asked = self.asked.remove(key).unwrap_or_else(|| Asked {
+            turn: steered,
+            model: self.model.clone(),
+            started: Instant::now(),
+            prefill: String::new(),
+        });
+        let config = &self.state.config;
+        let setup = StreamSetup {
+            endpoint: Endpoint::Responses,
+            mode: self.handshake.mode,
+            rules: self.state.rules.snapshot(),
+            risk: config.risk.clone(),
+            request_hits: asked.turn.hits,
+            relevance: asked.turn.relevance,
+            started: asked.started,
+            include_usage: false,
+            prefill: asked.prefill,
+        };
+        let request_id = self.next_record_id();
+        let mut draft = self.draft(request_id, asked.started, asked.model, asked.turn.prompt);
+        draft.context = asked.turn.context;
+        let route = Endpoint::Responses.route();
+        let spent = asked.started.elapsed();
+        let record = super::stream_recorder(&self.state, route, 101, spent, draft);
+        let lane = Lane {
+            guard: EventGuard::new(setup),
+            record: Some(Box::new(record)),
+        };
+        self.lanes.insert(key.to_owned(), lane);
+    }
+
+    /// Records the request asked on lane `key` as the upstream refused
+    /// it, with `status`.
+    fn refused(&mut self, key: &str, status: u16) {
+        let Some(asked) = self.asked.remove(key) else {
+            return;
+        };
+        let Turn {
+            prompt,
+            context,
+            hits,
+            relevance,
+        } = asked.turn;
+        let verdict = crate::risk::assess(&self.state.config.risk, hits, &relevance);
+        let model = self
+            .state
+            .config
+            .metrics
+            .model_label(asked.model.as_deref());
+        let (route, upstream) = (Endpoint::Responses.route(), &self.handshake.upstream);
+        self.state
+            .metrics
+            .requests
+            .with_label_values(&[route, upstream, model, "upstream_error"])
+            .inc();
+        let request_id = self.next_record_id();
+        let mut draft = self.draft(request_id, asked.started, asked.model, prompt);
+        draft.context = context;
+        draft.finish_unanswered(&self.state, &verdict, status, Some(asked.started.elapsed()));
+    }
+
+    /// Answers a blocked client event, and records it.
+    fn block_event(
+        &mut self,
+        scan: guard::RequestScan,
+        model: Option<String>,
+        lane: String,
+        started: Instant,
+    ) -> Send {
+        let verdict = scan.verdict;
+        let request_id = self.next_record_id();
+        let scope = guard::block_scope(&verdict.hits, Scope::Prompt);
+        let message = block_message(&verdict.hits);
+        let rules = rule_ids(&verdict.hits);
+        tracing::info!(request_id, scope, ?rules, "responses socket event blocked");
+        self.count(&verdict, model.as_deref(), scope);
+        let error = json!({
+            "type": "invalid_request_error",
+            "code": "content_filter",
+            "message": message,
+            "param": null,
+            "fairgate": {"scope": scope, "rules": rules, "request_id": request_id},
+        });
+        let send = error_event(400, error, Some(lane).filter(|l| !l.is_empty()));
+        let mut draft = self.draft(request_id, started, model, scan.texts.prompt);
+        draft.context = scan.texts.context;
+        draft.finish(
+            &self.state,
+            Ending {
+                verdict: &verdict,
+                response: Vec::new(),
+                context: Vec::new(),
+                status: 400,
+                upstream: None,
+                proxy: started.elapsed(),
+                usage: None,
+                stream_end: None,
+            },
+        );
+        send
+    }
+
+    /// Counts a blocked client event: its verdict and its block (a
+    /// response's own are counted with its record).
+    fn count(&self, verdict: &Verdict, model: Option<&str>, scope: &str) {
+        let metrics = &self.state.metrics;
+        let route = Endpoint::Responses.route();
+        let model = self.state.config.metrics.model_label(model);
+        super::record_verdict(metrics, verdict);
+        metrics
+            .requests
+            .with_label_values(&[route, &self.handshake.upstream, model, "block"])
+            .inc();
+        metrics
+            .blocks
+            .with_label_values(&[route, model, scope])
+            .inc();
+    }
+
+    fn draft(
+        &self,
+        request_id: String,
+        started: Instant,
+        model: Option<String>,
+        prompt: Vec<String>,
+    ) -> RecordDraft {
+        RecordDraft {
+            request_id,
+            started,
+            started_ms: now_ms() - started.elapsed().as_millis() as i64,
+            route: Endpoint::Responses.route(),
+            dialect: Dialect::OpenAi,
+            upstream: self.handshake.upstream.clone(),
+            upstream_request_id: None,
+            model,
+            stream: true,
+            custom_id: None,
+            client: self.handshake.client.clone(),
+            prompt,
+            context: Vec::new(),
+        }
+    }
+
+    /// The id of the session's next record: the session's, numbered.
+    fn next_record_id(&mut self) -> String {
+        self.records += 1;
+        format!("{}.{}", self.handshake.request_id, self.records)
+    }
+}
+
+/// The session ended, however it did: the responses still under way are
+/// recorded with what came of them (ended as the upstream's failure when
+/// it went first).
+impl Drop for Session {
+    fn drop(&mut self) {
+        for lane in self.lanes.values_mut() {
+            if self.ended != Some(StreamEnd::ClientClosed) {
+                lane.guard.on_end();
+            }
+            lane.record();
+        }
+    }
+}
+
+/// The API's `error` event of a socket: `status`, `error` (the object of
+/// an error envelope), on `lane`.
+fn error_event(status: u16, error: Value, lane: Option<String>) -> Send {
+    let mut event = json!({"type": "error", "status": status, "error": error});
+    if let Some(lane) = lane {
+        event["stream_id"] = json!(lane);
+    }
+    Send::Client(Message::text(event.to_string()))
+}
+
+/// An event the guard sends on lane `key`: with the lane's `stream_id`
+/// when the guard wrote it without one.
+fn on_lane(data: ByteString, key: &str) -> Utf8Bytes {
+    if !key.is_empty()
+        && !data.contains("\"stream_id\"")
+        && let Ok(Value::Object(mut event)) = serde_json::from_str::<Value>(&data)
+    {
+        event.insert("stream_id".into(), json!(key));
+        return Utf8Bytes::from(Value::Object(event).to_string());
+    }
+    match Utf8Bytes::try_from(data.into_bytes()) {
+        Ok(text) => text,
+        Err(_) => unreachable!("an event's data is UTF-8"),
+    }
+}
