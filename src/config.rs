@@ -313,13 +313,15 @@ pub struct GuardConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Upgrades {
-    /// A Realtime API session guarded event by event; any other WebSocket
-    /// relayed as a byte tunnel, as every other unguarded path is; a
-    /// session held elsewhere set up with its configuration scanned.
+    /// A Realtime API session and a Responses API socket guarded event by
+    /// event; any other WebSocket relayed as a byte tunnel, as every other
+    /// unguarded path is; a session held elsewhere set up with its
+    /// configuration scanned.
     Tunnel,
-    /// Only the sessions the guard reads: Realtime API sessions through
-    /// fairgate. Other WebSockets, and the setups of sessions held
-    /// elsewhere (a browser's key, a WebRTC or SIP call), are refused.
+    /// Only the sessions the guard reads: Realtime API sessions and
+    /// Responses API sockets through fairgate. Other WebSockets, and the
+    /// setups of sessions held elsewhere (a browser's key, a WebRTC or
+    /// SIP call), are refused.
     Guarded,
     /// Every session refused, so that none goes around the rules.
     Refuse,

@@ -329,3 +329,32 @@ async fn a_successor_response_is_guarded_and_a_refused_request_recorded() {
     support::hang_up(ws).await;
     proxy.stop().await;
 }
+
+/// `guard.upgrades: guarded` still takes a Responses API socket (the guard
+/// reads it); `refuse` refuses it as every session.
+#[tokio::test]
+async fn a_responses_socket_is_among_the_sessions_the_guard_reads() {
+    use fairgate::config::Upgrades;
+    let (addr, upstream) = Upstream::start().await;
+    for upgrades in [Upgrades::Guarded, Upgrades::Refuse] {
+        let mut config = config(&format!("http://{addr}"), Path::new("rules"));
+        config.guard.upgrades = upgrades;
+        let proxy = start_proxy(config).await;
+        let url = proxy.url("/v1/responses").replace("http://", "ws://");
+        match tokio_tungstenite::connect_async(url).await {
+            Ok((mut ws, _)) => {
+                assert_eq!(upgrades, Upgrades::Guarded);
+                upstream.script(&SAFE);
+                ws.send(create("Tips?", None)).await.unwrap();
+                let events = one_response(&mut ws).await;
+                assert_eq!(text_of(&events), SAFE.concat());
+                support::hang_up(ws).await;
+            }
+            Err(error) => {
+                assert_eq!(upgrades, Upgrades::Refuse, "{error}");
+                assert!(error.to_string().contains("403"), "{error}");
+            }
+        }
+        proxy.stop().await;
+    }
+}
