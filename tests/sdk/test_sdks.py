@@ -527,6 +527,18 @@ def responses_stream(text):
         yield f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
 
+def stream_finishes(client, model, prompt):
+    """The finish reasons and the text of a chat completion stream."""
+    finishes, text = [], ""
+    for chunk in client.chat.completions.create(model=model, stream=True,
+                                                messages=[{"role": "user", "content": prompt}]):
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finishes.append(chunk.choices[0].finish_reason)
+    return finishes, text
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -675,13 +687,7 @@ routes:
             else:
                 raise AssertionError("no BadRequestError")
             assert len(Upstream.requests) == before, "the blocked prompt reached the upstream"
-            finishes, text = [], ""
-            for chunk in client.chat.completions.create(model="gpt-4o", stream=True,
-                                                        messages=[{"role": "user", "content": "something risky"}]):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    text += chunk.choices[0].delta.content
-                if chunk.choices and chunk.choices[0].finish_reason:
-                    finishes.append(chunk.choices[0].finish_reason)
+            finishes, text = stream_finishes(client, "gpt-4o", "something risky")
             assert finishes == ["content_filter"], finishes
             assert "savings" not in text, text
 
@@ -697,13 +703,7 @@ routes:
             assert choice.message.role == "assistant", final
             assert choice.finish_reason == "stop", final
             # Blocked, it ends with content_filter, never stop.
-            finishes, text = [], ""
-            for chunk in client.chat.completions.create(model="gemini-2.5-flash", stream=True,
-                                                        messages=[{"role": "user", "content": "something risky"}]):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    text += chunk.choices[0].delta.content
-                if chunk.choices and chunk.choices[0].finish_reason:
-                    finishes.append(chunk.choices[0].finish_reason)
+            finishes, text = stream_finishes(client, "gemini-2.5-flash", "something risky")
             assert finishes == ["content_filter"], finishes
             assert "savings" not in text, text
 
