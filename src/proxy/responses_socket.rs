@@ -108,9 +108,10 @@ struct Head<'a> {
     stream_id: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     error: Option<ErrorHead<'a>>,
-    /// An error's HTTP status.
+    /// An error's HTTP status (read leniently: an event is not dropped
+    /// for an odd one).
     #[serde(default)]
-    status: Option<u16>,
+    status: Option<Value>,
 }
 
 #[derive(Deserialize, Default)]
@@ -227,7 +228,8 @@ impl Relay for Session {
         if aside {
             if kind == "error" {
                 // The latest request on the lane gets no response.
-                let status = head.status.unwrap_or(400);
+                let status = head.status.as_ref().and_then(Value::as_u64);
+                let status = status.and_then(|s| u16::try_from(s).ok()).unwrap_or(400);
                 self.refused(key, status);
             }
             return vec![Send::Client(Message::Text(text))];
