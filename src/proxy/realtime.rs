@@ -362,6 +362,60 @@ impl Turn {
     }
 }
 
+/// The records of a WebSocket session's exchanges: each of them streamed,
+/// of the session's upstream and client, its id the handshake's
+/// numbered.
+pub(super) struct SessionRecords {
+    request_id: String,
+    upstream: String,
+    client: ClientMeta,
+    made: u64,
+}
+
+impl SessionRecords {
+    pub(super) fn new(request_id: &str, upstream: &str, client: &ClientMeta) -> SessionRecords {
+        SessionRecords {
+            request_id: request_id.to_owned(),
+            upstream: upstream.to_owned(),
+            client: client.clone(),
+            made: 0,
+        }
+    }
+
+    /// The id of the session's next record.
+    pub(super) fn next_id(&mut self) -> String {
+        self.made += 1;
+        format!("{}.{}", self.request_id, self.made)
+    }
+
+    /// The draft of record `request_id`, of an exchange on `route` that
+    /// began at `started`.
+    pub(super) fn draft(
+        &self,
+        route: &'static str,
+        request_id: String,
+        started: Instant,
+        model: Option<String>,
+        prompt: Vec<String>,
+    ) -> RecordDraft {
+        RecordDraft {
+            request_id,
+            started,
+            started_ms: now_ms() - started.elapsed().as_millis() as i64,
+            route,
+            dialect: Dialect::OpenAi,
+            upstream: self.upstream.clone(),
+            upstream_request_id: None,
+            model,
+            stream: true,
+            custom_id: None,
+            client: self.client.clone(),
+            prompt,
+            context: Vec::new(),
+        }
+    }
+}
+
 /// What is read of a text of a response.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Kind {
@@ -561,7 +615,7 @@ struct Session {
     deleted: HashSet<String>,
     /// The redactions of the items of responses that passed redacted.
     redacted: HashMap<String, Vec<(String, String)>>,
-    records: u64,
+    records: SessionRecords,
     own_events: u64,
     /// How the session ends, once a side closed it: by the side that
     /// closed first.
@@ -570,6 +624,11 @@ struct Session {
 
 impl Session {
     fn new(state: Arc<State>, handshake: Handshake) -> Session {
+        let records = SessionRecords::new(
+            &handshake.request_id,
+            &handshake.upstream,
+            &handshake.client,
+        );
         Session {
             state,
             handshake,
@@ -580,7 +639,7 @@ impl Session {
             closed: HashSet::new(),
             deleted: HashSet::new(),
             redacted: HashMap::new(),
-            records: 0,
+            records,
             own_events: 0,
             ended: None,
         }
@@ -631,7 +690,7 @@ impl Session {
         started: Instant,
     ) -> Send {
         let verdict = scan.verdict;
-        let request_id = self.next_record_id();
+        let request_id = self.records.next_id();
         let scope = guard::block_scope(&verdict.hits, Scope::Prompt);
         let message = block_message(&verdict.hits);
         let rules = rule_ids(&verdict.hits);
@@ -842,7 +901,7 @@ impl Session {
         if status.and_then(Value::as_str) == Some("cancelled") {
             held.retain(|held| !held.audio);
         }
-        let request_id = self.next_record_id();
+        let request_id = self.records.next_id();
         let (sends, end) = match (verdict.decision, self.handshake.monitor) {
             (Decision::Block, false) => {
                 let scope = guard::block_scope(&verdict.hits, Scope::Response);
@@ -966,7 +1025,7 @@ impl Session {
         sends.push(Send::Upstream(Message::text(cancel.to_string())));
         sends.extend(self.delete_items(&answer.items));
         let scanned = answer.scan(&self.state.config.risk);
-        let request_id = self.next_record_id();
+        let request_id = self.records.next_id();
         self.record(answer, request_id, scanned, None, StreamEnd::Malformed);
         sends
     }
@@ -1049,27 +1108,14 @@ impl Session {
         started_ms: i64,
         prompt: Vec<String>,
     ) -> RecordDraft {
+        let model = self.handshake.model.clone();
+        let draft = self
+            .records
+            .draft(ROUTE, request_id, started, model, prompt);
         RecordDraft {
-            request_id,
-            started,
             started_ms,
-            route: ROUTE,
-            dialect: Dialect::OpenAi,
-            upstream: self.handshake.upstream.clone(),
-            upstream_request_id: None,
-            model: self.handshake.model.clone(),
-            stream: true,
-            custom_id: None,
-            client: self.handshake.client.clone(),
-            prompt,
-            context: Vec::new(),
+            ..draft
         }
-    }
-
-    /// The id of the session's next record: the session's, numbered.
-    fn next_record_id(&mut self) -> String {
-        self.records += 1;
-        format!("{}.{}", self.handshake.request_id, self.records)
     }
 
     fn own_event_id(&mut self) -> String {
@@ -1108,7 +1154,7 @@ impl Drop for Session {
                 continue;
             };
             let scanned = answer.scan(&self.state.config.risk);
-            let request_id = self.next_record_id();
+            let request_id = self.records.next_id();
             self.record(answer, request_id, scanned, None, end);
         }
     }

@@ -52,13 +52,13 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
-use super::realtime::{Relay, Send, Turn};
+use super::realtime::{Relay, Send, SessionRecords, Turn};
 use super::{Ending, RecordDraft, State, respond};
 use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint, RequestBody};
 use crate::guard::stream::{EventGuard, StreamOutcome, StreamSetup};
 use crate::guard::{self, block_message, rule_ids};
-use crate::record::{ClientMeta, StreamEnd, now_ms};
+use crate::record::{ClientMeta, StreamEnd};
 use crate::risk::{Decision, Verdict};
 use crate::rules::Scope;
 
@@ -77,6 +77,11 @@ pub struct Handshake {
 
 /// Relays a Responses API socket, each event through the guard.
 pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upstream: Upgraded) {
+    let records = SessionRecords::new(
+        &handshake.request_id,
+        &handshake.upstream,
+        &handshake.client,
+    );
     let session = Session {
         state,
         handshake,
@@ -84,7 +89,7 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
         asked: HashMap::new(),
         steered: Turn::default(),
         model: None,
-        records: 0,
+        records,
         ended: None,
     };
     super::realtime::relay(session, client, upstream).await;
@@ -133,7 +138,7 @@ struct Session {
     steered: Turn,
     /// The model of the last request, for a response no request asked for.
     model: Option<String>,
-    records: u64,
+    records: SessionRecords,
     ended: Option<StreamEnd>,
 }
 
@@ -284,7 +289,7 @@ impl Session {
             include_usage: false,
             prefill: asked.prefill,
         };
-        let request_id = self.next_record_id();
+        let request_id = self.records.next_id();
         let mut draft = self.draft(request_id, asked.started, asked.model, asked.turn.prompt);
         draft.context = asked.turn.context;
         let route = Endpoint::Responses.route();
@@ -321,7 +326,7 @@ impl Session {
             .requests
             .with_label_values(&[route, upstream, model, "upstream_error"])
             .inc();
-        let request_id = self.next_record_id();
+        let request_id = self.records.next_id();
         let mut draft = self.draft(request_id, asked.started, asked.model, prompt);
         draft.context = context;
         draft.finish_unanswered(&self.state, &verdict, status, Some(asked.started.elapsed()));
@@ -336,7 +341,7 @@ impl Session {
         started: Instant,
     ) -> Send {
         let verdict = scan.verdict;
-        let request_id = self.next_record_id();
+        let request_id = self.records.next_id();
         let scope = guard::block_scope(&verdict.hits, Scope::Prompt);
         let message = block_message(&verdict.hits);
         let rules = rule_ids(&verdict.hits);
@@ -392,27 +397,9 @@ impl Session {
         model: Option<String>,
         prompt: Vec<String>,
     ) -> RecordDraft {
-        RecordDraft {
-            request_id,
-            started,
-            started_ms: now_ms() - started.elapsed().as_millis() as i64,
-            route: Endpoint::Responses.route(),
-            dialect: Dialect::OpenAi,
-            upstream: self.handshake.upstream.clone(),
-            upstream_request_id: None,
-            model,
-            stream: true,
-            custom_id: None,
-            client: self.handshake.client.clone(),
-            prompt,
-            context: Vec::new(),
-        }
-    }
-
-    /// The id of the session's next record: the session's, numbered.
-    fn next_record_id(&mut self) -> String {
-        self.records += 1;
-        format!("{}.{}", self.handshake.request_id, self.records)
+        let route = Endpoint::Responses.route();
+        self.records
+            .draft(route, request_id, started, model, prompt)
     }
 }
 
