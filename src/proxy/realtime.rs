@@ -362,6 +362,21 @@ impl Turn {
     }
 }
 
+/// The error object of a client event that `hits` block (`code:
+/// "content_filter"`, the rules' message and ids, the record's id), and
+/// the scope they block in.
+pub(super) fn content_filter_error(hits: &[Hit], request_id: &str) -> (&'static str, Value) {
+    let scope = guard::block_scope(hits, Scope::Prompt);
+    let error = json!({
+        "message": block_message(hits),
+        "type": "invalid_request_error",
+        "param": null,
+        "code": "content_filter",
+        "fairgate": {"scope": scope, "rules": rule_ids(hits), "request_id": request_id},
+    });
+    (scope, error)
+}
+
 /// The records of a WebSocket session's exchanges: each of them streamed,
 /// of the session's upstream and client, its id the handshake's
 /// numbered.
@@ -691,34 +706,14 @@ impl Session {
     ) -> Send {
         let verdict = scan.verdict;
         let request_id = self.records.next_id();
-        let scope = guard::block_scope(&verdict.hits, Scope::Prompt);
-        let message = block_message(&verdict.hits);
+        let (scope, error) = content_filter_error(&verdict.hits, &request_id);
         let rules = rule_ids(&verdict.hits);
         tracing::info!(request_id, scope, ?rules, "realtime event blocked");
         self.count(&verdict, Some(scope));
-        let error = json!({
-            "message": message,
-            "type": "invalid_request_error",
-            "param": null,
-            "code": "content_filter",
-            "fairgate": {"scope": scope, "rules": rules, "request_id": request_id},
-        });
         let send = self.error_event(error, event_id);
         let mut draft = self.draft(request_id, started, now_ms(), scan.texts.prompt);
         draft.context = scan.texts.context;
-        draft.finish(
-            &self.state,
-            Ending {
-                verdict: &verdict,
-                response: Vec::new(),
-                context: Vec::new(),
-                status: 101,
-                upstream: None,
-                proxy: started.elapsed(),
-                usage: None,
-                stream_end: None,
-            },
-        );
+        draft.finish_unanswered(&self.state, &verdict, 101, None);
         send
     }
 

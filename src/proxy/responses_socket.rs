@@ -52,15 +52,14 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
-use super::realtime::{Relay, Send, SessionRecords, Turn};
-use super::{Ending, RecordDraft, State, respond};
+use super::realtime::{Relay, Send, SessionRecords, Turn, content_filter_error};
+use super::{RecordDraft, State, respond};
 use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint, RequestBody};
 use crate::guard::stream::{EventGuard, StreamOutcome, StreamSetup};
-use crate::guard::{self, block_message, rule_ids};
+use crate::guard::{self, rule_ids};
 use crate::record::{ClientMeta, StreamEnd};
 use crate::risk::{Decision, Verdict};
-use crate::rules::Scope;
 
 /// Whether an upgrade to `path` opens a Responses API socket.
 pub fn is_responses_socket(path: &str) -> bool {
@@ -342,34 +341,14 @@ impl Session {
     ) -> Send {
         let verdict = scan.verdict;
         let request_id = self.records.next_id();
-        let scope = guard::block_scope(&verdict.hits, Scope::Prompt);
-        let message = block_message(&verdict.hits);
+        let (scope, error) = content_filter_error(&verdict.hits, &request_id);
         let rules = rule_ids(&verdict.hits);
         tracing::info!(request_id, scope, ?rules, "responses socket event blocked");
         self.count(&verdict, model.as_deref(), scope);
-        let error = json!({
-            "type": "invalid_request_error",
-            "code": "content_filter",
-            "message": message,
-            "param": null,
-            "fairgate": {"scope": scope, "rules": rules, "request_id": request_id},
-        });
         let send = error_event(400, error, Some(lane).filter(|l| !l.is_empty()));
         let mut draft = self.draft(request_id, started, model, scan.texts.prompt);
         draft.context = scan.texts.context;
-        draft.finish(
-            &self.state,
-            Ending {
-                verdict: &verdict,
-                response: Vec::new(),
-                context: Vec::new(),
-                status: 400,
-                upstream: None,
-                proxy: started.elapsed(),
-                usage: None,
-                stream_end: None,
-            },
-        );
+        draft.finish_unanswered(&self.state, &verdict, 400, None);
         send
     }
 
