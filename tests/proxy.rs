@@ -730,6 +730,24 @@ async fn a_request_to_anthropics_api_goes_to_its_upstream_whatever_its_path() {
             .await
             .unwrap();
     }
+    // Guarded too: a chat completion of Anthropic's OpenAI-compatible API,
+    // and the Messages API behind a gateway's base path.
+    client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("anthropic-version", "2023-06-01")
+        .json(&chat("hello", false))
+        .send()
+        .await
+        .unwrap();
+    let message =
+        json!({"model": "c", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]});
+    let response = client()
+        .post(proxy.url("/api/v1/messages"))
+        .json(&message)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
     client()
         .get(proxy.url("/v1/models"))
         .header("authorization", "Bearer sk-client")
@@ -738,10 +756,20 @@ async fn a_request_to_anthropics_api_goes_to_its_upstream_whatever_its_path() {
         .unwrap();
     let seen = anthropic.requests();
     let paths: Vec<&str> = seen.iter().map(|r| r.path.as_str()).collect();
-    assert_eq!(paths, ["/v1/models", "/v1/files/file_011C/content"]);
+    assert_eq!(
+        paths,
+        [
+            "/v1/models",
+            "/v1/files/file_011C/content",
+            "/v1/chat/completions",
+            "/api/v1/messages"
+        ]
+    );
     let key = std::env::var("PATH").unwrap();
     for request in &seen {
         assert_eq!(request.header("x-api-key"), Some(key.as_str()));
+    }
+    for request in &seen[..2] {
         assert_eq!(request.header("authorization"), None);
         assert_eq!(request.header("api-key"), None);
         assert_eq!(request.header("anthropic-version"), Some("2023-06-01"));

@@ -742,8 +742,11 @@ async fn answer(
 ) -> Result<Response<ProxyBody>, Infallible> {
     let started = Instant::now();
     let request_id = state.request_id();
-    let dialect = dialect_of(req.headers(), req.uri().path());
-    let handled = handle(&state, req, &request_id, started);
+    // Looked up once: the dialect of a fault's answer and the route of an
+    // exchange both read it.
+    let to_anthropic = req.headers().contains_key(ANTHROPIC_VERSION);
+    let dialect = path_dialect(req.uri().path(), to_anthropic);
+    let handled = handle(&state, req, &request_id, started, to_anthropic);
     let answer = caught(handled, &state.metrics, dialect, &request_id).await;
     if let Some(respond::ErrorAnswer(code)) = answer.extensions().get() {
         let answers = &state.metrics.error_answers;
@@ -782,16 +785,14 @@ async fn handle(
     req: Request<Incoming>,
     request_id: &str,
     started: Instant,
+    to_anthropic: bool,
 ) -> Response<ProxyBody> {
     let reading = Reading::of(req.method(), req.uri().path());
     if let Some(plain) = plain_path(req.uri().path())
         && Reading::of(req.method(), &plain) != reading
     {
-        return respond::failure(
-            dialect_of(req.headers(), &plain),
-            Failure::AmbiguousPath,
-            request_id,
-        );
+        let dialect = path_dialect(&plain, to_anthropic);
+        return respond::failure(dialect, Failure::AmbiguousPath, request_id);
     }
     if tunnel::is_websocket(req.headers()) {
         return Box::pin(tunnel::relay(state, req, request_id)).await;
@@ -800,7 +801,9 @@ async fn handle(
     // and is copied as it is handed to hyper: all but the exchange's and
     // the pass-through's are boxed, so that theirs stay small.
     match reading {
-        Reading::Guarded(endpoint) => guarded(state, req, endpoint, request_id, started).await,
+        Reading::Guarded(endpoint) => {
+            guarded(state, req, (endpoint, to_anthropic), request_id, started).await
+        }
         Reading::Passed => passthrough(state, req, request_id).await,
         Reading::Feedback => Box::pin(feedback(state, req, request_id)).await,
         Reading::Stored(stored) => Box::pin(stored::fetch(state, req, stored, request_id)).await,
@@ -1006,7 +1009,12 @@ fn upstream_headers(
 /// request (its SDKs send it with each, to `/v1/models` and the Files API
 /// too), else `dialect`, its path's or its endpoint's.
 fn api_of(headers: &HeaderMap, dialect: Dialect) -> Dialect {
-    match headers.contains_key(ANTHROPIC_VERSION) {
+    api_by(headers.contains_key(ANTHROPIC_VERSION), dialect)
+}
+
+/// [`api_of`] once the header is looked up: `to_anthropic`, it is there.
+fn api_by(to_anthropic: bool, dialect: Dialect) -> Dialect {
+    match to_anthropic {
         true => Dialect::Anthropic,
         false => dialect,
     }
@@ -1095,9 +1103,14 @@ fn push_hex(out: &mut String, value: u64) {
 /// Messages API's paths and any request to Anthropic's API ([`api_of`]),
 /// else OpenAI's.
 fn dialect_of(headers: &HeaderMap, path: &str) -> Dialect {
+    path_dialect(path, headers.contains_key(ANTHROPIC_VERSION))
+}
+
+/// [`dialect_of`] once the header is looked up (`to_anthropic`).
+fn path_dialect(path: &str, to_anthropic: bool) -> Dialect {
     match path.starts_with("/v1/messages") {
         true => Dialect::Anthropic,
-        false => api_of(headers, Dialect::OpenAi),
+        false => api_by(to_anthropic, Dialect::OpenAi),
     }
 }
 
@@ -1518,10 +1531,12 @@ fn record_verdict(metrics: &Metrics, verdict: &Verdict) {
 }
 
 /// A guarded exchange.
+/// `to_anthropic`: the request carries the `anthropic-version` header
+/// ([`api_of`]).
 async fn guarded(
     state: &Arc<State>,
     req: Request<Incoming>,
-    endpoint: Endpoint,
+    (endpoint, to_anthropic): (Endpoint, bool),
     request_id: &str,
     started: Instant,
 ) -> Response<ProxyBody> {
@@ -1540,8 +1555,8 @@ async fn guarded(
     let model = read.model.as_deref().map(str::to_owned);
     let model_label = state.config.metrics.model_label(model.as_deref());
     let (streaming, include_usage) = (read.stream, read.include_usage);
-    let path = parts.uri.path();
-    let Some(route) = route(state, &parts.headers, dialect, path, model.as_deref()) else {
+    let api = api_by(to_anthropic, dialect);
+    let Some(route) = state.config.route(api, parts.uri.path(), model.as_deref()) else {
         return respond::failure(dialect, Failure::NoRoute, request_id);
     };
     let upstream = route.upstream.clone();
