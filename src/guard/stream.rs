@@ -96,7 +96,14 @@
 //! re-framing merges text events and a block adds one, the events'
 //! `sequence_number`s are rewritten in the order sent. A blocked stream
 //! ends with `response.incomplete` whose `incomplete_details.reason` is
-//! `content_filter`, for the response the stream began with.
+//! `content_filter`, for the response the stream began with. Responses
+//! API events are checked one by one, however the upstream's reads cut
+//! them (other streams' events that arrive in one read are checked once,
+//! after the last): what is sent, and how it is numbered, then follows
+//! from the events alone. So a stream read again from its start is sent
+//! as it was the first time, and a client that resumes a background
+//! response's stream after the last event it got (`starting_after`, see
+//! [`StreamSetup::resume_after`]) gets the rest of it, no more, no less.
 //!
 //! What a hosted or server tool gives the model during the answer comes
 //! whole in one event: a Responses API item's start or end
@@ -199,6 +206,12 @@ pub struct StreamSetup {
     /// none: the client shows the answer after it, so a match the two
     /// make together counts.
     pub prefill: String,
+    /// Responses API: the client resumes the stream after the event it
+    /// got numbered so (`GET /v1/responses/{id}?stream=true&starting_after=N`).
+    /// The upstream is read from the start, since the client's numbers
+    /// are the guard's, not the upstream's: every event is guarded as
+    /// before, and those numbered up to N are not sent again.
+    pub resume_after: Option<u64>,
 }
 
 /// How a stream ended.
@@ -304,6 +317,9 @@ where
     async fn next_frame(&mut self) -> Option<Bytes> {
         while !self.ended {
             let mut frames = self.next_frames().await;
+            if let Some(after) = self.guard.setup.resume_after {
+                frames.retain_mut(|frame| unsent(frame, after));
+            }
             let frame = match frames.len() {
                 0 => continue,
                 1 => frames.swap_remove(0),
@@ -348,7 +364,10 @@ where
             Some(Ok(chunk)) => {
                 let began = Instant::now();
                 let mut frames = Vec::new();
-                guard.deferring = true;
+                // Numbered events are framed the same whatever the reads
+                // (see the module's doc).
+                let defer = guard.setup.endpoint != Endpoint::Responses;
+                guard.deferring = defer;
                 for event in self.parser.push(chunk) {
                     if !guard.finished {
                         frames.extend(guard.on_event(event));
@@ -357,7 +376,9 @@ where
                         guard.drain_event(&event);
                     }
                 }
-                frames.extend(guard.deferred_check());
+                if defer {
+                    frames.extend(guard.deferred_check());
+                }
                 self.guard_time += began.elapsed();
                 frames
             }
@@ -381,6 +402,27 @@ impl<S, F: FnOnce(StreamOutcome)> Drop for Run<S, F> {
             done(self.guard.outcome(self.first_byte, self.guard_time));
         }
     }
+}
+
+/// Whether `frame` keeps an event to send to a client that resumes after
+/// event `after`: the events in it numbered up to `after` are taken out.
+fn unsent(frame: &mut Bytes, after: u64) -> bool {
+    let sent_before = |event: &SseEvent| {
+        let data = event.data.as_deref().unwrap_or_default();
+        event::sequence_number(data).is_some_and(|(number, _)| number <= after)
+    };
+    let mut parser = SseParser::default();
+    let events: Vec<SseEvent> = parser.push(frame.clone()).collect();
+    if !events.iter().any(sent_before) {
+        return true;
+    }
+    let kept: Vec<Bytes> = events
+        .into_iter()
+        .filter(|e| !sent_before(e))
+        .map(|e| e.raw)
+        .collect();
+    *frame = Bytes::from(kept.concat());
+    !frame.is_empty()
 }
 
 /// The guard of a stream whose events come one by one, each its JSON, not
@@ -2802,6 +2844,7 @@ mod tests {
             started: Instant::now(),
             include_usage: false,
             prefill: String::new(),
+            resume_after: None,
         }
     }
 

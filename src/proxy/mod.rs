@@ -2029,6 +2029,7 @@ fn guarded_stream(
         started,
         include_usage,
         prefill: scan.prefill.clone().unwrap_or_default(),
+        resume_after: None,
     };
     // From here the guard's outcome records the exchange, however the
     // stream ends (its body dropped included).

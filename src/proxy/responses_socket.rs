@@ -287,6 +287,7 @@ impl Session {
             started: asked.started,
             include_usage: false,
             prefill: asked.prefill,
+            resume_after: None,
         };
         let request_id = self.records.next_id();
         let mut draft = self.draft(request_id, asked.started, asked.model, asked.turn.prompt);

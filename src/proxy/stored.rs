@@ -16,13 +16,15 @@
 //! error`); a list or a conversation item, which has no refusal shape,
 //! gets the 400 error. `redact` hits are redacted in place. A stored
 //! response fetched as a stream (`?stream=true`) goes through the stream
-//! guard. A fetch leaves no record: it makes no exchange. The requests
+//! guard; one resumed after the event the client got last
+//! (`starting_after`) is read from its start and sent from there
+//! ([`take_resume`]). A fetch leaves no record: it makes no exchange. The requests
 //! read here leave one with no response ([`batch::send_scanned`]).
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use http::{Request, Response, header};
+use http::{Request, Response, Uri, header};
 use hyper::body::Incoming;
 
 use super::batch;
@@ -123,11 +125,15 @@ fn read_counted(
 /// Fetches a stored answer and relays it as the guard allows.
 pub(super) async fn fetch(
     state: &Arc<State>,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     stored: Stored,
     request_id: &str,
 ) -> Response<ProxyBody> {
     let dialect = Dialect::OpenAi;
+    let resume_after = match stored {
+        Stored::Response => take_resume(req.uri_mut()),
+        _ => None,
+    };
     let Relayed {
         upstream,
         stream_mode,
@@ -160,6 +166,7 @@ pub(super) async fn fetch(
             prefill: String::new(),
             started: Instant::now(),
             include_usage: false,
+            resume_after,
         };
         let (counted, request_id_kept) = (state.clone(), request_id.to_owned());
         let done = move |outcome: StreamOutcome| {
@@ -230,6 +237,34 @@ pub(super) async fn fetch(
     };
     let (body, verdict) = (respond::full(body), Some(verdict.decision.as_str()));
     super::guarded_response(head.status, head.headers, body, request_id, verdict)
+}
+
+/// The event a client resumes a response's stream after
+/// (`?stream=true&starting_after=N`), taken out of `uri`: the client
+/// numbers events as the guard sent them, so the upstream is read from the
+/// start and the guard leaves out what the client has
+/// ([`StreamSetup::resume_after`]).
+fn take_resume(uri: &mut Uri) -> Option<u64> {
+    let query = uri.query()?;
+    let (mut after, mut streamed, mut kept) = (None, false, Vec::new());
+    for pair in query.split('&') {
+        match pair.split_once('=') {
+            Some(("starting_after", number)) if number.parse::<u64>().is_ok() => {
+                after = number.parse().ok();
+                continue;
+            }
+            Some(("stream", "true")) => streamed = true,
+            _ => {}
+        }
+        kept.push(pair);
+    }
+    let after = after.filter(|_| streamed)?;
+    let resumed = match kept.is_empty() {
+        true => uri.path().to_owned(),
+        false => format!("{}?{}", uri.path(), kept.join("&")),
+    };
+    *uri = Uri::try_from(resumed).ok()?;
+    Some(after)
 }
 
 /// What was scanned outside an exchange (a fetch, a batch's request or

@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 import tempfile
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -115,9 +116,21 @@ class Upstream(BaseHTTPRequestHandler):
             "id": "file-parts", "object": "file", "bytes": 0, "created_at": 1,
             "filename": "input.jsonl", "purpose": "batch"})
 
+    # The text of the last background response, which a client can stream
+    # again (`GET /v1/responses/resp_1?stream=true&starting_after=N`).
+    background = None
+
     def do_GET(self):
         Upstream.requests.append((self.path, None))
-        if self.path.startswith("/v1/messages/batches/msgbatch_1/results"):
+        path, _, query = self.path.partition("?")
+        query = urllib.parse.parse_qs(query)
+        if path == "/v1/responses/resp_1" and query.get("stream") == ["true"]:
+            # As the API resumes a stream: the events after starting_after,
+            # here all in one write.
+            after = int(query.get("starting_after", ["-1"])[0])
+            frames = [f for n, f in enumerate(responses_stream(Upstream.background)) if n > after]
+            self.reply("text/event-stream", "".join(frames).encode())
+        elif self.path.startswith("/v1/messages/batches/msgbatch_1/results"):
             lines = [{"custom_id": request["custom_id"], "result": {"type": "succeeded", "message": {
                 "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
                 "content": [{"type": "text", "text": reply_text(request["params"])}],
@@ -184,6 +197,8 @@ class Upstream(BaseHTTPRequestHandler):
         responses_api = self.path.startswith("/v1/responses")
         # Asked to compact, the mock summarizes (its answer) and pauses.
         compacts = anthropic_api and "context_management" in body
+        if responses_api and body.get("background"):
+            Upstream.background = text
         if body.get("stream"):
             self.send_response(200)
             self.send_header("content-type", "text/event-stream")
@@ -969,6 +984,19 @@ routes:
             assert last.response.incomplete_details.reason == "content_filter", last
             assert "savings" not in text, text
 
+        def openai_resumed_response_stream():
+            # A background response's stream, lost half-way, resumed after
+            # the last event the client got: the rest, as it would have come.
+            with oa.responses.create(model="gpt-4o-mini", input="tips?", stream=True,
+                                     background=True) as stream:
+                first = list(stream)
+            cut = len(first) // 2
+            rest = list(oa.responses.retrieve(first[0].response.id, stream=True,
+                                              starting_after=first[cut].sequence_number))
+            assert [e.to_dict() for e in rest] == [e.to_dict() for e in first[cut + 1:]], rest
+            deltas = [e.delta for e in first[:cut + 1] + rest if e.type == "response.output_text.delta"]
+            assert "".join(deltas) == SAFE, deltas
+
         def openai_blocked_inputs_outside_messages():
             # Words that reach the model outside a request's messages: the
             # variables of a stored prompt, items added to a conversation, a
@@ -1132,6 +1160,8 @@ routes:
         check("openai response", openai_response)
         check("openai response stream", openai_response_stream)
         check("openai blocked response stream ends incomplete for content_filter", openai_blocked_response_stream)
+        check("openai background response stream resumed after the last event got goes on where it was",
+              openai_resumed_response_stream)
         check("anthropic batch results come through the proxy, the risky answer refused", anthropic_batch_results)
         check("anthropic batch with a blocked request raises BadRequestError", anthropic_blocked_batch)
         check("openai batch input upload with a blocked request raises BadRequestError", openai_batch_upload)

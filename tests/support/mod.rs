@@ -11,7 +11,9 @@
 //! `"hold_open": true` the body then stays open, unended, with `"cut":
 //! true` the connection is then cut, the body unended; `"headers":
 //! [["name", "value"], ..]` are added to whatever it answers); without it
-//! the mock echoes "Hello from the mock.".
+//! the mock echoes "Hello from the mock.". A `raw_sse` with `"whole":
+//! true` goes out in one piece; a `starting_after=N` query leaves out its
+//! events numbered up to N, as the Responses API resumes a stream.
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -39,6 +41,8 @@ use tokio::sync::oneshot;
 pub struct Received {
     pub method: String,
     pub path: String,
+    /// The query, without its `?` (empty when none).
+    pub query: String,
     pub headers: Vec<(String, String)>,
     pub body: String,
 }
@@ -126,6 +130,7 @@ async fn scripted_reply(
 ) -> Result<Response<MockBody>, Infallible> {
     let method = req.method().to_string();
     let path = req.uri().path().to_owned();
+    let query = req.uri().query().unwrap_or_default().to_owned();
     let headers: Vec<(String, String)> = req
         .headers()
         .iter()
@@ -146,6 +151,7 @@ async fn scripted_reply(
     log.lock().unwrap().push(Received {
         method: method.clone(),
         path: path.clone(),
+        query: query.clone(),
         headers,
         body: body.clone(),
     });
@@ -207,6 +213,21 @@ async fn scripted_reply(
     }
     if let Some(raw) = script.get("raw_sse").and_then(Value::as_str) {
         let flag = |name: &str| script.get(name) == Some(&json!(true));
+        // A stream resumed, as the Responses API resumes one: the events
+        // after the one numbered so.
+        let after = query.split('&').find_map(|pair| {
+            let number = pair.strip_prefix("starting_after=")?;
+            number.parse::<u64>().ok()
+        });
+        let raw = match after {
+            Some(after) => numbered_after(raw, after),
+            None => raw.to_owned(),
+        };
+        let raw = raw.as_str();
+        if flag("whole") {
+            let reply = Response::builder().header("content-type", "text/event-stream");
+            return Ok(reply.body(full(raw.to_owned())).unwrap());
+        }
         let cut = flag("cut");
         if cut || flag("hold_open") {
             use futures_util::StreamExt;
@@ -450,6 +471,20 @@ fn json_reply(status: u16, body: &Value) -> Response<MockBody> {
 /// sends it.
 fn sse_reply(body: String, pause_ms: u64) -> Response<MockBody> {
     pieces_reply(body, pause_ms, "text/event-stream")
+}
+
+/// The events of SSE `body` numbered after `after` (and those with no
+/// `sequence_number`).
+fn numbered_after(body: &str, after: u64) -> String {
+    body.split_inclusive("\n\n")
+        .filter(|event| {
+            let data = event.lines().find_map(|l| l.strip_prefix("data: "));
+            let data: Value = data
+                .and_then(|d| serde_json::from_str(d).ok())
+                .unwrap_or_default();
+            data["sequence_number"].as_u64().is_none_or(|n| n > after)
+        })
+        .collect()
 }
 
 /// `body` in pieces of 7 bytes, `pause_ms` apart.
