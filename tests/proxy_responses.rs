@@ -772,6 +772,83 @@ async fn logprobs_of_redacted_text_are_not_sent() {
     proxy.stop().await;
 }
 
+/// Text deltas re-framed carry the `logprobs` entries of the upstream
+/// deltas whose text they complete, in order, but for those of redacted
+/// text; a client asking for them loses none of the rest.
+#[tokio::test]
+async fn re_framed_deltas_carry_the_logprobs_of_their_text() {
+    let (_mock, proxy) = start().await;
+    let tokens = [
+        "Start",
+        " with",
+        " a",
+        " bud",
+        "get",
+        ", then",
+        " mail",
+        " jane.doe@example.com",
+        " today",
+        " to",
+        " plan",
+        " your",
+        " savings",
+        ".",
+    ];
+    let logprob = |token: &str| {
+        json!({"token": token, "logprob": -0.25, "bytes": token.as_bytes(),
+            "top_logprobs": [{"token": token, "logprob": -0.25, "bytes": token.as_bytes()}]})
+    };
+    let at = json!({"item_id": "msg_1", "output_index": 0, "content_index": 0});
+    let with = |extra: Value| support::merged(&at, extra);
+    let mut stream = vec![
+        (
+            "response.created",
+            json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}}),
+        ),
+        (
+            "response.content_part.added",
+            with(json!({"part": {"type": "output_text", "text": ""}})),
+        ),
+    ];
+    for token in tokens {
+        let delta = json!({"delta": token, "logprobs": [logprob(token)]});
+        stream.push(("response.output_text.delta", with(delta)));
+    }
+    let text = tokens.concat();
+    stream.push((
+        "response.output_text.done",
+        with(json!({"text": text, "logprobs": []})),
+    ));
+    stream.push((
+        "response.completed",
+        json!({"response": {"id": "resp_mock", "status": "completed", "output": []}}),
+    ));
+    let body = relay(&proxy, support::numbered_stream(stream)).await;
+    assert!(!body.contains("jane.doe"), "{body}");
+    let events = events(&body);
+    let deltas: Vec<&Value> = events
+        .iter()
+        .filter(|(name, _)| name == "response.output_text.delta")
+        .map(|(_, data)| data)
+        .collect();
+    assert!(deltas.len() < tokens.len(), "re-framed: {body}");
+    assert_eq!(
+        delta_text(&events),
+        text.replace("jane.doe@example.com", "[REDACTED:email]")
+    );
+    let sent: Vec<Value> = deltas
+        .iter()
+        .flat_map(|d| d["logprobs"].as_array().unwrap().clone())
+        .collect();
+    let kept: Vec<Value> = tokens
+        .iter()
+        .filter(|t| !t.contains("jane.doe"))
+        .map(|t| logprob(t))
+        .collect();
+    assert_eq!(sent, kept, "{body}");
+    proxy.stop().await;
+}
+
 /// A stream in which a hosted tool's item (`item`, complete at its end,
 /// and at its start too when `whole_at_start`) comes before the answer's
 /// text.

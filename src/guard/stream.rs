@@ -19,9 +19,9 @@
 //!   text not yet released, so **no text that a rule would block, not even
 //!   its first word, reaches the client, however the upstream chunks
 //!   it**. The text is re-framed: the client gets well-formed deltas that
-//!   need not line up with the upstream's (a chat completion chunk carries
-//!   the `logprobs` entries of the upstream chunks whose text it
-//!   completes, but for redacted text). An OpenAI text chunk is the
+//!   need not line up with the upstream's (a chat completion chunk, or a
+//!   Responses API text delta, carries the `logprobs` entries of the
+//!   upstream chunks whose text it completes, but for redacted text). An OpenAI text chunk is the
 //!   upstream's first one with only its text changed, when that one is
 //!   plain (see `plain_text`); else it is rebuilt from it (with the
 //!   `role` of the chunk that began the text, when it gave one). A chunk
@@ -401,6 +401,23 @@ impl<S, F: FnOnce(StreamOutcome)> Drop for Run<S, F> {
         if let Some(done) = self.done.take() {
             done(self.guard.outcome(self.first_byte, self.guard_time));
         }
+    }
+}
+
+/// The entries of a Responses API text delta's `logprobs`, when it has
+/// any: the API sends an empty list unless the client asked for them, and
+/// the event is then not read again.
+fn logprob_entries(data: &str) -> Option<Vec<Value>> {
+    let key = memchr::memmem::find(data.as_bytes(), b"\"logprobs\"")?;
+    let list = data[key + "\"logprobs\"".len()..].trim_start();
+    let list = list.strip_prefix(':')?.trim_start().strip_prefix('[')?;
+    if list.trim_start().starts_with(']') {
+        return None;
+    }
+    let mut event: Map<String, Value> = serde_json::from_str(data).ok()?;
+    match event.remove("logprobs") {
+        Some(Value::Array(entries)) if !entries.is_empty() => Some(entries),
+        _ => None,
     }
 }
 
@@ -969,7 +986,8 @@ pub struct Guard {
     /// moment, for fewer scans of the window.
     pub deferring: bool,
     /// Chat completions asked for `logprobs`: each text chunk's
-    /// `logprobs.content` entries, with the range of `acc` its text took.
+    /// `logprobs.content` entries (a Responses API text delta's
+    /// `logprobs`), with the range of `acc` its text took.
     /// A re-framed chunk carries the entries of the chunks whose text it
     /// completes (`logprobs_sent` of them so far), but for those of text
     /// that was redacted: their tokens are that text.
@@ -1621,6 +1639,7 @@ impl Guard {
                 {
                     self.part_templates.push((part, json));
                 }
+                self.pending_logprobs = logprob_entries(data);
                 self.text(event, text, part, data)
             }
             Some("response.content_part.added") => {
@@ -2297,6 +2316,9 @@ impl Guard {
     /// the chunk that began the text gave it and none went out yet; else as
     /// [`Guard::text_frame`].
     fn text_frame_with(&mut self, text: &str, block: u64, logprobs: Vec<Value>) -> Bytes {
+        if self.setup.endpoint == Endpoint::Responses {
+            return self.responses_text_frame(text, block, logprobs);
+        }
         // Only a chat completion's chunk gives one.
         let role = self.role.take();
         if role.is_none() && (self.logprobs.is_empty() || self.dialect != Dialect::OpenAi) {
@@ -2318,20 +2340,7 @@ impl Guard {
 
     fn text_frame(&self, text: &str, block: u64) -> Bytes {
         if self.setup.endpoint == Endpoint::Responses {
-            let template = self.part_templates.iter().find(|(p, _)| *p == block);
-            let mut frame = match template {
-                Some((_, Value::Object(template))) => template.clone(),
-                _ => Map::new(),
-            };
-            frame.insert("type".into(), json!("response.output_text.delta"));
-            // Numbered as it goes out.
-            frame.entry("sequence_number").or_insert_with(|| json!(0));
-            frame.insert("delta".into(), json!(text));
-            if frame.contains_key("logprobs") {
-                // The template's belong to its own text.
-                frame.insert("logprobs".into(), json!([]));
-            }
-            return sse(Some("response.output_text.delta"), &Value::Object(frame));
+            return self.responses_text_frame(text, block, Vec::new());
         }
         match self.dialect {
             Dialect::Anthropic => anthropic_text_frame(text, block),
@@ -2347,6 +2356,25 @@ impl Guard {
                 None => sse(None, &self.openai_chunk(text, Value::Null)),
             },
         }
+    }
+
+    /// A Responses API text delta of `text` in content part `block`, like
+    /// the part's first, with `logprobs` (the template's belong to its own
+    /// text).
+    fn responses_text_frame(&self, text: &str, block: u64, logprobs: Vec<Value>) -> Bytes {
+        let template = self.part_templates.iter().find(|(p, _)| *p == block);
+        let mut frame = match template {
+            Some((_, Value::Object(template))) => template.clone(),
+            _ => Map::new(),
+        };
+        frame.insert("type".into(), json!("response.output_text.delta"));
+        // Numbered as it goes out.
+        frame.entry("sequence_number").or_insert_with(|| json!(0));
+        frame.insert("delta".into(), json!(text));
+        if frame.contains_key("logprobs") || !logprobs.is_empty() {
+            frame.insert("logprobs".into(), Value::Array(logprobs));
+        }
+        sse(Some("response.output_text.delta"), &Value::Object(frame))
     }
 
     /// A chunk like the upstream's, carrying `text` and `finish_reason`.
