@@ -74,6 +74,7 @@ fuzz_target!(|data: &[u8]| {
         started: Instant::now(),
         include_usage: pick & 0x80 != 0,
         prefill: PREFILLS[prefill].to_owned(),
+        resume_after: None,
     };
     let mut pieces: Vec<Result<Bytes, String>> = body
         .chunks(size)
