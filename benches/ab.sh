@@ -2,7 +2,8 @@
 # CPU time per request of two fairgate builds in one run: both serve the
 # same fast mock on their embedded defaults (shipped rules, side queue with
 # in-process workers), and 64-connection closed loops of guarded chat
-# completions (KIND=stream: streams; DIALECT=anthropic: the Messages API)
+# completions (KIND=stream: streams; DIALECT=anthropic: the Messages API,
+# DIALECT=responses: the Responses API)
 # alternate between them, in the order ABBA so that a drift of
 # this shared machine falls on both alike. Prints each round's CPU per
 # request (user + system, from /proc) and the new / old ratio, then the

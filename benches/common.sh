@@ -33,11 +33,16 @@ if [ -n "${SYSTEM_WORDS:-}" ]; then
   SYSTEM=$(python3 -c "import itertools, sys; w = 'Answer in plain words and explain each step of a budget before you suggest any product'.split(); print('You are a careful personal-finance assistant. ' + ' '.join(itertools.islice(itertools.cycle(w), int(sys.argv[1]))) + '.')" "$SYSTEM_WORDS")
 fi
 # DIALECT=anthropic: Messages API requests (API_PATH /v1/messages), which
-# the mock answers in Anthropic's dialect; OpenAI's chat completions else.
+# the mock answers in Anthropic's dialect; DIALECT=responses: the Responses
+# API's (/v1/responses, streams of 33 numbered events); OpenAI's chat
+# completions else.
 QUESTION="I earn 3,000 a month and spend 2,600. How should I start saving and investing?"
 if [ "${DIALECT:-openai}" = anthropic ]; then
   API_PATH=/v1/messages
   BODY='{"model":"claude-bench","max_tokens":1024,"system":"'"$SYSTEM"'","messages":[{"role":"user","content":"'"$QUESTION"'"}]}'
+elif [ "${DIALECT:-openai}" = responses ]; then
+  API_PATH=/v1/responses
+  BODY='{"model":"gpt-4o-mini","instructions":"'"$SYSTEM"'","input":"'"$QUESTION"'"}'
 else
   API_PATH=/v1/chat/completions
   BODY='{"model":"gpt-4o-mini","messages":[{"role":"system","content":"'"$SYSTEM"'"},{"role":"user","content":"'"$QUESTION"'"}]}'

@@ -13,6 +13,7 @@
 #   SYSTEM_WORDS=500 bash benches/instructions.sh     # a system prompt of 500 words (about 3 KB) in every request
 #   SDK_HEADERS=1 bash benches/instructions.sh        # the OpenAI SDK's request headers and the API's answer headers
 #   DIALECT=anthropic bash benches/instructions.sh    # Anthropic's Messages API (POST /v1/messages) instead
+#   DIALECT=responses bash benches/instructions.sh    # the Responses API (POST /v1/responses) instead
 #
 # For each binary and each kind of exchange (non-streaming, streaming with
 # the mock's 27 events): fairgate serves on its embedded defaults (side

@@ -1,7 +1,8 @@
 //! A fast mock LLM upstream for `benches/proxy.sh`: answers
 //! `POST /v1/chat/completions` with a fixed completion, or a fixed SSE stream
 //! when the request asks for one, `POST /v1/messages` the same in
-//! Anthropic's dialect, and everything else with a small JSON (a chat
+//! Anthropic's dialect, `POST /v1/responses` in the Responses API's (its
+//! events numbered), and everything else with a small JSON (a chat
 //! completion's).
 //!
 //! `cargo bench --bench mock_upstream -- 127.0.0.1:18101`
@@ -44,6 +45,8 @@ const COMPLETION: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","c
 
 const MESSAGE: &str = r#"{"id":"msg_bench","type":"message","role":"assistant","model":"bench","content":[{"type":"text","text":"Start with a budget, build an emergency fund of three to six months of expenses, then invest regularly in broad index funds."}],"stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":20,"output_tokens":25}}"#;
 
+const RESPONSE: &str = r#"{"id":"resp_bench","object":"response","created_at":1,"status":"completed","model":"bench","output":[{"id":"msg_bench","type":"message","status":"completed","role":"assistant","content":[{"type":"output_text","text":"Start with a budget, build an emergency fund of three to six months of expenses, then invest regularly in broad index funds.","annotations":[]}]}],"usage":{"input_tokens":20,"output_tokens":25,"total_tokens":45}}"#;
+
 const WORDS: &str = "Start with a budget, build an emergency fund of three to six months of expenses, then invest regularly in broad index funds over many years.";
 
 /// The stream's words (with their spaces), `MOCK_ANSWER_REPEAT` times over.
@@ -78,6 +81,78 @@ fn messages_stream_body() -> String {
         "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\",\"stop_sequence\":null},\"usage\":{\"output_tokens\":25}}\n\n",
         "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
     ));
+    out
+}
+
+/// The stream of a response of the Responses API, a text delta a word,
+/// every event numbered, as OpenAI sends one.
+fn responses_stream_body() -> String {
+    let words = answer_words();
+    let text = serde_json::to_string(&words.concat()).unwrap_or_default();
+    let at = r#""item_id":"msg_bench","output_index":0,"content_index":0"#;
+    let response = |status: &str, output: &str| {
+        format!(
+            r#"{{"id":"resp_bench","object":"response","created_at":1,"status":"{status}","model":"bench","output":[{output}]}}"#
+        )
+    };
+    let message = |status: &str, content: &str| {
+        format!(
+            r#"{{"id":"msg_bench","type":"message","status":"{status}","role":"assistant","content":[{content}]}}"#
+        )
+    };
+    let part = format!(r#"{{"type":"output_text","text":{text},"annotations":[]}}"#);
+    let mut events = vec![
+        (
+            "response.created",
+            format!(r#""response":{}"#, response("in_progress", "")),
+        ),
+        (
+            "response.in_progress",
+            format!(r#""response":{}"#, response("in_progress", "")),
+        ),
+        (
+            "response.output_item.added",
+            format!(r#""output_index":0,"item":{}"#, message("in_progress", "")),
+        ),
+        (
+            "response.content_part.added",
+            format!(r#"{at},"part":{{"type":"output_text","text":"","annotations":[]}}"#),
+        ),
+    ];
+    for word in &words {
+        let delta = serde_json::to_string(word).unwrap_or_default();
+        events.push((
+            "response.output_text.delta",
+            format!(r#"{at},"delta":{delta},"logprobs":[]"#),
+        ));
+    }
+    events.extend([
+        (
+            "response.output_text.done",
+            format!(r#"{at},"text":{text},"logprobs":[]"#),
+        ),
+        (
+            "response.content_part.done",
+            format!(r#"{at},"part":{part}"#),
+        ),
+        (
+            "response.output_item.done",
+            format!(r#""output_index":0,"item":{}"#, message("completed", &part)),
+        ),
+        (
+            "response.completed",
+            format!(
+                r#""response":{}"#,
+                response("completed", &message("completed", &part))
+            ),
+        ),
+    ]);
+    let mut out = String::new();
+    for (number, (kind, members)) in events.iter().enumerate() {
+        out.push_str(&format!(
+            "event: {kind}\ndata: {{\"type\":\"{kind}\",\"sequence_number\":{number},{members}}}\n\n"
+        ));
+    }
     out
 }
 
@@ -175,6 +250,7 @@ const OPENAI_HEADERS: [(&str, &str); 20] = [
 struct Answers {
     chat_stream: Bytes,
     messages_stream: Bytes,
+    responses_stream: Bytes,
 }
 
 async fn reply(
@@ -183,11 +259,10 @@ async fn reply(
     pace: Pace,
     openai_headers: bool,
 ) -> Result<Response<MockBody>, Infallible> {
-    let messages = req.uri().path().ends_with("/v1/messages");
-    let (stream, whole) = if messages {
-        (answers.messages_stream, MESSAGE)
-    } else {
-        (answers.chat_stream, COMPLETION)
+    let (stream, whole) = match req.uri().path() {
+        path if path.ends_with("/v1/messages") => (answers.messages_stream, MESSAGE),
+        path if path.ends_with("/v1/responses") => (answers.responses_stream, RESPONSE),
+        _ => (answers.chat_stream, COMPLETION),
     };
     let body = req
         .into_body()
@@ -250,6 +325,7 @@ fn main() -> std::io::Result<()> {
         let answers = Answers {
             chat_stream: Bytes::from(stream_body()),
             messages_stream: Bytes::from(messages_stream_body()),
+            responses_stream: Bytes::from(responses_stream_body()),
         };
         eprintln!("mock upstream on {addr}");
         loop {
