@@ -404,6 +404,58 @@ impl<S, F: FnOnce(StreamOutcome)> Drop for Run<S, F> {
     }
 }
 
+/// The first text delta of a Responses API content part, the template of
+/// the deltas the guard writes in the part: with their type, a
+/// `sequence_number` (rewritten as they go out) and their own `logprobs`
+/// (the template's belong to its own text).
+struct PartTemplate {
+    part: u64,
+    json: Map<String, Value>,
+    /// The frame of the template cut where its text goes: most deltas
+    /// are the two with a text between (see [`PartTemplate::frame`]).
+    around: Option<(String, String)>,
+}
+
+impl PartTemplate {
+    fn new(part: u64, mut json: Map<String, Value>) -> PartTemplate {
+        json.insert("type".into(), json!("response.output_text.delta"));
+        json.entry("sequence_number").or_insert_with(|| json!(0));
+        if json.contains_key("logprobs") {
+            json.insert("logprobs".into(), json!([]));
+        }
+        // No text holds NUL characters; the marker cannot occur otherwise.
+        const MARKER: &str = "\0fairgate\0";
+        json.insert("delta".into(), json!(MARKER));
+        let frame = sse(
+            Some("response.output_text.delta"),
+            &Value::Object(json.clone()),
+        );
+        let frame = String::from_utf8_lossy(&frame);
+        let around = frame
+            .split_once(&json_text(&json!(MARKER)))
+            .map(|(before, after)| (before.to_owned(), after.to_owned()));
+        PartTemplate { part, json, around }
+    }
+
+    /// The delta of `text`, with `logprobs`.
+    fn frame(&self, text: &str, logprobs: Vec<Value>) -> Bytes {
+        if let Some((before, after)) = &self.around
+            && logprobs.is_empty()
+        {
+            let mut frame = Vec::with_capacity(before.len() + text.len() + after.len() + 8);
+            frame.extend_from_slice(before.as_bytes());
+            // Writing a string into a Vec cannot fail.
+            let _ = serde_json::to_writer(&mut frame, text);
+            frame.extend_from_slice(after.as_bytes());
+            return Bytes::from(frame);
+        }
+        let mut json = self.json.clone();
+        json.insert("delta".into(), json!(text));
+        json.insert("logprobs".into(), Value::Array(logprobs));
+        sse(Some("response.output_text.delta"), &Value::Object(json))
+    }
+}
+
 /// The entries of a Responses API text delta's `logprobs`, when it has
 /// any: the API sends an empty list unless the client asked for them, and
 /// the event is then not read again.
@@ -937,7 +989,7 @@ pub struct Guard {
     /// template for its re-framed text; the response of
     /// `response.created`, for a blocked stream's last event; the parts
     /// started; the `sequence_number` of the next event sent.
-    part_templates: Vec<(u64, Value)>,
+    part_templates: Vec<PartTemplate>,
     response_template: Option<Value>,
     parts: u64,
     next_number: Option<u64>,
@@ -1295,7 +1347,13 @@ impl Guard {
             return Some(frame);
         };
         let mut rewritten = None;
-        if let Ok(mut json) = serde_json::from_str::<Value>(&data)
+        // A delta carries its piece in `delta`, never text repeated (and
+        // the text deltas the guard writes are most of what it sends).
+        let delta = event
+            .as_deref()
+            .is_some_and(|name| name.ends_with(".delta"));
+        if !delta
+            && let Ok(mut json) = serde_json::from_str::<Value>(&data)
             && self.check_repeated(&mut json)?
         {
             rewritten = Some(json_text(&json));
@@ -1634,10 +1692,10 @@ impl Guard {
                         block: part,
                     };
                 };
-                if !self.part_templates.iter().any(|(p, _)| *p == part)
-                    && let Ok(json) = serde_json::from_str::<Value>(data)
+                if !self.part_templates.iter().any(|t| t.part == part)
+                    && let Ok(Value::Object(json)) = serde_json::from_str::<Value>(data)
                 {
-                    self.part_templates.push((part, json));
+                    self.part_templates.push(PartTemplate::new(part, json));
                 }
                 self.pending_logprobs = logprob_entries(data);
                 self.text(event, text, part, data)
@@ -1661,7 +1719,7 @@ impl Guard {
                         }
                     }
                     self.part_templates
-                        .push((self.parts, Value::Object(template)));
+                        .push(PartTemplate::new(self.parts, template));
                 }
                 Kind::BlockStart {
                     block: self.parts,
@@ -2359,22 +2417,12 @@ impl Guard {
     }
 
     /// A Responses API text delta of `text` in content part `block`, like
-    /// the part's first, with `logprobs` (the template's belong to its own
-    /// text).
+    /// the part's first, with `logprobs`.
     fn responses_text_frame(&self, text: &str, block: u64, logprobs: Vec<Value>) -> Bytes {
-        let template = self.part_templates.iter().find(|(p, _)| *p == block);
-        let mut frame = match template {
-            Some((_, Value::Object(template))) => template.clone(),
-            _ => Map::new(),
-        };
-        frame.insert("type".into(), json!("response.output_text.delta"));
-        // Numbered as it goes out.
-        frame.entry("sequence_number").or_insert_with(|| json!(0));
-        frame.insert("delta".into(), json!(text));
-        if frame.contains_key("logprobs") || !logprobs.is_empty() {
-            frame.insert("logprobs".into(), Value::Array(logprobs));
+        match self.part_templates.iter().find(|t| t.part == block) {
+            Some(template) => template.frame(text, logprobs),
+            None => PartTemplate::new(block, Map::new()).frame(text, logprobs),
         }
-        sse(Some("response.output_text.delta"), &Value::Object(frame))
     }
 
     /// A chunk like the upstream's, carrying `text` and `finish_reason`.
