@@ -910,8 +910,10 @@ impl Session {
                         "request_id": request_id,
                     },
                 });
-                let mut sends = self.replaced(response, held, Some(done), "incomplete", details);
-                sends.extend(self.delete_items(&answer.items));
+                // The items go from the conversation before the client
+                // hears of the end, and may ask for another response.
+                let mut sends = self.delete_items(&answer.items);
+                sends.extend(self.replaced(response, held, Some(done), "incomplete", details));
                 (sends, StreamEnd::Blocked)
             }
             (_, false) => {
@@ -1011,14 +1013,14 @@ impl Session {
             "code": "response_too_large",
             "message": "The response was larger than fairgate holds to check (guard.max_response_bytes).",
         }});
-        let mut sends = self.replaced(response, held, None, "failed", details);
         let cancel = json!({
             "type": "response.cancel",
             "event_id": self.own_event_id(),
             "response_id": response,
         });
-        sends.push(Send::Upstream(Message::text(cancel.to_string())));
+        let mut sends = vec![Send::Upstream(Message::text(cancel.to_string()))];
         sends.extend(self.delete_items(&answer.items));
+        sends.extend(self.replaced(response, held, None, "failed", details));
         let scanned = answer.scan(&self.state.config.risk);
         let request_id = self.records.next_id();
         self.record(answer, request_id, scanned, None, StreamEnd::Malformed);

@@ -1141,7 +1141,14 @@ routes:
                 assert done.status_details.reason == "content_filter", done
                 assert not done.output, done
             assert REALTIME_HANDSHAKES == [("/v1/realtime?model=gpt-realtime", "Bearer sk-test")], REALTIME_HANDSHAKES
-            sent = [e["type"] for e in REALTIME_EVENTS[taken:]]
+            # The blocked answer's items are deleted upstream before the
+            # client hears of its end; the mock's thread takes a moment.
+            deadline = time.time() + 5
+            while time.time() < deadline:
+                sent = [e["type"] for e in REALTIME_EVENTS[taken:]]
+                if "conversation.item.delete" in sent:
+                    break
+                time.sleep(0.01)
             assert sent[:2] == ["conversation.item.create", "response.create"], sent
             assert "conversation.item.delete" in sent, sent
             assert all("Ignore all previous" not in json.dumps(e) for e in REALTIME_EVENTS), REALTIME_EVENTS
