@@ -21,10 +21,11 @@
 //!   it**. The text is re-framed: the client gets well-formed deltas that
 //!   need not line up with the upstream's (a chat completion chunk, or a
 //!   Responses API text delta, carries the `logprobs` entries of the
-//!   upstream chunks whose text it completes, but for redacted text). An OpenAI text chunk is the
-//!   upstream's first one with only its text changed, when that one is
-//!   plain (see `plain_text`); else it is rebuilt from it (with the
-//!   `role` of the chunk that began the text, when it gave one). A chunk
+//!   upstream chunks whose text it completes, but for redacted text). An
+//!   OpenAI text chunk is the upstream's first one with only its text
+//!   changed, when that one is plain (see `plain_text`); else it is
+//!   rebuilt from it (with the `role` of the chunk that began the text,
+//!   when it gave one). A chunk
 //!   with both text and its finish is read as two (see `split_finish`),
 //!   the finish held until the choice's text is over. On a block the
 //!   stream ends as the SDKs expect: OpenAI, a chunk with
@@ -442,18 +443,24 @@ impl PartTemplate {
         if let Some((before, after)) = &self.around
             && logprobs.is_empty()
         {
-            let mut frame = Vec::with_capacity(before.len() + text.len() + after.len() + 8);
-            frame.extend_from_slice(before.as_bytes());
-            // Writing a string into a Vec cannot fail.
-            let _ = serde_json::to_writer(&mut frame, text);
-            frame.extend_from_slice(after.as_bytes());
-            return Bytes::from(frame);
+            return around(before, text, after);
         }
         let mut json = self.json.clone();
         json.insert("delta".into(), json!(text));
         json.insert("logprobs".into(), Value::Array(logprobs));
         sse(Some("response.output_text.delta"), &Value::Object(json))
     }
+}
+
+/// A frame of a template cut around its text: `before`, `text` as a JSON
+/// string, `after`.
+fn around(before: &str, text: &str, after: &str) -> Bytes {
+    let mut frame = Vec::with_capacity(before.len() + text.len() + after.len() + 8);
+    frame.extend_from_slice(before.as_bytes());
+    // Writing a string into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut frame, text);
+    frame.extend_from_slice(after.as_bytes());
+    Bytes::from(frame)
 }
 
 /// The entries of a Responses API text delta's `logprobs`, when it has
@@ -2403,14 +2410,7 @@ impl Guard {
         match self.dialect {
             Dialect::Anthropic => anthropic_text_frame(text, block),
             Dialect::OpenAi => match &self.text_frame_parts {
-                Some((before, after)) => {
-                    let mut frame = Vec::with_capacity(before.len() + text.len() + after.len() + 8);
-                    frame.extend_from_slice(before.as_bytes());
-                    // Writing a string into a Vec cannot fail.
-                    let _ = serde_json::to_writer(&mut frame, text);
-                    frame.extend_from_slice(after.as_bytes());
-                    Bytes::from(frame)
-                }
+                Some((before, after)) => around(before, text, after),
                 None => sse(None, &self.openai_chunk(text, Value::Null)),
             },
         }
@@ -3025,6 +3025,40 @@ mod tests {
             assert_eq!(data["id"], "c", "{first}");
             assert_eq!(data["choices"].as_array().unwrap().len(), 1, "{first}");
         }
+    }
+
+    #[test]
+    fn a_responses_delta_is_its_parts_first_with_its_own_text_and_logprobs() {
+        let first = json!({"type": "response.output_text.delta", "sequence_number": 7,
+            "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": "first",
+            "logprobs": [{"token": "first", "logprob": -0.1}], "obfuscation": "pad"});
+        let Value::Object(first) = first else {
+            unreachable!()
+        };
+        let template = PartTemplate::new(1, first);
+        let data = |frame: Bytes| -> Value {
+            let frame = String::from_utf8(frame.to_vec()).unwrap();
+            let data = frame
+                .strip_prefix("event: response.output_text.delta\ndata: ")
+                .and_then(|f| f.strip_suffix("\n\n"))
+                .unwrap_or_else(|| panic!("one event: {frame:?}"));
+            serde_json::from_str(data).unwrap()
+        };
+        let text = "caf\u{e9} \"x\"\nnext\u{0}";
+        let expected = json!({"type": "response.output_text.delta", "sequence_number": 7,
+            "item_id": "msg_1", "output_index": 0, "content_index": 0, "delta": text,
+            "logprobs": [], "obfuscation": "pad"});
+        assert_eq!(data(template.frame(text, Vec::new())), expected);
+        let entries = vec![json!({"token": "caf", "logprob": -0.2})];
+        let mut with_entries = expected.clone();
+        with_entries["logprobs"] = json!(entries);
+        assert_eq!(data(template.frame(text, entries)), with_entries);
+        // A part with no delta to copy: the members a delta must have.
+        let bare = PartTemplate::new(2, Map::new());
+        assert_eq!(
+            data(bare.frame("a", Vec::new())),
+            json!({"type": "response.output_text.delta", "sequence_number": 0, "delta": "a"})
+        );
     }
 
     #[test]

@@ -18,8 +18,9 @@
 //! response fetched as a stream (`?stream=true`) goes through the stream
 //! guard; one resumed after the event the client got last
 //! (`starting_after`) is read from its start and sent from there
-//! ([`take_resume`]). A fetch leaves no record: it makes no exchange. The requests
-//! read here leave one with no response ([`batch::send_scanned`]).
+//! ([`take_resume`]). A fetch leaves no record: it makes no exchange. The
+//! requests read here leave one with no response
+//! ([`batch::send_scanned`]).
 
 use std::sync::Arc;
 use std::time::Instant;
