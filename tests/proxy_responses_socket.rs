@@ -15,11 +15,9 @@ use std::sync::{Arc, Mutex};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use support::{config, next_text, start_proxy};
-use tokio::net::TcpListener;
 use tokio_tungstenite::tungstenite::Message;
 
-type Client =
-    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+type Client = support::WsClient;
 
 /// A mock of the Responses API's WebSocket mode: each `response.create`
 /// answered with the events of a stream of the next scripted chunks (each
@@ -33,16 +31,9 @@ struct Upstream {
 
 impl Upstream {
     async fn start() -> (SocketAddr, Upstream) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let upstream = Upstream::default();
         let shared = upstream.clone();
-        tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                let upstream = shared.clone();
-                tokio::spawn(async move { upstream.serve(stream).await });
-            }
-        });
+        let addr = support::serve_each(move |stream| shared.clone().serve(stream)).await;
         (addr, upstream)
     }
 

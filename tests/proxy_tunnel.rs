@@ -16,7 +16,6 @@ use std::time::Duration;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
 use support::{config, next_text, start_mock, start_proxy};
-use tokio::net::TcpListener;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::handshake::server::{Request, Response};
@@ -32,49 +31,46 @@ struct Handshake {
 /// and each binary one with its bytes reversed, and first sends
 /// `session.created`, as the Realtime API does.
 async fn start_ws_upstream() -> (SocketAddr, Arc<Mutex<Vec<Handshake>>>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let log = seen.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let log = log.clone();
-            tokio::spawn(async move {
-                // The callback's error type is tungstenite's, large or not.
-                #[allow(clippy::result_large_err)]
-                let record = |request: &Request, response: Response| {
-                    log.lock().unwrap().push(Handshake {
-                        uri: request.uri().to_string(),
-                        authorization: request
-                            .headers()
-                            .get("authorization")
-                            .map(|v| v.to_str().unwrap().to_owned()),
-                    });
-                    Ok(response)
-                };
-                let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(stream, record).await else {
-                    return;
-                };
-                let created = Message::text(r#"{"type":"session.created"}"#);
-                if ws.send(created).await.is_err() {
-                    return;
-                }
-                while let Some(Ok(message)) = ws.next().await {
-                    let reply = match message {
-                        Message::Text(text) => Message::text(format!("echo: {}", text.as_str())),
-                        Message::Binary(bytes) => {
-                            Message::binary(bytes.iter().rev().copied().collect::<Vec<u8>>())
-                        }
-                        Message::Close(_) => break,
-                        _ => continue,
-                    };
-                    if ws.send(reply).await.is_err() {
-                        return;
+    let addr = support::serve_each(move |stream| {
+        let log = log.clone();
+        async move {
+            // The callback's error type is tungstenite's, large or not.
+            #[allow(clippy::result_large_err)]
+            let record = |request: &Request, response: Response| {
+                log.lock().unwrap().push(Handshake {
+                    uri: request.uri().to_string(),
+                    authorization: request
+                        .headers()
+                        .get("authorization")
+                        .map(|v| v.to_str().unwrap().to_owned()),
+                });
+                Ok(response)
+            };
+            let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(stream, record).await else {
+                return;
+            };
+            let created = Message::text(r#"{"type":"session.created"}"#);
+            if ws.send(created).await.is_err() {
+                return;
+            }
+            while let Some(Ok(message)) = ws.next().await {
+                let reply = match message {
+                    Message::Text(text) => Message::text(format!("echo: {}", text.as_str())),
+                    Message::Binary(bytes) => {
+                        Message::binary(bytes.iter().rev().copied().collect::<Vec<u8>>())
                     }
+                    Message::Close(_) => break,
+                    _ => continue,
+                };
+                if ws.send(reply).await.is_err() {
+                    return;
                 }
-            });
+            }
         }
-    });
+    })
+    .await;
     (addr, seen)
 }
 

@@ -80,6 +80,28 @@ impl Mock {
     }
 }
 
+/// A WebSocket client's connection to the proxy.
+pub type WsClient =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// Listens on an ephemeral port of 127.0.0.1 and serves each connection
+/// with `serve`, on a task of its own: a mock upstream of a protocol of its
+/// own (WebSockets). The listener's address.
+pub async fn serve_each<F, Fut>(serve: F) -> SocketAddr
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(serve(stream));
+        }
+    });
+    addr
+}
+
 pub async fn start_mock() -> Mock {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
