@@ -250,8 +250,8 @@ fn take_resume(uri: &mut Uri) -> Option<u64> {
     let (mut after, mut streamed, mut kept) = (None, false, Vec::new());
     for pair in query.split('&') {
         match pair.split_once('=') {
-            Some(("starting_after", number)) if number.parse::<u64>().is_ok() => {
-                after = number.parse().ok();
+            Some(("starting_after", number)) if let Ok(number) = number.parse() => {
+                after = Some(number);
                 continue;
             }
             Some(("stream", "true")) => streamed = true,
