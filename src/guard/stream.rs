@@ -1377,7 +1377,21 @@ impl Guard {
         if next == number && rewritten.is_none() {
             return Some(frame);
         }
-        let data = format!("{}{next}{}", &data[..span.start], &data[span.end..]);
+        let mut digits = itoa::Buffer::new();
+        let digits = digits.format(next);
+        // The number replaced in the frame as it stands, when its data
+        // is there as it reads.
+        if rewritten.is_none()
+            && let Some(at) = offset_in(&frame, data.as_bytes())
+        {
+            let (from, to) = (at + span.start, at + span.end);
+            let mut out = Vec::with_capacity(frame.len() + digits.len());
+            out.extend_from_slice(&frame[..from]);
+            out.extend_from_slice(digits.as_bytes());
+            out.extend_from_slice(&frame[to..]);
+            return Some(Bytes::from(out));
+        }
+        let data = format!("{}{digits}{}", &data[..span.start], &data[span.end..]);
         Some(sse_text(event.as_deref(), &data))
     }
 
@@ -2713,6 +2727,12 @@ fn json_text(value: &Value) -> String {
 
 fn sse(event: Option<&str>, data: &Value) -> Bytes {
     sse_text(event, &json_text(data))
+}
+
+/// Where `part` starts in `whole`, when it is a piece of it.
+fn offset_in(whole: &[u8], part: &[u8]) -> Option<usize> {
+    let at = (part.as_ptr() as usize).checked_sub(whole.as_ptr() as usize)?;
+    (at + part.len() <= whole.len()).then_some(at)
 }
 
 /// An event of `data`, one `data:` line per line of it.

@@ -360,8 +360,119 @@ impl<'a> Delta<'a> {
 }
 
 /// The `sequence_number` of a Responses API event (its data), and where
-/// its digits lie; `None` when it has none that is a non-negative integer.
+/// its digits lie; `None` when it has none that is a non-negative integer,
+/// or has it twice.
+///
+/// Every event going out is renumbered, so this runs on each: it scans
+/// the bytes for the top level's keys, stepping over strings with
+/// `memchr` rather than decoding them, as [`sequence_number_read`] does.
+/// The data is JSON the guard has read whole (an upstream event) or
+/// written; a scan that meets a top-level key written with escapes, or
+/// does not end at the object's end, leaves the answer to that reading.
 pub fn sequence_number(data: &str) -> Option<(u64, Range<usize>)> {
+    match scan_sequence_number(data.as_bytes()) {
+        Scan::Found(found) => found,
+        Scan::Unsure => sequence_number_read(data),
+    }
+}
+
+enum Scan {
+    Found(Option<(u64, Range<usize>)>),
+    Unsure,
+}
+
+fn scan_sequence_number(bytes: &[u8]) -> Scan {
+    const KEY: &[u8] = b"\"sequence_number\"";
+    if bytes.first() != Some(&b'{') {
+        return Scan::Unsure;
+    }
+    let (mut depth, mut key_next, mut found) = (0usize, false, None);
+    let mut at = 0;
+    while let Some(&byte) = bytes.get(at) {
+        match byte {
+            b'"' => {
+                let Some(end) = string_end(bytes, at + 1) else {
+                    return Scan::Unsure;
+                };
+                if depth == 1 && std::mem::take(&mut key_next) {
+                    let key = &bytes[at..end];
+                    if key.contains(&b'\\') {
+                        return Scan::Unsure;
+                    }
+                    if key == KEY {
+                        if found.is_some() {
+                            return Scan::Found(None);
+                        }
+                        found = Some(number_after_key(bytes, end));
+                    }
+                }
+                at = end;
+                continue;
+            }
+            b'{' | b'[' => {
+                depth += 1;
+                key_next = depth == 1;
+            }
+            b'}' | b']' => {
+                let Some(up) = depth.checked_sub(1) else {
+                    return Scan::Unsure;
+                };
+                depth = up;
+                if depth == 0 {
+                    let rest = &bytes[at + 1..];
+                    if !rest.iter().all(u8::is_ascii_whitespace) {
+                        return Scan::Unsure;
+                    }
+                    return Scan::Found(found.flatten());
+                }
+            }
+            b',' => key_next = depth == 1,
+            _ => {}
+        }
+        at += 1;
+    }
+    Scan::Unsure
+}
+
+/// The index just past the string whose contents start at `from`.
+fn string_end(bytes: &[u8], mut from: usize) -> Option<usize> {
+    loop {
+        let at = from + memchr::memchr2(b'"', b'\\', bytes.get(from..)?)?;
+        if bytes[at] == b'"' {
+            return Some(at + 1);
+        }
+        from = at + 2;
+    }
+}
+
+/// The value of a key whose token ends at `key_end`, when it is a
+/// non-negative integer, and where its digits lie.
+fn number_after_key(bytes: &[u8], key_end: usize) -> Option<(u64, Range<usize>)> {
+    let skip = |from: usize| {
+        from + bytes[from..]
+            .iter()
+            .take_while(|b| b.is_ascii_whitespace())
+            .count()
+    };
+    let colon = skip(key_end);
+    if bytes.get(colon) != Some(&b':') {
+        return None;
+    }
+    let start = skip(colon + 1);
+    let len = bytes[start..]
+        .iter()
+        .take_while(|b| !matches!(b, b',' | b'}' | b']') && !b.is_ascii_whitespace())
+        .count();
+    let digits = &bytes[start..start + len];
+    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let number = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some((number, start..start + len))
+}
+
+/// [`sequence_number`] by jiter's full reading of the data.
+fn sequence_number_read(data: &str) -> Option<(u64, Range<usize>)> {
     let mut reader = Reader::new(data);
     let mut found = None;
     if !reader.is_object().ok()? {
@@ -590,9 +701,63 @@ mod tests {
             r#"{"sequence_number":"4"}"#,
             r#"[{"sequence_number":4}]"#,
             r#"{"sequence_number":4"#,
+            r#"{"sequence_number":4,"sequence_number":5}"#,
+            r#"{"sequence_number":4.5}"#,
+            r#"{"sequence_number":null}"#,
         ] {
             assert_eq!(sequence_number(data), None, "{data}");
         }
+    }
+
+    #[test]
+    fn the_scan_for_a_sequence_number_reads_as_jiter_does() {
+        for data in [
+            r#"{"type":"x","sequence_number":17,"item":{"sequence_number":3}}"#,
+            r#"{"text":"a \"sequence_number\":9 b","sequence_number":2}"#,
+            r#"{"text":"\\","sequence_number":2,"x":"\\\""}"#,
+            r#"{"list":[{"sequence_number":1},"]}"],"sequence_number":0}"#,
+            r#"{"sequence_number":1,"item":{"a":[1,{"b":"}"}]},"sequence_number":2}"#,
+            r#" {"sequence_number":1}"#,
+            r#"{"sequence_number":1} "#,
+            r#"{"sequence_number":1}}"#,
+            r#"{"sequence_number":1}x"#,
+            r#"{"sequence\u005fnumber":8}"#,
+            r#"{"sequence\u005fnumber":8,"sequence_number":9}"#,
+            r#"{"sequence_number":-0}"#,
+            r#"{"sequence_number":1e2}"#,
+            r#"{"sequence_number" : 12 }"#,
+            r#"{"sequence_number":18446744073709551616}"#,
+            r#"{"a":"unterminated"#,
+            r#"{"a":"ends in a backslash\"#,
+            "{}",
+            "",
+        ] {
+            assert_eq!(sequence_number(data), sequence_number_read(data), "{data}");
+        }
+        // The scan answers alone for escaped strings that are not keys,
+        // and nested values, and steps over them.
+        for (data, number) in [
+            (
+                r#"{"text":"a \"sequence_number\":9 b","sequence_number":2}"#,
+                Some(2),
+            ),
+            (r#"{"text":"\\","sequence_number":2,"x":"\\\""}"#, Some(2)),
+            (r#"{"a":{"sequence_number":1,"b":["\"}"]},"c":"}"}"#, None),
+        ] {
+            let Scan::Found(found) = scan_sequence_number(data.as_bytes()) else {
+                panic!("unsure of {data}");
+            };
+            assert_eq!(found.map(|(n, _)| n), number, "{data}");
+        }
+        // A key written with escapes is left to jiter's reading.
+        assert!(matches!(
+            scan_sequence_number(br#"{"sequence\u005fnumber":8}"#),
+            Scan::Unsure
+        ));
+        assert_eq!(
+            sequence_number(r#"{"sequence\u005fnumber":8}"#).map(|(n, _)| n),
+            Some(8)
+        );
     }
 
     #[test]
