@@ -151,10 +151,12 @@ use bytestring::ByteString;
 use futures_util::{Stream, StreamExt};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
+use jiter::Peek;
 use serde_json::{Map, Value, json};
 
 use crate::config::StreamMode;
 use crate::exchange::{self, Dialect, Endpoint};
+use crate::json::{ReadError, Reader};
 use crate::proxy::ProxyBody;
 use crate::proxy::respond::{self, Failure};
 use crate::record::{StreamEnd, Usage};
@@ -1359,11 +1361,8 @@ impl Guard {
         let delta = event
             .as_deref()
             .is_some_and(|name| name.ends_with(".delta"));
-        if !delta
-            && let Ok(mut json) = serde_json::from_str::<Value>(&data)
-            && self.check_repeated(&mut json)?
-        {
-            rewritten = Some(json_text(&json));
+        if !delta {
+            rewritten = self.check_repeated(&data)?;
         }
         let data = rewritten.as_deref().unwrap_or(&data);
         let Some((number, span)) = event::sequence_number(data) else {
@@ -1399,30 +1398,40 @@ impl Guard {
     /// response's). Text the stream carried, and the guard read, is
     /// redacted as it was; other text (an upstream whose deltas and
     /// repetitions disagree) is scanned now, and redacted in place, or
-    /// `None` when a rule blocks it. Whether the event changed.
-    fn check_repeated(&mut self, json: &mut Value) -> Option<bool> {
+    /// `None` when a rule blocks it. The event's data rewritten, when it
+    /// changed. The texts are read where they stand in the data, and only
+    /// a change writes it again.
+    fn check_repeated(&mut self, data: &str) -> Option<Option<String>> {
         let mut texts = Vec::new();
-        repeated_texts(json, &mut texts);
-        let mut changed = false;
-        for text in texts {
-            if self.acc.contains(text.as_str()) || self.held_text.contains(text.as_str()) {
+        // Data that is not JSON repeats no text.
+        if repeated_texts(&mut Reader::new(data), &mut texts).is_err() {
+            return Some(None);
+        }
+        let mut edits = Vec::new();
+        for Text { value, token } in texts {
+            if self.acc.contains(&*value) || self.held_text.contains(&*value) {
+                let mut edited: Option<String> = None;
                 for hit in self.hits.iter().filter(|h| h.action == Action::Redact) {
                     let original = &self.acc[hit.start..hit.end];
+                    let text = edited.as_deref().unwrap_or(&value);
                     if text.contains(original) {
-                        *text = text.replace(original, &hit.placeholder);
-                        changed = true;
+                        edited = Some(text.replace(original, &hit.placeholder));
                     }
                 }
+                edits.extend(edited.map(|text| (token, text)));
                 continue;
             }
-            let hits = self.setup.rules.scan(Scope::Response, text);
+            let hits = self.setup.rules.scan(Scope::Response, &value);
             let blocks = hits.iter().any(|h| h.action == Action::Block);
             let mut redacts: Vec<&Hit> =
                 hits.iter().filter(|h| h.action == Action::Redact).collect();
-            redacts.sort_by_key(|h| std::cmp::Reverse(h.start));
-            for hit in redacts {
-                text.replace_range(hit.start..hit.end, &hit.placeholder);
-                changed = true;
+            if !redacts.is_empty() {
+                redacts.sort_by_key(|h| std::cmp::Reverse(h.start));
+                let mut text = value.into_owned();
+                for hit in redacts {
+                    text.replace_range(hit.start..hit.end, &hit.placeholder);
+                }
+                edits.push((token, text));
             }
             self.repeated_hits.extend(hits);
             if blocks {
@@ -1430,15 +1439,22 @@ impl Guard {
             }
         }
         // The tokens of a redacted text are that text.
-        if changed {
-            super::strip_logprobs(json);
-        }
+        let mut rewritten = (!edits.is_empty())
+            .then(|| super::without_logprobs(crate::json::splice(data.as_bytes(), &edits)));
         // What a tool gave the model, redacted when its item streamed, is
         // redacted where the event repeats it.
         if !self.context_redactions.is_empty() {
-            changed |= replace_strings(json, &self.context_redactions);
+            let data = rewritten.as_deref().unwrap_or(data.as_bytes());
+            if let Ok(mut json) = serde_json::from_slice::<Value>(data)
+                && replace_strings(&mut json, &self.context_redactions)
+            {
+                rewritten = Some(Bytes::from(json_text(&json)));
+            }
         }
-        Some(changed)
+        Some(rewritten.map(|data| match String::from_utf8(data.into()) {
+            Ok(data) => data,
+            Err(_) => unreachable!("JSON strings spliced into UTF-8 are UTF-8"),
+        }))
     }
 
     fn outcome(&self, first_byte: Option<Duration>, guard_time: Duration) -> StreamOutcome {
@@ -2758,32 +2774,58 @@ fn sse_text(event: Option<&str>, data: &str) -> Bytes {
 /// (its `content` or reasoning `summary`; what a hosted tool's call tells
 /// it to do, in its `action`, `actions` or `operation`: see
 /// `exchange::Texts::call_words`) or the `response.output` it carries.
-fn repeated_texts<'a>(value: &'a mut Value, out: &mut Vec<&'a mut String>) {
-    let Value::Object(members) = value else {
-        return;
+fn repeated_texts<'a>(reader: &mut Reader<'a>, out: &mut Vec<Text<'a>>) -> Result<(), ReadError> {
+    const KEYS: [&str; 18] = [
+        "text",
+        "refusal",
+        "arguments",
+        "input",
+        "code",
+        "query",
+        "diff",
+        "command",
+        "commands",
+        "part",
+        "item",
+        "response",
+        "action",
+        "operation",
+        "content",
+        "output",
+        "summary",
+        "actions",
+    ];
+    if !reader.is_object()? {
+        return Ok(());
+    }
+    let string = |reader: &mut Reader<'a>, out: &mut Vec<Text<'a>>| {
+        out.extend(reader.string()?);
+        Ok(())
     };
-    for (key, value) in members.iter_mut() {
-        match (key.as_str(), value) {
-            (
-                "text" | "refusal" | "arguments" | "input" | "code" | "command" | "query" | "diff",
-                Value::String(text),
-            ) => out.push(text),
-            ("commands" | "command", Value::Array(items)) => {
-                out.extend(items.iter_mut().filter_map(|item| match item {
-                    Value::String(text) => Some(text),
-                    _ => None,
-                }))
-            }
-            ("part" | "item" | "response" | "action" | "operation", value @ Value::Object(_)) => {
-                repeated_texts(value, out)
-            }
-            ("content" | "output" | "summary" | "actions", Value::Array(items)) => {
-                for item in items {
-                    repeated_texts(item, out);
-                }
-            }
-            _ => {}
+    reader.every_member(KEYS, |reader, key| match KEYS[key] {
+        "part" | "item" | "response" | "action" | "operation" => repeated_texts(reader, out),
+        "content" | "output" | "summary" | "actions" => {
+            items(reader, |item| repeated_texts(item, out))
         }
+        "commands" => items(reader, |item| string(item, out)),
+        // A string, or strings.
+        "command" => {
+            let span = reader.span()?;
+            string(&mut reader.part(span.clone()), out)?;
+            items(&mut reader.part(span), |item| string(item, out))
+        }
+        _ => string(reader, out),
+    })
+}
+
+/// Reads each item of an array, when the value is one.
+fn items<'a>(
+    reader: &mut Reader<'a>,
+    item: impl FnMut(&mut Reader<'a>) -> Result<(), ReadError>,
+) -> Result<(), ReadError> {
+    match reader.is(Peek::Array)? {
+        true => reader.array(item),
+        false => Ok(()),
     }
 }
 
@@ -4851,6 +4893,42 @@ mod tests {
             let expected: Vec<u64> = (0..3).map(|i| first.saturating_add(i)).collect();
             assert_eq!(numbers, expected, "{first}");
         }
+    }
+
+    #[test]
+    fn the_texts_an_event_repeats_are_read_where_they_stand() {
+        let data = json!({
+            "type": "response.completed",
+            "text": "t", "refusal": "r", "arguments": "a", "input": "i",
+            "code": "c", "query": "q", "diff": "d", "command": "one",
+            "commands": ["two", 3, "th\"ree"],
+            "part": {"text": "p", "id": "not read"},
+            "item": {"content": [{"text": "ct"}, "x"], "summary": [{"text": "s"}],
+                     "action": {"command": ["ls", "-l"], "query": 4}},
+            "response": {"output": [{"operation": {"diff": "od"}}, {"actions": [{"text": "at"}]}]},
+            // Of another type than the walk reads: skipped.
+            "output": "o", "content": {"text": "no"}, "summary": "no",
+            "logprobs": [{"text": "no"}],
+            "sequence_number": 3,
+        })
+        .to_string();
+        let mut texts = Vec::new();
+        repeated_texts(&mut Reader::new(&data), &mut texts).unwrap();
+        let mut found: Vec<String> = texts.iter().map(|t| t.value.to_string()).collect();
+        // The token of each, its quotes and escapes as they stand.
+        for text in &texts {
+            let token: String = serde_json::from_str(&data[text.token.clone()]).unwrap();
+            assert_eq!(token, text.value);
+        }
+        found.sort();
+        let mut expected = [
+            "t", "r", "a", "i", "c", "q", "d", "one", "two", "th\"ree", "p", "ct", "s", "ls", "-l",
+            "od", "at",
+        ];
+        expected.sort();
+        assert_eq!(found, expected);
+        // Data that is not JSON repeats nothing.
+        assert!(repeated_texts(&mut Reader::new(r#"{"text":"#), &mut Vec::new()).is_err());
     }
 
     #[test]
