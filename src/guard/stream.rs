@@ -1584,6 +1584,9 @@ impl Guard {
         {
             // Its finish too, if that one's had one.
             self.text_with_finish = self.shape_finishes;
+            if self.setup.endpoint == Endpoint::Responses {
+                self.pending_logprobs = logprob_entries(data);
+            }
             return Kind::Text {
                 text: EventText::of(text),
                 block: shape.block,
@@ -1639,10 +1642,15 @@ impl Guard {
 
     /// A text event: its kind, and its shape for the events that follow.
     fn text(&mut self, event: &Event, text: &Text, block: u64, data: &str) -> Kind {
-        // Each Responses API event has another `sequence_number`: no two
-        // have one shape.
-        if self.setup.endpoint != Endpoint::Responses {
-            self.shape = Some(Shape::of(data, text.token.clone(), &event.skipped, block));
+        // Each Responses API event has another `sequence_number`: a place
+        // of the shape.
+        let number = match self.setup.endpoint {
+            Endpoint::Responses => event::sequence_number(data).map(|(_, span)| span),
+            _ => None,
+        };
+        if self.setup.endpoint != Endpoint::Responses || number.is_some() {
+            let token = text.token.clone();
+            self.shape = Some(Shape::of(data, token, &event.skipped, number, block));
             self.shape_finishes = self.text_with_finish;
         }
         Kind::Text {
@@ -1739,6 +1747,8 @@ impl Guard {
             }
             Some("response.content_part.added") => {
                 self.parts += 1;
+                // The deltas of another part are read in full first.
+                self.shape = None;
                 let text = event
                     .content_block
                     .text

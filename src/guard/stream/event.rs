@@ -489,7 +489,9 @@ fn sequence_number_read(data: &str) -> Option<(u64, Range<usize>)> {
 }
 
 /// A text event as its fixed bytes and the places of its strings that
-/// may differ, one of them the text; and its content block.
+/// may differ, one of them the text, and of its number, if it has one
+/// that differs in every event (the Responses API's `sequence_number`);
+/// and its content block.
 #[derive(Debug)]
 pub struct Shape {
     /// The bytes before and after the text: most often the only string
@@ -500,18 +502,29 @@ pub struct Shape {
     fixed: Vec<String>,
     /// Which place holds the text.
     text: usize,
+    /// Which place holds the number.
+    number: Option<usize>,
     pub block: u64,
 }
 
 impl Shape {
-    /// The shape of `data` with the text at `text` and other strings at
-    /// `skipped` (string tokens, in order, none overlapping the text).
-    pub fn of(data: &str, text: Range<usize>, skipped: &[Range<usize>], block: u64) -> Shape {
-        let at = skipped.partition_point(|place| place.start < text.start);
-        let places = skipped[..at].iter().chain([&text]).chain(&skipped[at..]);
-        let mut fixed = Vec::with_capacity(skipped.len() + 2);
+    /// The shape of `data` with the text at `text`, other strings at
+    /// `skipped` (string tokens, in order, none overlapping the text) and
+    /// a non-negative integer at `number`.
+    pub fn of(
+        data: &str,
+        text: Range<usize>,
+        skipped: &[Range<usize>],
+        number: Option<Range<usize>>,
+        block: u64,
+    ) -> Shape {
+        let mut places: Vec<&Range<usize>> = skipped.iter().chain([&text]).collect();
+        places.extend(&number);
+        places.sort_by_key(|place| place.start);
+        let at = |wanted: &Range<usize>| places.iter().position(|place| *place == wanted);
+        let mut fixed = Vec::with_capacity(places.len() + 1);
         let mut from = 0;
-        for place in places {
+        for place in &places {
             fixed.push(data[from..place.start].to_owned());
             from = place.end;
         }
@@ -519,8 +532,9 @@ impl Shape {
         Shape {
             before: data[..text.start].to_owned(),
             after: data[text.end..].to_owned(),
+            text: at(&text).unwrap_or_default(),
+            number: number.as_ref().and_then(at),
             fixed,
-            text: at,
             block,
         }
     }
@@ -556,6 +570,10 @@ impl Shape {
         let mut text = None;
         for (place, fixed) in before.iter().enumerate() {
             rest = rest.strip_prefix(fixed.as_str())?;
+            if Some(place) == self.number {
+                rest = &rest[integer_token(rest)?..];
+                continue;
+            }
             // Exactly one string token, from the first byte on.
             if !rest.starts_with('"') {
                 return None;
@@ -599,6 +617,14 @@ pub(super) fn plain_token(text: &str) -> Option<usize> {
 
 /// The JSON string token at the start of `text` when it holds no escape,
 /// its value taken as it stands ([`plain_token`]).
+/// The length of the digits that `text` starts with, as JSON writes a
+/// non-negative integer (no leading zeros). What follows them is the
+/// shape's fixed bytes, which followed an integer.
+fn integer_token(text: &str) -> Option<usize> {
+    let len = text.bytes().take_while(u8::is_ascii_digit).count();
+    (len > 0 && !(len > 1 && text.starts_with('0'))).then_some(len)
+}
+
 fn plain_string(text: &str) -> Option<Text<'_>> {
     let end = plain_token(text)?;
     Some(Text {
@@ -761,6 +787,30 @@ mod tests {
     }
 
     #[test]
+    fn a_shape_with_a_number_reads_events_that_differ_in_it_too() {
+        let event = |number: &str, text: &str| {
+            format!(
+                r#"{{"type":"response.output_text.delta","sequence_number":{number},"item_id":"msg_1","output_index":0,"content_index":0,"delta":{text},"logprobs":[]}}"#
+            )
+        };
+        let first = event("4", r#""one""#);
+        let read = Event::read(&first).unwrap();
+        let text = read.delta_text.unwrap().token;
+        let number = sequence_number(&first).map(|(_, span)| span);
+        let shape = Shape::of(&first, text, &read.skipped, number, 3);
+        let text = |data: &str| shape.text(data).map(|text| text.value.into_owned());
+        assert_eq!(text(&event("5", r#""two""#)), Some("two".into()));
+        assert_eq!(text(&event("0", r#""t\"o""#)), Some("t\"o".into()));
+        assert_eq!(text(&event("123456", r#""x""#)), Some("x".into()));
+        // A number of another form, or anything else there, is read in full.
+        for number in ["07", "-5", "5.0", "5e1", r#""5""#, "null", "", "5 ,\"x\":1"] {
+            let data = event(number, r#""two""#);
+            assert!(shape.text(&data).is_none(), "{data}");
+        }
+        assert_eq!(shape.block, 3);
+    }
+
+    #[test]
     fn a_shape_reads_events_that_differ_only_in_their_strings() {
         let event = |id: &str, text: &str, pad: &str| {
             format!(
@@ -771,7 +821,7 @@ mod tests {
         let read = Event::read(&first).unwrap();
         assert_eq!(read.skipped.len(), 2);
         let text = read.choice.delta.content.unwrap().token;
-        let shape = Shape::of(&first, text, &read.skipped, 0);
+        let shape = Shape::of(&first, text, &read.skipped, None, 0);
         // The text and where its token lies in the event.
         let text = |data: &str| {
             shape
