@@ -1403,9 +1403,11 @@ impl Guard {
     /// a change writes it again.
     fn check_repeated(&mut self, data: &str) -> Option<Option<String>> {
         let mut texts = Vec::new();
-        // Data that is not JSON repeats no text.
+        // The events sent are JSON (read whole as they came, or written
+        // by the guard): one this read cannot finish nests deeper than
+        // the guard reads, and could hide text from the check.
         if repeated_texts(&mut Reader::new(data), &mut texts).is_err() {
-            return Some(None);
+            return None;
         }
         let mut edits = Vec::new();
         for Text { value, token } in texts {
@@ -4902,6 +4904,47 @@ mod tests {
                 .collect();
             let expected: Vec<u64> = (0..3).map(|i| first.saturating_add(i)).collect();
             assert_eq!(numbers, expected, "{first}");
+        }
+    }
+
+    #[test]
+    /// A repeated text nested deeper than the guard reads is not sent
+    /// unchecked: the stream ends blocked there.
+    fn an_event_nesting_its_texts_too_deep_to_read_ends_the_stream() {
+        let stream = |depth: usize| {
+            let mut item = json!({"type": "output_text", "text": "Budget first."});
+            for _ in 0..depth {
+                item = json!({"type": "message", "content": [item]});
+            }
+            numbered(vec![
+                ("response.created", json!({"response": {"id": "r"}})),
+                (
+                    "response.completed",
+                    json!({"response": {"id": "r", "output": [item]}}),
+                ),
+            ])
+        };
+        for mode in [StreamMode::Holdback, StreamMode::Buffer] {
+            let (guard, frames) = guard_stream(Endpoint::Responses, mode, stream(10));
+            assert!(!guard.blocked, "{mode:?}");
+            let sent = sent_events(&frames);
+            assert_eq!(
+                sent.last().unwrap().0.as_deref(),
+                Some("response.completed")
+            );
+
+            let (guard, frames) = guard_stream(Endpoint::Responses, mode, stream(40));
+            assert!(guard.blocked, "{mode:?}");
+            let sent = sent_events(&frames);
+            assert_eq!(
+                sent.last().unwrap().0.as_deref(),
+                Some("response.incomplete")
+            );
+            assert!(
+                !sent
+                    .iter()
+                    .any(|(name, _)| name.as_deref() == Some("response.completed"))
+            );
         }
     }
 
