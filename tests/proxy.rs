@@ -2027,6 +2027,12 @@ async fn logprobs_never_carry_what_the_rules_stop() {
     );
     assert_eq!(tokens_of(&body), ["Mail ", " about ", "a budget", "."]);
 
+    // A chunk the same as the one before, its tokens too, carries them.
+    let tokens = ["Save ", "more", "more", "."];
+    let body = relay_stream(&proxy, "/v1/chat/completions", stream(&tokens), &question).await;
+    assert_eq!(openai_stream_text(&body).0, "Save moremore.");
+    assert_eq!(tokens_of(&body), tokens);
+
     let tokens = ["Put all your sav", "ings into Dogecoin ", "right now."];
     let body = relay_stream(&proxy, "/v1/chat/completions", stream(&tokens), &question).await;
     assert!(!body.contains("Dogecoin"), "{body}");

@@ -1587,9 +1587,6 @@ impl Guard {
         {
             // Its finish too, if that one's had one.
             self.text_with_finish = self.shape_finishes;
-            if self.setup.endpoint == Endpoint::Responses {
-                self.pending_logprobs = logprob_entries(data);
-            }
             return Kind::Text {
                 text: EventText::of(text),
                 block: shape.block,
@@ -1619,10 +1616,16 @@ impl Guard {
         if let Some(usage) = fields.usage {
             self.note_usage(usage);
         }
-        match self.dialect {
+        let kind = match self.dialect {
             Dialect::OpenAi => self.classify_openai(&fields, data),
             Dialect::Anthropic => self.classify_anthropic(&fields, data),
+        };
+        // A shape's events carry its logprobs in their fixed bytes, which
+        // are not read again: an event that has some leaves no shape.
+        if self.pending_logprobs.is_some() {
+            self.shape = None;
         }
+        kind
     }
 
     /// Keeps the usage an event reports (its JSON text): OpenAI's final
