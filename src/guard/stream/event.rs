@@ -459,16 +459,14 @@ fn number_after_key(bytes: &[u8], key_end: usize) -> Option<(u64, Range<usize>)>
         return None;
     }
     let start = skip(colon + 1);
-    let len = bytes[start..]
-        .iter()
-        .take_while(|b| !matches!(b, b',' | b'}' | b']') && !b.is_ascii_whitespace())
-        .count();
-    let digits = &bytes[start..start + len];
-    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+    let end = start + integer_token(&bytes[start..])?;
+    // The value ends with its digits (not `1.5`, `1e2`).
+    let after = bytes.get(end).copied().unwrap_or(b' ');
+    if !matches!(after, b',' | b'}' | b']') && !after.is_ascii_whitespace() {
         return None;
     }
-    let number = std::str::from_utf8(digits).ok()?.parse().ok()?;
-    Some((number, start..start + len))
+    let number = std::str::from_utf8(&bytes[start..end]).ok()?.parse().ok()?;
+    Some((number, start..end))
 }
 
 /// [`sequence_number`] by jiter's full reading of the data.
@@ -571,7 +569,7 @@ impl Shape {
         for (place, fixed) in before.iter().enumerate() {
             rest = rest.strip_prefix(fixed.as_str())?;
             if Some(place) == self.number {
-                rest = &rest[integer_token(rest)?..];
+                rest = &rest[integer_token(rest.as_bytes())?..];
                 continue;
             }
             // Exactly one string token, from the first byte on.
@@ -618,11 +616,12 @@ pub(super) fn plain_token(text: &str) -> Option<usize> {
 /// The JSON string token at the start of `text` when it holds no escape,
 /// its value taken as it stands ([`plain_token`]).
 /// The length of the digits that `text` starts with, as JSON writes a
-/// non-negative integer (no leading zeros). What follows them is the
-/// shape's fixed bytes, which followed an integer.
-fn integer_token(text: &str) -> Option<usize> {
-    let len = text.bytes().take_while(u8::is_ascii_digit).count();
-    (len > 0 && !(len > 1 && text.starts_with('0'))).then_some(len)
+/// non-negative integer (no leading zeros). Whether the value ends there
+/// is the caller's to see (a shape's fixed bytes follow it; a member's
+/// end does).
+fn integer_token(text: &[u8]) -> Option<usize> {
+    let len = text.iter().take_while(|b| b.is_ascii_digit()).count();
+    (len > 0 && !(len > 1 && text[0] == b'0')).then_some(len)
 }
 
 fn plain_string(text: &str) -> Option<Text<'_>> {
@@ -750,6 +749,7 @@ mod tests {
             r#"{"sequence\u005fnumber":8}"#,
             r#"{"sequence\u005fnumber":8,"sequence_number":9}"#,
             r#"{"sequence_number":-0}"#,
+            r#"{"sequence_number":007}"#,
             r#"{"sequence_number":1e2}"#,
             r#"{"sequence_number" : 12 }"#,
             r#"{"sequence_number":18446744073709551616}"#,
