@@ -19,8 +19,10 @@
 
 use std::borrow::Cow;
 use std::ops::Range;
+use std::sync::LazyLock;
 
 use jiter::Peek;
+use memchr::memmem;
 
 pub use crate::json::Text;
 use crate::json::{ReadError, Reader};
@@ -369,6 +371,9 @@ impl<'a> Delta<'a> {
 /// The data is JSON the guard has read whole (an upstream event) or
 /// written; a scan that meets a top-level key written with escapes, or
 /// does not end at the object's end, leaves the answer to that reading.
+/// The scan stops at the key when the key is nowhere after it (as the
+/// APIs write it: once, second) and the data ends as an object does:
+/// for JSON, which is all it is given, the rest cannot change the answer.
 pub fn sequence_number(data: &str) -> Option<(u64, Range<usize>)> {
     match scan_sequence_number(data.as_bytes()) {
         Scan::Found(found) => found,
@@ -381,8 +386,12 @@ enum Scan {
     Unsure,
 }
 
+/// The key of a Responses API event's number, quoted, and a search for it.
+const KEY: &[u8] = b"\"sequence_number\"";
+static SEQUENCE_NUMBER_KEY: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(KEY));
+
 fn scan_sequence_number(bytes: &[u8]) -> Scan {
-    const KEY: &[u8] = b"\"sequence_number\"";
     if bytes.first() != Some(&b'{') {
         return Scan::Unsure;
     }
@@ -403,7 +412,15 @@ fn scan_sequence_number(bytes: &[u8]) -> Scan {
                         if found.is_some() {
                             return Scan::Found(None);
                         }
-                        found = Some(number_after_key(bytes, end));
+                        let number = number_after_key(bytes, end);
+                        // The APIs write it early, and once: when the key
+                        // is nowhere after, the rest need not be scanned.
+                        if SEQUENCE_NUMBER_KEY.find(&bytes[end..]).is_none()
+                            && bytes.trim_ascii_end().last() == Some(&b'}')
+                        {
+                            return Scan::Found(number);
+                        }
+                        found = Some(number);
                     }
                 }
                 at = end;
@@ -755,6 +772,9 @@ mod tests {
             r#"{"sequence_number":18446744073709551616}"#,
             r#"{"a":"unterminated"#,
             r#"{"a":"ends in a backslash\"#,
+            r#"{"sequence_number":1,"a":"cut short"#,
+            r#"{"sequence_number":4,"text":"\"sequence_number\":5"}"#,
+            r#"{"sequence_number":4,"item":{"sequence_number":3}}"#,
             "{}",
             "",
         ] {
@@ -775,6 +795,13 @@ mod tests {
             };
             assert_eq!(found.map(|(n, _)| n), number, "{data}");
         }
+        // Nor does it read past the key when the key is nowhere after:
+        // a key written with escapes there is not seen.
+        let data = br#"{"type":"x","sequence_number":4,"te\u0078t":"a"}"#;
+        assert!(matches!(
+            scan_sequence_number(data),
+            Scan::Found(Some((4, ref span))) if &data[span.clone()] == b"4"
+        ));
         // A key written with escapes is left to jiter's reading.
         assert!(matches!(
             scan_sequence_number(br#"{"sequence\u005fnumber":8}"#),
