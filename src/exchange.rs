@@ -16,7 +16,9 @@
 
 use std::borrow::Cow;
 use std::ops::Range;
+use std::sync::LazyLock;
 
+use aho_corasick::AhoCorasick;
 use jiter::Peek;
 
 use crate::json::{ReadError, Reader};
@@ -579,12 +581,7 @@ pub fn definition_texts(json: &str, at: usize) -> Result<Vec<Text<'_>>, ReadErro
 pub fn streamed_tool_results(dialect: Dialect, data: &str) -> Result<Vec<Text<'_>>, ReadError> {
     // Most items are messages and reasoning: an item of none of the tools'
     // types, as its JSON text names them, is not read.
-    let quoted = |kind: &&str| {
-        data.match_indices(*kind)
-            .any(|(at, _)| data[..at].ends_with('"') && data[at + kind.len()..].starts_with('"'))
-    };
-    let also = [SHELL_OUTPUT_DONE, "url_citation"];
-    if dialect == Dialect::OpenAi && !HOSTED_TOOL_ITEMS.iter().chain(&also).any(quoted) {
+    if dialect == Dialect::OpenAi && !TOOL_RESULT_MARKS.is_match(data) {
         return Ok(Vec::new());
     }
     let mut reader = Reader::new(data);
@@ -1009,6 +1006,18 @@ const HOSTED_TOOL_ITEMS: [&str; 5] = [
 /// The Responses API event that carries a shell's output whole, in its
 /// `output` (after the deltas of `response.shell_call_output_content.delta`).
 const SHELL_OUTPUT_DONE: &str = "response.shell_call_output_content.done";
+
+/// The names, quoted, of the items, events and annotations that carry
+/// what a tool gave the model, searched in one pass over an event.
+static TOOL_RESULT_MARKS: LazyLock<AhoCorasick> = LazyLock::new(|| {
+    let names = HOSTED_TOOL_ITEMS
+        .iter()
+        .chain(&[SHELL_OUTPUT_DONE, "url_citation"]);
+    match AhoCorasick::new(names.map(|name| format!("\"{name}\""))) {
+        Ok(marks) => marks,
+        Err(error) => unreachable!("a few short names build an automaton: {error}"),
+    }
+});
 
 /// The members of a Responses API item that hold what a tool gave the
 /// model (see [`Texts::tool_results`]).
