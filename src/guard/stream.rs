@@ -996,11 +996,12 @@ pub struct Guard {
     /// (a plain text chunk needs none, see [`plain_text`]).
     template_tree: OnceCell<Option<Value>>,
     /// Responses API: the first text event of each content part, the
-    /// template for its re-framed text; the response of
-    /// `response.created`, for a blocked stream's last event; the parts
-    /// started; the `sequence_number` of the next event sent.
+    /// template for its re-framed text; the data of `response.created`
+    /// (or of the latest event like it), whose response a blocked stream's
+    /// last event is made from, read only then; the parts started; the
+    /// `sequence_number` of the next event sent.
     part_templates: Vec<PartTemplate>,
-    response_template: Option<Value>,
+    response_event: Option<String>,
     parts: u64,
     next_number: Option<u64>,
     /// A text chunk of the template, serialized, cut where its text goes:
@@ -1101,7 +1102,7 @@ impl Guard {
             template: None,
             template_tree: OnceCell::new(),
             part_templates: Vec::new(),
-            response_template: None,
+            response_event: None,
             parts: 0,
             next_number: None,
             text_frame_parts: None,
@@ -1840,11 +1841,7 @@ impl Guard {
             }
             Some("response.completed" | "response.incomplete" | "response.failed") => Kind::Final,
             Some("response.created" | "response.in_progress" | "response.queued") => {
-                if let Ok(mut json) = serde_json::from_str::<Value>(data)
-                    && let Some(response) = json.get_mut("response").filter(|r| r.is_object())
-                {
-                    self.response_template = Some(response.take());
-                }
+                self.response_event = Some(data.to_owned());
                 Kind::Other
             }
             _ => Kind::Other,
@@ -2558,8 +2555,12 @@ impl Guard {
     /// A blocked Responses API stream's last event: the response it began
     /// with, incomplete for `content_filter`, with no output.
     fn responses_ending(&self) -> Bytes {
-        let mut response = match &self.response_template {
-            Some(Value::Object(response)) => response.clone(),
+        let event = self.response_event.as_deref();
+        let mut response = match event.and_then(|data| serde_json::from_str(data).ok()) {
+            Some(Value::Object(mut event)) => match event.remove("response") {
+                Some(Value::Object(response)) => response,
+                _ => Map::new(),
+            },
             _ => Map::new(),
         };
         response.insert("status".into(), json!("incomplete"));
