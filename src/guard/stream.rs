@@ -2695,9 +2695,10 @@ fn split_finish(event: &SseEvent, endpoint: Endpoint) -> Option<(SseEvent, SseEv
 /// chunk that carries other text is this one with only that string
 /// changed, as [`Guard::openai_chunk`] would make it (one choice, its
 /// delta, in chat, holding the text alone, `finish_reason` null, no
-/// `logprobs` and no `usage`). Such a chunk is cut around its text
-/// without building its JSON tree, and re-framed chunks keep the
-/// upstream's order of members.
+/// `logprobs` and no `usage`), written on one line (a chunk's frame is
+/// one `data:` line). Such a chunk is cut around its text without
+/// building its JSON tree, and re-framed chunks keep the upstream's order
+/// of members.
 fn plain_text(event: &Event, data: &str, token: &Range<usize>, endpoint: Endpoint) -> bool {
     let choice = &event.choice;
     let (before, after) = (&data[..token.start], &data[token.end..]);
@@ -2714,6 +2715,7 @@ fn plain_text(event: &Event, data: &str, token: &Range<usize>, endpoint: Endpoin
         && choice.logprobs.is_none()
         && event.usage.is_none()
         && memchr::memmem::find(data.as_bytes(), br#""finish_reason":null"#).is_some()
+        && memchr::memchr2(b'\n', b'\r', data.as_bytes()).is_none()
 }
 
 /// An Anthropic `content_block_delta` of `text` in block `block`, its
@@ -3054,7 +3056,8 @@ mod tests {
     fn re_framed_text_keeps_a_plain_chunk_as_it_came_and_rebuilds_another() {
         let frame_after = |endpoint: Endpoint, first: &str| {
             let mut guard = Guard::new(setup(endpoint, StreamMode::Holdback));
-            describe(&mut guard, first);
+            // A `data:` line for each line of the data.
+            guard.classify(&parse_event(sse_text(None, first)).unwrap());
             String::from_utf8(guard.text_frame("caf\u{e9} \"x\"", 0).to_vec()).unwrap()
         };
         // Plain text chunks: the upstream's bytes, only the text changed.
@@ -3076,9 +3079,14 @@ mod tests {
             assert_eq!(frame_after(endpoint, first), expected, "{first}");
         }
         // Anything more in the chunk (a role, several choices, a finish,
-        // logprobs, usage, no finish_reason) and the chunk is rebuilt:
-        // the delta holds the text alone, finish_reason null, no usage.
+        // logprobs, usage, no finish_reason), or a chunk written over
+        // several lines (its data several `data:` lines), and the chunk
+        // is rebuilt: on one line, the delta holding the text alone,
+        // finish_reason null, no usage.
         let rebuilt = [
+            "{\"id\":\"c\",\n\"choices\":[{\"index\":0,\"delta\":{\"content\":\"first\"},\"finish_reason\":null}]}",
+            "{\"id\":\"c\",\r\n\"choices\":[{\"index\":0,\"delta\":{\"content\":\"first\"},\"finish_reason\":null}]}",
+            "{\"id\":\"c\",\r\"choices\":[{\"index\":0,\"delta\":{\"content\":\"first\"},\"finish_reason\":null}]}",
             r#"{"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":"first"},"finish_reason":null}]}"#,
             r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first","refusal":null},"finish_reason":null}]}"#,
             r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first"},"finish_reason":null},{"index":1,"delta":{"content":"other"},"finish_reason":null}]}"#,
@@ -3088,6 +3096,10 @@ mod tests {
         ];
         for first in rebuilt {
             let frame = frame_after(Endpoint::ChatCompletions, first);
+            assert!(
+                !frame[..frame.len() - 2].contains(['\n', '\r']),
+                "{frame:?}"
+            );
             let data: Value = serde_json::from_str(
                 frame
                     .strip_prefix("data: ")
