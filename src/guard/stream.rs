@@ -414,31 +414,83 @@ impl<S, F: FnOnce(StreamOutcome)> Drop for Run<S, F> {
 /// (the template's belong to its own text).
 struct PartTemplate {
     part: u64,
-    json: Map<String, Value>,
+    /// Its members, read from `first` when first needed.
+    json: OnceCell<Map<String, Value>>,
+    /// The delta it was made from, as it came (JSON).
+    first: Option<String>,
     /// The frame of the template cut where its text goes: most deltas
     /// are the two with a text between (see [`PartTemplate::frame`]).
     around: Option<(String, String)>,
 }
 
 impl PartTemplate {
-    fn new(part: u64, mut json: Map<String, Value>) -> PartTemplate {
+    /// The template of a part's deltas with `json`'s members (a part's
+    /// start gives them).
+    fn new(part: u64, json: Map<String, Value>) -> PartTemplate {
+        let json = Self::delta_members(json);
+        // No text holds NUL characters; the marker cannot occur otherwise.
+        const MARKER: &str = "\0fairgate\0";
+        let mut marked = json.clone();
+        marked.insert("delta".into(), json!(MARKER));
+        let frame = sse(Some("response.output_text.delta"), &Value::Object(marked));
+        let frame = String::from_utf8_lossy(&frame);
+        let around = frame
+            .split_once(&json_text(&json!(MARKER)))
+            .map(|(before, after)| (before.to_owned(), after.to_owned()));
+        PartTemplate {
+            part,
+            json: OnceCell::from(json),
+            first: None,
+            around,
+        }
+    }
+
+    /// The template of the part whose first delta is `data`, its text at
+    /// `token`, that carries no logprobs entries. Written on one line and
+    /// numbered, as the APIs write deltas, it is cut around its text, its
+    /// bytes kept as they came; otherwise read as JSON.
+    fn of_delta(part: u64, data: &str, token: &Range<usize>) -> PartTemplate {
+        let one_line = memchr::memchr2(b'\n', b'\r', data.as_bytes()).is_none();
+        if !one_line || event::sequence_number(data).is_none() {
+            let json = match serde_json::from_str(data) {
+                Ok(Value::Object(json)) => json,
+                _ => Map::new(),
+            };
+            return PartTemplate::new(part, json);
+        }
+        let around = (
+            format!(
+                "event: response.output_text.delta\ndata: {}",
+                &data[..token.start]
+            ),
+            format!("{}\n\n", &data[token.end..]),
+        );
+        PartTemplate {
+            part,
+            json: OnceCell::new(),
+            first: Some(data.to_owned()),
+            around: Some(around),
+        }
+    }
+
+    /// A text delta's members, from the event's.
+    fn delta_members(mut json: Map<String, Value>) -> Map<String, Value> {
         json.insert("type".into(), json!("response.output_text.delta"));
         json.entry("sequence_number").or_insert_with(|| json!(0));
         if json.contains_key("logprobs") {
             json.insert("logprobs".into(), json!([]));
         }
-        // No text holds NUL characters; the marker cannot occur otherwise.
-        const MARKER: &str = "\0fairgate\0";
-        json.insert("delta".into(), json!(MARKER));
-        let frame = sse(
-            Some("response.output_text.delta"),
-            &Value::Object(json.clone()),
-        );
-        let frame = String::from_utf8_lossy(&frame);
-        let around = frame
-            .split_once(&json_text(&json!(MARKER)))
-            .map(|(before, after)| (before.to_owned(), after.to_owned()));
-        PartTemplate { part, json, around }
+        json
+    }
+
+    fn members(&self) -> &Map<String, Value> {
+        self.json.get_or_init(|| {
+            let first = self.first.as_deref().unwrap_or("{}");
+            match serde_json::from_str(first) {
+                Ok(Value::Object(json)) => Self::delta_members(json),
+                _ => Map::new(),
+            }
+        })
     }
 
     /// The delta of `text`, with `logprobs`.
@@ -448,7 +500,7 @@ impl PartTemplate {
         {
             return around(before, text, after);
         }
-        let mut json = self.json.clone();
+        let mut json = self.members().clone();
         json.insert("delta".into(), json!(text));
         json.insert("logprobs".into(), Value::Array(logprobs));
         sse(Some("response.output_text.delta"), &Value::Object(json))
@@ -1744,12 +1796,18 @@ impl Guard {
                         block: part,
                     };
                 };
-                if !self.part_templates.iter().any(|t| t.part == part)
-                    && let Ok(Value::Object(json)) = serde_json::from_str::<Value>(data)
-                {
-                    self.part_templates.push(PartTemplate::new(part, json));
-                }
                 self.pending_logprobs = logprob_entries(data);
+                if !self.part_templates.iter().any(|t| t.part == part) {
+                    let template = match self.pending_logprobs {
+                        None => PartTemplate::of_delta(part, data, &text.token),
+                        // Its own tokens are not the template's.
+                        Some(_) => match serde_json::from_str(data) {
+                            Ok(Value::Object(json)) => PartTemplate::new(part, json),
+                            _ => PartTemplate::new(part, Map::new()),
+                        },
+                    };
+                    self.part_templates.push(template);
+                }
                 self.text(event, text, part, data)
             }
             Some("response.content_part.added") => {
@@ -3133,6 +3191,7 @@ mod tests {
                 .strip_prefix("event: response.output_text.delta\ndata: ")
                 .and_then(|f| f.strip_suffix("\n\n"))
                 .unwrap_or_else(|| panic!("one event: {frame:?}"));
+            assert!(!data.contains(['\n', '\r']), "one data line: {frame:?}");
             serde_json::from_str(data).unwrap()
         };
         let text = "caf\u{e9} \"x\"\nnext\u{0}";
@@ -3144,6 +3203,30 @@ mod tests {
         let mut with_entries = expected.clone();
         with_entries["logprobs"] = json!(entries);
         assert_eq!(data(template.frame(text, entries)), with_entries);
+        // A first delta with no logprobs entries, on one line and
+        // numbered, as the APIs write them: its bytes, only the text
+        // changed (its members in its order), unless the frame has entries.
+        let of_delta = |data: &str| {
+            let token = Event::read(data).unwrap().delta_text.unwrap().token;
+            PartTemplate::of_delta(1, data, &token)
+        };
+        let plain = r#"{"type":"response.output_text.delta","sequence_number":7,"item_id":"msg_1","output_index":0,"content_index":0,"delta":"first","logprobs":[],"obfuscation":"pad"}"#;
+        let template = of_delta(plain);
+        let written = plain.replace(r#""first""#, &json_text(&json!(text)));
+        let frame = format!("event: response.output_text.delta\ndata: {written}\n\n");
+        assert_eq!(template.frame(text, Vec::new()), frame.as_bytes());
+        let entries = vec![json!({"token": "caf", "logprob": -0.2})];
+        assert_eq!(data(template.frame(text, entries)), with_entries);
+        // Written over several lines, or not numbered: read as JSON.
+        let lines = plain.replace(r#","item_id""#, "\n,\"item_id\"");
+        assert_eq!(data(of_delta(&lines).frame(text, Vec::new())), expected);
+        let unnumbered = plain.replace(r#""sequence_number":7,"#, "");
+        let mut numbered = expected.clone();
+        numbered["sequence_number"] = json!(0);
+        assert_eq!(
+            data(of_delta(&unnumbered).frame(text, Vec::new())),
+            numbered
+        );
         // A part with no delta to copy: the members a delta must have.
         let bare = PartTemplate::new(2, Map::new());
         assert_eq!(
