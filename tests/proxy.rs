@@ -502,6 +502,49 @@ async fn blocked_phrase_split_across_chunks_never_reaches_the_client() {
     proxy.stop().await;
 }
 
+/// A `\r` ends a line, as the SDKs read SSE: a comment, a name or an id
+/// that a `\r` ends does not hide the `data:` line after it, nor does a
+/// blank line made of `\n\r` hide the event after it. The client would
+/// read those events; the guard reads them too, and the blocked phrase in
+/// one never arrives.
+#[tokio::test]
+async fn an_event_behind_a_carriage_return_is_guarded() {
+    let (_mock, proxy) = start().await;
+    let chunk = |delta: Value| {
+        json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": null}]})
+    };
+    let role = chunk(json!({"role": "assistant", "content": ""}));
+    let sure = chunk(json!({"content": "Sure. "}));
+    let blocked = chunk(json!({"content": "guaranteed returns of 20% a year"}));
+    let mut streams: Vec<String> = [": keep-alive\r", "event: message\r", "id: 7\r"]
+        .iter()
+        .map(|hiding| {
+            format!("data: {role}\n\ndata: {sure}\n\n{hiding}data: {blocked}\n\ndata: [DONE]\n\n")
+        })
+        .collect();
+    streams.push(format!(
+        "data: {role}\n\rdata: {blocked}\n\ndata: [DONE]\n\n"
+    ));
+    for raw in streams {
+        let body = relay_stream(
+            &proxy,
+            "/v1/chat/completions",
+            raw.clone(),
+            &chat("Tips?", true),
+        )
+        .await;
+        assert!(!body.contains("guaranteed"), "{raw:?} gave {body:?}");
+        // Its lines as the SDKs split them.
+        let lines = body.replace("\r\n", "\n").replace('\r', "\n");
+        let (received, finishes, done) = openai_stream_text(&lines);
+        assert!("Sure. ".starts_with(&received), "{received:?}");
+        assert_eq!(finishes, ["content_filter"], "{raw:?} gave {body:?}");
+        assert!(done);
+    }
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn blocked_stream_sends_the_upstream_usage_when_asked() {
     let (_mock, proxy) = start().await;

@@ -450,7 +450,7 @@ impl PartTemplate {
     /// numbered, as the APIs write deltas, it is cut around its text, its
     /// bytes kept as they came; otherwise read as JSON.
     fn of_delta(part: u64, data: &str, token: &Range<usize>) -> PartTemplate {
-        let one_line = memchr::memchr2(b'\n', b'\r', data.as_bytes()).is_none();
+        let one_line = memchr::memchr(b'\n', data.as_bytes()).is_none();
         if !one_line || event::sequence_number(data).is_none() {
             let json = match serde_json::from_str(data) {
                 Ok(Value::Object(json)) => json,
@@ -786,17 +786,34 @@ fn bare_index(text: &str) -> Option<(u64, &str)> {
 }
 
 /// The end (after the blank line) of the first complete event in `buf`,
-/// and its [`Lines`].
+/// and its [`Lines`]. A line ends as SSE has it end, and as the SDKs
+/// split lines: at `\r\n`, `\n` or `\r`, so that every event the client
+/// will read is one the guard reads (a `\r` inside a line of another
+/// field does not hide a `data:` line from the guard). An empty line
+/// ends the event: a line end right after another. A `\r` that ends
+/// `buf` may begin a `\r\n`: what follows it decides.
 fn event_end(buf: &[u8]) -> Option<(usize, Lines)> {
     let mut first = None;
     let mut breaks = 0usize;
     let mut cr = false;
-    for at in memchr::memchr2_iter(b'\n', b'\r', buf) {
-        if buf[at] == b'\r' {
-            cr = true;
-            continue;
-        }
-        match buf.get(at + 1..).unwrap_or_default() {
+    let mut ends = memchr::memchr2_iter(b'\n', b'\r', buf);
+    while let Some(at) = ends.next() {
+        // Where the line after this end starts.
+        let next = match buf[at] {
+            b'\n' => at + 1,
+            _ => {
+                cr = true;
+                match buf.get(at + 1) {
+                    None => return None,
+                    Some(b'\n') => {
+                        ends.next();
+                        at + 2
+                    }
+                    Some(_) => at + 1,
+                }
+            }
+        };
+        match buf.get(next..).unwrap_or_default() {
             [b'\n', ..] => {
                 let lines = match (breaks, first) {
                     _ if cr => Lines::Other,
@@ -804,9 +821,11 @@ fn event_end(buf: &[u8]) -> Option<(usize, Lines)> {
                     (1, Some(first)) => Lines::Two(first),
                     _ => Lines::Other,
                 };
-                return Some((at + 2, lines));
+                return Some((next + 1, lines));
             }
-            [b'\r', b'\n', ..] => return Some((at + 3, Lines::Other)),
+            [b'\r', b'\n', ..] => return Some((next + 2, Lines::Other)),
+            [b'\r'] => return None,
+            [b'\r', ..] => return Some((next + 1, Lines::Other)),
             _ => {
                 breaks += 1;
                 first.get_or_insert(at);
@@ -863,8 +882,9 @@ fn read_event(raw: Bytes, lines: Lines) -> Option<SseEvent> {
     };
     let mut event = None;
     let mut data: Option<String> = None;
-    for line in text.lines() {
-        let line = line.trim_end_matches('\r');
+    // Lines end at `\r\n`, `\n` or `\r` (see `event_end`); the empty piece
+    // between a `\r\n`'s two bytes is no field.
+    for line in text.split(['\r', '\n']) {
         if let Some(value) = line.strip_prefix("event:") {
             event = Some(ByteString::from(value.trim_start()));
         } else if let Some(value) = line.strip_prefix("data:") {
@@ -2773,7 +2793,7 @@ fn plain_text(event: &Event, data: &str, token: &Range<usize>, endpoint: Endpoin
         && choice.logprobs.is_none()
         && event.usage.is_none()
         && memchr::memmem::find(data.as_bytes(), br#""finish_reason":null"#).is_some()
-        && memchr::memchr2(b'\n', b'\r', data.as_bytes()).is_none()
+        && memchr::memchr(b'\n', data.as_bytes()).is_none()
 }
 
 /// An Anthropic `content_block_delta` of `text` in block `block`, its
@@ -3144,7 +3164,6 @@ mod tests {
         let rebuilt = [
             "{\"id\":\"c\",\n\"choices\":[{\"index\":0,\"delta\":{\"content\":\"first\"},\"finish_reason\":null}]}",
             "{\"id\":\"c\",\r\n\"choices\":[{\"index\":0,\"delta\":{\"content\":\"first\"},\"finish_reason\":null}]}",
-            "{\"id\":\"c\",\r\"choices\":[{\"index\":0,\"delta\":{\"content\":\"first\"},\"finish_reason\":null}]}",
             r#"{"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":"first"},"finish_reason":null}]}"#,
             r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first","refusal":null},"finish_reason":null}]}"#,
             r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first"},"finish_reason":null},{"index":1,"delta":{"content":"other"},"finish_reason":null}]}"#,
@@ -3713,7 +3732,11 @@ mod tests {
 
     #[test]
     fn parser_finds_events_however_the_bytes_are_cut() {
-        let input = "event: a\ndata: 1\n\ndata: 2\r\n\r\ndata: x\ndata: y\n\n: comment\n\ndata:z\n\ndata:  w\n\ndata: [DONE]\n\n";
+        // Lines end at `\r\n`, `\n` or `\r`, as the SDKs split them: a `\r`
+        // in a comment or a name ends that line.
+        let input = "event: a\ndata: 1\n\ndata: 2\r\n\r\ndata: x\ndata: y\n\n: comment\n\ndata:z\n\ndata:  w\n\n\
+            data: 3\r\rdata: 4\n\rdata: 5\r\n\r: c\rdata: 6\n\nevent: b\rdata: 7\r\ndata: 8\r\r\
+            data: [DONE]\n\n";
         let expected = [
             (Some("a"), Some("1")),
             (None, Some("2")),
@@ -3721,6 +3744,11 @@ mod tests {
             (None, None),
             (None, Some("z")),
             (None, Some(" w")),
+            (None, Some("3")),
+            (None, Some("4")),
+            (None, Some("5")),
+            (None, Some("6")),
+            (Some("b"), Some("7\n8")),
             (None, Some("[DONE]")),
         ];
         for cut in 0..=input.len() {
@@ -3887,6 +3915,7 @@ mod tests {
             ("data: a\n\r\n", Lines::Other),
             ("event: a\r\ndata: b\n\n", Lines::Other),
             ("data: a\rdata: b\n\n", Lines::Other),
+            (": c\rdata: b\n\n", Lines::Other),
             ("data: caf\u{e9}\n\n", Lines::One),
         ] {
             let raw = Bytes::from(input);
@@ -3899,6 +3928,11 @@ mod tests {
             };
             assert_eq!(read(&fast), read(&slow), "{input:?}");
         }
+        // An event's last `\r` may begin a `\r\n`: the byte after decides
+        // where the event ends.
+        assert_eq!(event_end(b"data: a\n\r"), None);
+        assert_eq!(event_end(b"data: a\n\rx"), Some((9, Lines::Other)));
+        assert_eq!(event_end(b"data: a\n\r\nx"), Some((10, Lines::Other)));
         // Bytes that are not UTF-8, in the name or the data, are read as
         // line by line they are (lossily).
         for input in [
