@@ -516,6 +516,32 @@ async fn repeated_text_that_was_not_streamed_is_guarded() {
     proxy.stop().await;
 }
 
+/// An event is what its data's `type` says, as the SDKs read it, whatever
+/// its SSE name: events that repeat text named as deltas are checked too.
+#[tokio::test]
+async fn repeated_text_is_guarded_whatever_the_event_is_named() {
+    let (_mock, proxy) = start().await;
+    let raw = disagreeing_stream(
+        "Budget first.",
+        "Put all your savings into Dogecoin right now.",
+    );
+    let raw = ["output_text.done", "output_item.done", "completed"]
+        .iter()
+        .fold(raw, |raw, name| {
+            let (from, to) = (
+                format!("event: response.{name}\n"),
+                "event: response.output_text.delta\n",
+            );
+            raw.replace(&from, to)
+        });
+    let body = relay(&proxy, raw).await;
+    assert!(!body.contains("Dogecoin"), "{body}");
+    let sent = events(&body);
+    assert_eq!(delta_text(&sent), "Budget first.");
+    assert_blocked_ending(&sent);
+    proxy.stop().await;
+}
+
 /// Text a server puts in a part's start is read with the deltas after it,
 /// as one text.
 #[tokio::test]

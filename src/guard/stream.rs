@@ -1430,12 +1430,9 @@ impl Guard {
             return Some(frame);
         };
         let mut rewritten = None;
-        // A delta carries its piece in `delta`, never text repeated (and
-        // the text deltas the guard writes are most of what it sends).
-        let delta = event
-            .as_deref()
-            .is_some_and(|name| name.ends_with(".delta"));
-        if !delta {
+        // A text delta carries its piece in `delta`, never text repeated
+        // (and the text deltas the guard writes are most of what it sends).
+        if !is_text_delta(&data) {
             rewritten = self.check_repeated(&data)?;
         }
         let data = rewritten.as_deref().unwrap_or(&data);
@@ -2842,6 +2839,34 @@ fn sse(event: Option<&str>, data: &Value) -> Bytes {
     sse_text(event, &json_text(data))
 }
 
+/// Whether a Responses API event's data is a text delta's
+/// (`response.output_text.delta`), by its `type`, as the SDKs know an
+/// event, whatever its SSE name. Read from the bytes when written first
+/// and plain, as the APIs write it; otherwise read as JSON.
+fn is_text_delta(data: &str) -> bool {
+    const TEXT_DELTA: &str = "response.output_text.delta";
+    let first = data
+        .strip_prefix(r#"{"type":""#)
+        .and_then(|rest| rest.split_once('"'))
+        .map(|(kind, _)| kind)
+        .filter(|kind| !kind.contains('\\'));
+    if let Some(kind) = first {
+        return kind == TEXT_DELTA;
+    }
+    let mut delta = false;
+    let mut reader = Reader::new(data);
+    let _ = reader.is_object().and_then(|object| match object {
+        true => reader.object(["type"], |reader, _| {
+            delta = reader
+                .string()?
+                .is_some_and(|kind| kind.value == TEXT_DELTA);
+            Ok(())
+        }),
+        false => Ok(()),
+    });
+    delta
+}
+
 /// Where `part` starts in `whole`, when it is a piece of it.
 fn offset_in(whole: &[u8], part: &[u8]) -> Option<usize> {
     let at = (part.as_ptr() as usize).checked_sub(whole.as_ptr() as usize)?;
@@ -3252,6 +3277,33 @@ mod tests {
             data(bare.frame("a", Vec::new())),
             json!({"type": "response.output_text.delta", "sequence_number": 0, "delta": "a"})
         );
+    }
+
+    #[test]
+    fn an_event_is_a_text_delta_by_its_type_wherever_it_stands() {
+        for (data, delta) in [
+            (r#"{"type":"response.output_text.delta","delta":"a"}"#, true),
+            (r#"{"delta":"a","type":"response.output_text.delta"}"#, true),
+            (r#"{ "type" : "response.output_text.delta"}"#, true),
+            (r#"{"type":"response.output_text\u002edelta"}"#, true),
+            (
+                r#"{"type":"response.output_item.done","item":{"type":"response.output_text.delta"}}"#,
+                false,
+            ),
+            (
+                r#"{"item":{"type":"response.output_text.delta"},"type":"response.completed"}"#,
+                false,
+            ),
+            (
+                r#"{"type":"response.reasoning_text.delta","delta":"a"}"#,
+                false,
+            ),
+            (r#"{"type":"response.output_text.delta\u0022"}"#, false),
+            (r#"["response.output_text.delta"]"#, false),
+            ("", false),
+        ] {
+            assert_eq!(is_text_delta(data), delta, "{data}");
+        }
     }
 
     #[test]
