@@ -669,7 +669,9 @@ impl SseParser {
     }
 
     /// Where in `chunk` the event begun in `buf` ends, if it does. `buf`
-    /// holds no end: one can only start on its last two bytes.
+    /// holds no end: one that runs into `chunk` starts on its last three
+    /// bytes (`\r\n\r`, waiting for the byte after), and its last two
+    /// are enough to find it, since a `\n` ends a line whatever is before.
     fn end_across(&self, chunk: &[u8]) -> Option<usize> {
         let tail = &self.buf[self.buf.len().saturating_sub(2)..];
         let mut seam = [0u8; 5];
