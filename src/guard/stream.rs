@@ -3825,6 +3825,79 @@ mod tests {
         }
     }
 
+    /// Random streams of short lines ended by `\r\n`, `\n` or `\r`, cut
+    /// at random: the parser finds the events a reader of the SSE
+    /// standard (and the SDKs) finds, with their names and data.
+    #[test]
+    fn parser_splits_events_as_the_standard_does() {
+        /// The events of `input` read as the standard says: lines end at
+        /// `\r\n`, `\n` or `\r`, an empty line ends an event, an event of
+        /// no line is none.
+        fn standard(input: &str) -> Vec<(Option<String>, Option<String>)> {
+            let mut lines = Vec::new();
+            let mut rest = input;
+            while let Some(at) = rest.find(['\r', '\n']) {
+                lines.push(&rest[..at]);
+                let end = match rest[at..].starts_with("\r\n") {
+                    true => at + 2,
+                    false => at + 1,
+                };
+                rest = &rest[end..];
+            }
+            let (mut events, mut block) = (Vec::new(), Vec::new());
+            for line in lines {
+                if !line.is_empty() {
+                    block.push(line);
+                    continue;
+                }
+                if block.is_empty() {
+                    continue;
+                }
+                let (mut event, mut data) = (None, None::<String>);
+                for line in block.drain(..) {
+                    if let Some(name) = line.strip_prefix("event:") {
+                        event = Some(name.to_owned());
+                    } else if let Some(value) = line.strip_prefix("data:") {
+                        let value = value.strip_prefix(' ').unwrap_or(value);
+                        data = Some(match data {
+                            Some(data) => format!("{data}\n{value}"),
+                            None => value.to_owned(),
+                        });
+                    }
+                }
+                events.push((event, data));
+            }
+            events
+        }
+        let pieces = [
+            "data: ", "data:", "event:", ": c", "x", "1", "\r", "\n", "\r\n",
+        ];
+        let mut rng = crate::testing::Lcg(11);
+        for _ in 0..3000 {
+            let mut input: String = (0..rng.below(24)).map(|_| *rng.pick(&pieces)).collect();
+            // Every event ends.
+            input.push_str("\n\n");
+            let bytes = input.as_bytes();
+            let (a, b) = (rng.below(bytes.len() + 1), rng.below(bytes.len() + 1));
+            let (a, b) = (a.min(b), a.max(b));
+            let mut parser = SseParser::default();
+            let mut events: Vec<SseEvent> = Vec::new();
+            for range in [0..a, a..b, b..bytes.len()] {
+                events.extend(parser.push(Bytes::copy_from_slice(&bytes[range])));
+            }
+            let got: Vec<_> = events
+                .iter()
+                .map(|e| {
+                    (
+                        e.event.as_deref().map(String::from),
+                        e.data.as_deref().map(String::from),
+                    )
+                })
+                .collect();
+            assert_eq!(got, standard(&input), "{input:?} cut at {a} and {b}");
+        }
+    }
+
     /// Anthropic's bare events, known by their bytes, mean what they mean
     /// read in full; any other form of them is read in full.
     #[test]
