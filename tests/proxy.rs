@@ -545,6 +545,25 @@ async fn an_event_behind_a_carriage_return_is_guarded() {
     proxy.stop().await;
 }
 
+/// A stream whose lines all end at a `\r` (which SSE allows) is read to its
+/// end: its last event too, whose blank line is its last byte.
+#[tokio::test]
+async fn a_stream_whose_lines_end_at_carriage_returns_is_read_to_its_end() {
+    let (_mock, proxy) = start().await;
+    let raw = openai_raw_stream(
+        &[json!({"content": "Save "}), json!({"content": "more."})],
+        "stop",
+    );
+    let raw = raw.replace('\n', "\r");
+    let body = relay_stream(&proxy, "/v1/chat/completions", raw, &chat("Tips?", true)).await;
+    let lines = body.replace("\r\n", "\n").replace('\r', "\n");
+    let (received, finishes, done) = openai_stream_text(&lines);
+    assert_eq!(received, "Save more.");
+    assert_eq!(finishes, ["stop"]);
+    assert!(done, "{body:?}");
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn blocked_stream_sends_the_upstream_usage_when_asked() {
     let (_mock, proxy) = start().await;

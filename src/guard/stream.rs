@@ -390,7 +390,16 @@ where
                 tracing::warn!(%error, "upstream stream failed");
                 guard.broken_ending(&error)
             }
-            None => guard.on_end(),
+            None => {
+                // The last event, if a `\r` that waited for the byte after
+                // it ended it.
+                let mut frames = match self.parser.finish() {
+                    Some(event) if !guard.finished => guard.on_event(event),
+                    _ => Vec::new(),
+                };
+                frames.extend(guard.on_end());
+                frames
+            }
         }
     }
 }
@@ -666,6 +675,20 @@ impl SseParser {
             joined,
             rest: chunk,
         }
+    }
+
+    /// The event left when the stream ends, when it ends with a blank
+    /// line whose `\r` waited for the byte after it (see [`event_end`]):
+    /// no `\n` can follow it now. Any other rest is an event cut short.
+    pub fn finish(&mut self) -> Option<SseEvent> {
+        if self.buf.last() != Some(&b'\r') {
+            return None;
+        }
+        // Any byte but `\n` after the `\r` tells where the event ends.
+        let mut closed = self.buf.to_vec();
+        closed.push(b'.');
+        let (end, _) = event_end(&closed)?;
+        (end == self.buf.len()).then(|| read_event(self.buf.split().freeze(), Lines::Other))?
     }
 
     /// Where in `chunk` the event begun in `buf` ends, if it does. `buf`
@@ -4056,8 +4079,20 @@ mod tests {
             assert_eq!(read(&fast), read(&slow), "{input:?}");
         }
         // An event's last `\r` may begin a `\r\n`: the byte after decides
-        // where the event ends.
+        // where the event ends, or the stream's end.
         assert_eq!(event_end(b"data: a\n\r"), None);
+        for (input, data) in [
+            ("data: a\n\r", Some("a")),
+            ("data: a\r\r", Some("a")),
+            ("data: a\r\n\r", Some("a")),
+            ("data: a\r", None),
+            ("data: a", None),
+        ] {
+            let mut parser = SseParser::default();
+            assert_eq!(parser.push(Bytes::from(input)).count(), 0, "{input:?}");
+            let last = parser.finish();
+            assert_eq!(last.and_then(|e| e.data).as_deref(), data, "{input:?}");
+        }
         assert_eq!(event_end(b"data: a\n\rx"), Some((9, Lines::Other)));
         assert_eq!(event_end(b"data: a\n\r\nx"), Some((10, Lines::Other)));
         // Bytes that are not UTF-8, in the name or the data, are read as
