@@ -535,9 +535,7 @@ async fn an_event_behind_a_carriage_return_is_guarded() {
         )
         .await;
         assert!(!body.contains("guaranteed"), "{raw:?} gave {body:?}");
-        // Its lines as the SDKs split them.
-        let lines = body.replace("\r\n", "\n").replace('\r', "\n");
-        let (received, finishes, done) = openai_stream_text(&lines);
+        let (received, finishes, done) = sdk_stream_text(&body);
         assert!("Sure. ".starts_with(&received), "{received:?}");
         assert_eq!(finishes, ["content_filter"], "{raw:?} gave {body:?}");
         assert!(done);
@@ -556,8 +554,7 @@ async fn a_stream_whose_lines_end_at_carriage_returns_is_read_to_its_end() {
     );
     let raw = raw.replace('\n', "\r");
     let body = relay_stream(&proxy, "/v1/chat/completions", raw, &chat("Tips?", true)).await;
-    let lines = body.replace("\r\n", "\n").replace('\r', "\n");
-    let (received, finishes, done) = openai_stream_text(&lines);
+    let (received, finishes, done) = sdk_stream_text(&body);
     assert_eq!(received, "Save more.");
     assert_eq!(finishes, ["stop"]);
     assert!(done, "{body:?}");
@@ -942,6 +939,12 @@ async fn read_until(response: &mut reqwest::Response, enough: impl Fn(&str) -> b
 async fn relay_stream(proxy: &support::Proxy, path: &str, raw: String, request: &Value) -> String {
     let response = proxy.post(path, json!({"raw_sse": raw}), request).await;
     response.text().await.unwrap()
+}
+
+/// [`openai_stream_text`] of `body` with its lines split as the SDKs split
+/// them: at `\r` too.
+fn sdk_stream_text(body: &str) -> (String, Vec<String>, bool) {
+    openai_stream_text(&body.replace("\r\n", "\n").replace('\r', "\n"))
 }
 
 /// An OpenAI stream whose deltas are `deltas` (then a finish chunk with
