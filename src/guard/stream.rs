@@ -2866,17 +2866,17 @@ fn sse(event: Option<&str>, data: &Value) -> Bytes {
 
 /// Whether a Responses API event's data is a text delta's
 /// (`response.output_text.delta`), by its `type`, as the SDKs know an
-/// event, whatever its SSE name. Read from the bytes when written first
-/// and plain, as the APIs write it; otherwise read as JSON.
+/// event, whatever its SSE name. Known from the bytes when the type is
+/// written first, as the APIs write it (a type written there with escapes
+/// reads as another: the event's repeated texts are looked for, which
+/// loses nothing); otherwise read as JSON.
 fn is_text_delta(data: &str) -> bool {
+    const FIRST: &str = r#"{"type":""#;
     const TEXT_DELTA: &str = "response.output_text.delta";
-    let first = data
-        .strip_prefix(r#"{"type":""#)
-        .and_then(|rest| rest.split_once('"'))
-        .map(|(kind, _)| kind)
-        .filter(|kind| !kind.contains('\\'));
-    if let Some(kind) = first {
-        return kind == TEXT_DELTA;
+    if let Some(kind) = data.strip_prefix(FIRST) {
+        return kind
+            .strip_prefix(TEXT_DELTA)
+            .is_some_and(|rest| rest.starts_with('"'));
     }
     let mut delta = false;
     let mut reader = Reader::new(data);
@@ -3310,7 +3310,12 @@ mod tests {
             (r#"{"type":"response.output_text.delta","delta":"a"}"#, true),
             (r#"{"delta":"a","type":"response.output_text.delta"}"#, true),
             (r#"{ "type" : "response.output_text.delta"}"#, true),
-            (r#"{"type":"response.output_text\u002edelta"}"#, true),
+            (r#"{"type":"response.output_text\u002edelta"}"#, false),
+            (
+                r#"{"delta":"a","type":"response.output_text\u002edelta"}"#,
+                true,
+            ),
+            (r#"{"type":"response.output_text.deltas"}"#, false),
             (
                 r#"{"type":"response.output_item.done","item":{"type":"response.output_text.delta"}}"#,
                 false,
