@@ -455,17 +455,14 @@ impl PartTemplate {
     }
 
     /// The template of the part whose first delta is `data`, its text at
-    /// `token`, that carries no logprobs entries. Written on one line and
-    /// numbered, as the APIs write deltas, it is cut around its text, its
-    /// bytes kept as they came; otherwise read as JSON.
-    fn of_delta(part: u64, data: &str, token: &Range<usize>) -> PartTemplate {
+    /// `token`. A delta `plain` (no logprobs entries: its own tokens are
+    /// not the template's), written on one line and numbered, as the APIs
+    /// write deltas, is cut around its text, its bytes kept as they came;
+    /// any other is read as JSON.
+    fn of_delta(part: u64, data: &str, token: &Range<usize>, plain: bool) -> PartTemplate {
         let one_line = memchr::memchr(b'\n', data.as_bytes()).is_none();
-        if !one_line || event::sequence_number(data).is_none() {
-            let json = match serde_json::from_str(data) {
-                Ok(Value::Object(json)) => json,
-                _ => Map::new(),
-            };
-            return PartTemplate::new(part, json);
+        if !plain || !one_line || event::sequence_number(data).is_none() {
+            return PartTemplate::new(part, serde_json::from_str(data).unwrap_or_default());
         }
         let around = (
             format!(
@@ -495,10 +492,7 @@ impl PartTemplate {
     fn members(&self) -> &Map<String, Value> {
         self.json.get_or_init(|| {
             let first = self.first.as_deref().unwrap_or("{}");
-            match serde_json::from_str(first) {
-                Ok(Value::Object(json)) => Self::delta_members(json),
-                _ => Map::new(),
-            }
+            Self::delta_members(serde_json::from_str(first).unwrap_or_default())
         })
     }
 
@@ -1840,14 +1834,8 @@ impl Guard {
                 };
                 self.pending_logprobs = logprob_entries(data);
                 if !self.part_templates.iter().any(|t| t.part == part) {
-                    let template = match self.pending_logprobs {
-                        None => PartTemplate::of_delta(part, data, &text.token),
-                        // Its own tokens are not the template's.
-                        Some(_) => match serde_json::from_str(data) {
-                            Ok(Value::Object(json)) => PartTemplate::new(part, json),
-                            _ => PartTemplate::new(part, Map::new()),
-                        },
-                    };
+                    let plain = self.pending_logprobs.is_none();
+                    let template = PartTemplate::of_delta(part, data, &text.token, plain);
                     self.part_templates.push(template);
                 }
                 self.text(event, text, part, data)
@@ -3275,10 +3263,11 @@ mod tests {
         // A first delta with no logprobs entries, on one line and
         // numbered, as the APIs write them: its bytes, only the text
         // changed (its members in its order), unless the frame has entries.
-        let of_delta = |data: &str| {
+        let of_delta_plain = |data: &str, plain: bool| {
             let token = Event::read(data).unwrap().delta_text.unwrap().token;
-            PartTemplate::of_delta(1, data, &token)
+            PartTemplate::of_delta(1, data, &token, plain)
         };
+        let of_delta = |data: &str| of_delta_plain(data, true);
         let plain = r#"{"type":"response.output_text.delta","sequence_number":7,"item_id":"msg_1","output_index":0,"content_index":0,"delta":"first","logprobs":[],"obfuscation":"pad"}"#;
         let template = of_delta(plain);
         let written = plain.replace(r#""first""#, &json_text(&json!(text)));
@@ -3286,6 +3275,14 @@ mod tests {
         assert_eq!(template.frame(text, Vec::new()), frame.as_bytes());
         let entries = vec![json!({"token": "caf", "logprob": -0.2})];
         assert_eq!(data(template.frame(text, entries)), with_entries);
+        // One with logprobs entries, which are its own text's: read as
+        // JSON, its entries not in the deltas written.
+        let with_tokens = plain.replace(
+            r#""logprobs":[]"#,
+            r#""logprobs":[{"token":"first","logprob":-0.1}]"#,
+        );
+        let template = of_delta_plain(&with_tokens, false);
+        assert_eq!(data(template.frame(text, Vec::new())), expected);
         // Written over several lines, or not numbered: read as JSON.
         let lines = plain.replace(r#","item_id""#, "\n,\"item_id\"");
         assert_eq!(data(of_delta(&lines).frame(text, Vec::new())), expected);
