@@ -247,6 +247,49 @@ async fn a_compressed_upstream_answer_is_not_relayed() {
     proxy.stop().await;
 }
 
+/// The same holds for a stream: compressed events are bytes the guard
+/// cannot read, and relayed with the `Content-Encoding` taken away they
+/// would reach the client as a stream no SDK can read either.
+#[tokio::test]
+async fn a_compressed_upstream_stream_is_not_relayed() {
+    let (_mock, proxy) = start().await;
+    for (encoding, expected) in [("gzip", 1.0), ("br", 2.0)] {
+        let response = proxy
+            .post(
+                "/v1/chat/completions",
+                json!({
+                    "raw_json": "(compressed events)",
+                    "content_type": "text/event-stream",
+                    "content_encoding": encoding,
+                }),
+                &chat("How do I save?", true),
+            )
+            .await;
+        assert_eq!(response.status(), 502, "{encoding}");
+        assert!(response.headers().get("content-encoding").is_none());
+        assert!(
+            response.headers()["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with("application/json")
+        );
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "upstream_error");
+        assert_eq!(upstream_errors(&proxy, "encoded").await, Some(expected));
+    }
+    // An identity encoding is no compression: the stream is guarded.
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"chunks": ["Save ", "first."], "headers": [["content-encoding", "identity"]]}),
+            &chat("How do I save?", true),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    assert!(response.text().await.unwrap().contains("first."));
+    proxy.stop().await;
+}
+
 /// A prompt nested a hundred thousand arrays deep had overflowed the stack
 /// of the serving thread and aborted the whole proxy.
 #[tokio::test]

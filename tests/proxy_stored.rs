@@ -216,6 +216,29 @@ async fn a_stored_response_streamed_again_is_guarded() {
     proxy.stop().await;
 }
 
+/// A stored answer compressed although fairgate asked for it uncompressed
+/// is not relayed, whole or streamed again: the guard cannot read it.
+#[tokio::test]
+async fn a_compressed_stored_answer_is_not_relayed() {
+    let (_mock, proxy) = start().await;
+    for (path, content_type) in [
+        ("/v1/responses/resp_mock", "application/json"),
+        ("/v1/responses/resp_mock?stream=true", "text/event-stream"),
+    ] {
+        let script = json!({"raw_json": "(compressed)", "content_type": content_type,
+            "content_encoding": "gzip"});
+        let response = proxy.get(path, script).await;
+        assert_eq!(response.status(), 502, "{path}");
+        assert!(response.headers().get("content-encoding").is_none());
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "upstream_error", "{path}");
+    }
+    let metrics = proxy.metrics().await;
+    let name = r#"fairgate_upstream_errors_total{kind="encoded",upstream="openai"}"#;
+    assert_eq!(support::metric(&metrics, name), Some(2.0));
+    proxy.stop().await;
+}
+
 /// The data of each event of an SSE body.
 fn event_data(body: &str) -> Vec<Value> {
     body.split("\n\n")

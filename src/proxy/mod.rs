@@ -1674,6 +1674,18 @@ async fn guarded(
         pending.end_early(response.status(), Some(upstream_time));
         return stream_back(response, timeout, request_id, Some(prompt_verdict));
     }
+    // An answer whose body cannot be relayed: counted by `kind`, and a 502
+    // in the caller's dialect.
+    let broken = |kind: &str, pending: Pending| {
+        let out = upstream_broken(state, &upstream, kind, dialect, request_id);
+        pending.end_early(out.status(), Some(upstream_time));
+        out
+    };
+    // Streamed or whole.
+    if is_encoded(response.headers()) {
+        tracing::warn!("upstream answer is compressed although fairgate asked for it uncompressed");
+        return broken("encoded", pending);
+    }
     let is_stream = response
         .headers()
         .get(header::CONTENT_TYPE)
@@ -1700,22 +1712,6 @@ async fn guarded(
     let (head, body) = response.into_parts();
     let status = head.status;
     let upstream_headers = head.headers;
-    // An answer whose body cannot be relayed: counted by `kind`, and a 502
-    // in the caller's dialect.
-    let broken = |kind: &str, pending: Pending| {
-        state
-            .metrics
-            .upstream_errors
-            .with_label_values(&[&upstream, kind])
-            .inc();
-        let out = respond::failure(dialect, Failure::UpstreamBroken, request_id);
-        pending.end_early(out.status(), Some(upstream_time));
-        out
-    };
-    if is_encoded(&upstream_headers) {
-        tracing::warn!("upstream answer is compressed although fairgate asked for it uncompressed");
-        return broken("encoded", pending);
-    }
     let body = match upstream::read_body(body, state.config.guard.max_response_bytes, timeout).await
     {
         Ok(body) => body,

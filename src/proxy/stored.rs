@@ -151,6 +151,10 @@ pub(super) async fn fetch(
     let rules = state.rules.snapshot();
     let (head, body) = response.into_parts();
     let broken = |kind| super::upstream_broken(state, &upstream, kind, dialect, request_id);
+    // Streamed or whole.
+    if super::is_encoded(&head.headers) {
+        return broken("encoded");
+    }
     if head
         .headers
         .get(header::CONTENT_TYPE)
@@ -184,9 +188,6 @@ pub(super) async fn fetch(
         };
         let body = guard_body(setup, upstream::body_stream(body, timeout), done);
         return super::guarded_response(head.status, head.headers, body, request_id, None);
-    }
-    if super::is_encoded(&head.headers) {
-        return broken("encoded");
     }
     let limit = state.config.guard.max_response_bytes;
     let body = match upstream::read_body(body, limit, timeout).await {
