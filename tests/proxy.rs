@@ -543,6 +543,111 @@ async fn an_event_behind_a_carriage_return_is_guarded() {
     proxy.stop().await;
 }
 
+/// A byte-order mark before a stream's first line: the SSE standard's
+/// decoding drops it (as the Node SDK's `TextDecoder` does), so the event
+/// it stands before is read by such a client, and by the guard too. It
+/// goes out without the mark, so that a client that keeps it (the Python
+/// SDK reads `\u{feff}data` as a field of another name) reads the same.
+#[tokio::test]
+async fn an_event_behind_a_byte_order_mark_is_guarded() {
+    let (_mock, proxy) = start().await;
+    let blocked = openai_raw_stream(
+        &[json!({"content": "guaranteed returns of 20% a year"})],
+        "stop",
+    );
+    let body = relay_stream(
+        &proxy,
+        "/v1/chat/completions",
+        format!("\u{feff}{blocked}"),
+        &chat("Tips?", true),
+    )
+    .await;
+    assert!(!body.contains("guaranteed"), "{body:?}");
+    let (_, finishes, done) = sdk_stream_text(&body);
+    assert_eq!(finishes, ["content_filter"], "{body:?}");
+    assert!(done);
+
+    let allowed = openai_raw_stream(
+        &[json!({"content": "Save "}), json!({"content": "more."})],
+        "stop",
+    );
+    let body = relay_stream(
+        &proxy,
+        "/v1/chat/completions",
+        format!("\u{feff}{allowed}"),
+        &chat("Tips?", true),
+    )
+    .await;
+    assert!(!body.contains('\u{feff}'), "{body:?}");
+    let (received, finishes, done) = sdk_stream_text(&body);
+    assert_eq!(received, "Save more.");
+    assert_eq!(finishes, ["stop"]);
+    assert!(done, "{body:?}");
+    proxy.stop().await;
+}
+
+/// A JSON answer after a byte-order mark, which the SDKs' JSON readers
+/// skip (Python's `json.loads` of bytes, a UTF-8 decode in Node): the guard
+/// reads it as JSON, not as plain text where an escape (`\n`, `\u0063`)
+/// would hide a blocked phrase from the rules. An answer the SDKs would
+/// read as UTF-16 or UTF-32 (Python's `json.loads` detects them) is not
+/// relayed.
+#[tokio::test]
+async fn a_json_answer_behind_a_byte_order_mark_is_read_as_json() {
+    let (_mock, proxy) = start().await;
+    let answer = |text: &str| {
+        json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+            "finish_reason": "stop"}]})
+    };
+    // Written as the API writes a newline: `\n`, an escape.
+    let raw = format!("\u{feff}{}", answer("They are guaranteed\nreturns."));
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_json": raw}),
+            &chat("Tips?", false),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-fairgate-verdict"], "block");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(
+        body["choices"][0]["finish_reason"], "content_filter",
+        "{body}"
+    );
+    assert!(!body.to_string().contains("They are"), "{body}");
+
+    let raw = format!("\u{feff}{}", answer("Start with a budget."));
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_json": raw}),
+            &chat("Tips?", false),
+        )
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
+    // Without the mark, which no reader needs.
+    let body: Value = serde_json::from_slice(&response.bytes().await.unwrap()).unwrap();
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        "Start with a budget."
+    );
+
+    // `{"` in UTF-16, little-endian then big-endian, and `{` in UTF-32.
+    for raw in ["{\u{0}\"\u{0}", "\u{0}{\u{0}\"", "{\u{0}\u{0}\u{0}"] {
+        let response = proxy
+            .post(
+                "/v1/chat/completions",
+                json!({"raw_json": raw}),
+                &chat("Tips?", false),
+            )
+            .await;
+        assert_eq!(response.status(), 502, "{raw:?}");
+    }
+    proxy.stop().await;
+}
+
 /// A stream whose lines all end at a `\r` (which SSE allows) is read to its
 /// end: its last event too, whose blank line is its last byte.
 #[tokio::test]

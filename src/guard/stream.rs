@@ -137,6 +137,12 @@
 //! client's own text; a redaction that begins there blocks. Each choice
 //! of a chat completion continues the prefill, with its text, not with
 //! the reasoning held before it.
+//!
+//! Events are read as the client will read them ([`SseParser`]): a line
+//! ends at `\r\n`, `\n` or `\r`, and a byte-order mark before the first
+//! line, which the SSE standard's decoding drops, is dropped (the events
+//! go out without it), so no event the client reads is one the guard
+//! passed over.
 
 mod event;
 
@@ -638,9 +644,20 @@ pub struct SseEvent {
 /// Splits a byte stream into events at blank lines.
 #[derive(Default)]
 pub struct SseParser {
-    /// The start of an event whose end has not arrived yet.
+    /// The start of an event whose end has not arrived yet; or, before
+    /// `begun`, the stream's first bytes while they may be a byte-order
+    /// mark's.
     buf: BytesMut,
+    /// Past where a byte-order mark could stand.
+    begun: bool,
 }
+
+/// The byte-order mark that the SSE standard's decoding drops from a
+/// stream's start, as a client's UTF-8 decoder does (Node's `TextDecoder`,
+/// which the Node SDKs read streams with). Before the first line it would
+/// hide that line's field from a reader that keeps it: the guard drops it,
+/// reads the event as such a client would, and sends it without the mark.
+const BYTE_ORDER_MARK: &[u8] = b"\xef\xbb\xbf";
 
 impl SseParser {
     /// The events that `chunk` completes, read one by one as they are
@@ -651,6 +668,24 @@ impl SseParser {
     /// gathered in a vector first: an upstream's burst of hundreds of
     /// events grew one, copied at each doubling.
     pub fn push(&mut self, mut chunk: Bytes) -> Events<'_> {
+        if !self.begun {
+            let seen = self.buf.len();
+            let more = (BYTE_ORDER_MARK.len() - seen).min(chunk.len());
+            if chunk[..more] == BYTE_ORDER_MARK[seen..seen + more] {
+                if seen + more < BYTE_ORDER_MARK.len() {
+                    // All of the chunk may still be the mark's.
+                    self.buf.extend_from_slice(&chunk);
+                    chunk = Bytes::new();
+                } else {
+                    self.buf.clear();
+                    chunk.advance(more);
+                    self.begun = true;
+                }
+            } else {
+                // No mark: what `buf` kept is the stream's.
+                self.begun = true;
+            }
+        }
         let mut joined = None;
         if !self.buf.is_empty() {
             match self.end_across(&chunk) {
@@ -3846,6 +3881,42 @@ mod tests {
                 assert_eq!(got, expected, "cut at {cut} and {second}");
                 let raw: Vec<u8> = events.iter().flat_map(|e| e.raw.to_vec()).collect();
                 assert_eq!(raw, input.as_bytes());
+            }
+        }
+    }
+
+    /// A byte-order mark before the first line is dropped, however the
+    /// bytes are cut; one further on, or the start of one, is the line's.
+    #[test]
+    fn parser_drops_a_byte_order_mark_at_the_stream_start() {
+        let events = |input: &[u8], cuts: [usize; 2]| {
+            let mut parser = SseParser::default();
+            let piece = |range: std::ops::Range<usize>| Bytes::copy_from_slice(&input[range]);
+            let mut events: Vec<SseEvent> = parser.push(piece(0..cuts[0])).collect();
+            events.extend(parser.push(piece(cuts[0]..cuts[1])));
+            events.extend(parser.push(piece(cuts[1]..input.len())));
+            let read: Vec<_> = (events.iter())
+                .map(|e| (e.event.clone(), e.data.clone()))
+                .collect();
+            let raw: Vec<u8> = events.iter().flat_map(|e| e.raw.to_vec()).collect();
+            (read, raw)
+        };
+        let plain = b"data: 1\n\nevent: b\ndata: 2\n\n";
+        let marked = [BYTE_ORDER_MARK, plain].concat();
+        let second_marked = [&plain[..9], BYTE_ORDER_MARK, &plain[9..]].concat();
+        let half_marked = [&BYTE_ORDER_MARK[..2], plain].concat();
+        for first in 0..=6 {
+            for second in first..=8 {
+                let (read, raw) = events(&marked, [first, second]);
+                assert_eq!(read, events(plain, [0, 0]).0, "cut at {first}, {second}");
+                assert_eq!(raw, plain);
+                // Only at the start.
+                let (read, _) = events(&second_marked, [first, second]);
+                assert_eq!(read[1].0, None, "{read:?}");
+                // Not a mark: the bytes are the first line's.
+                let (read, raw) = events(&half_marked, [first, second]);
+                assert_eq!(read[0].1, None, "{read:?}");
+                assert_eq!(raw, half_marked);
             }
         }
     }

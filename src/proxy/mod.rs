@@ -1514,6 +1514,24 @@ fn is_encoded(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.as_bytes() != b"identity")
 }
 
+/// An answer's body as the SDKs' JSON readers take it (Python's
+/// `json.loads` of bytes, a UTF-8 decode in Node): after a UTF-8
+/// byte-order mark, which they skip, so that the guard does not read a
+/// JSON answer behind one as plain text, where its escapes (`\n`,
+/// `\u0063`) would hide words from the rules. `None` for a body that
+/// `json.loads` would read as UTF-16 or UTF-32, told by their marks or by
+/// a zero byte among the first two (RFC 4627): the guard reads UTF-8
+/// only, so such a body is not relayed.
+fn as_sdks_read(body: Bytes) -> Option<Bytes> {
+    const UTF8_MARK: &[u8] = b"\xef\xbb\xbf";
+    if body.starts_with(UTF8_MARK) {
+        return Some(body.slice(UTF8_MARK.len()..));
+    }
+    let marked = body.starts_with(b"\xff\xfe") || body.starts_with(b"\xfe\xff");
+    let zero_led = (body.len() == 2 || body.len() >= 4) && body[..2].contains(&0);
+    (!marked && !zero_led).then_some(body)
+}
+
 /// Counts the hits and risk of a verdict.
 fn record_verdict(metrics: &Metrics, verdict: &Verdict) {
     for hit in &verdict.hits {
@@ -1719,6 +1737,10 @@ async fn guarded(
             tracing::warn!(%error, "upstream body could not be read");
             return broken("body", pending);
         }
+    };
+    let Some(body) = as_sdks_read(body) else {
+        tracing::warn!("upstream answer is in UTF-16 or UTF-32, which the guard does not read");
+        return broken("encoded", pending);
     };
     let (scanned, usage, unreadable) = match ResponseBody::read(endpoint, &body) {
         Ok(read) => (
@@ -2314,6 +2336,29 @@ mod tests {
         assert_eq!(requests.open.load(Ordering::Relaxed), 10);
         kept[3].held.store(1, Ordering::Relaxed);
         assert!(requests.stalled(Duration::ZERO));
+    }
+
+    #[test]
+    fn a_body_is_read_as_the_sdks_json_readers_read_it() {
+        let read = |body: &'static [u8]| as_sdks_read(Bytes::from_static(body));
+        assert_eq!(read(b"\xef\xbb\xbf{\"a\":1}").unwrap(), &b"{\"a\":1}"[..]);
+        assert_eq!(read(b"{\"a\":1}").unwrap(), &b"{\"a\":1}"[..]);
+        // Not JSON, but UTF-8: read as plain text further on.
+        for plain in [&b""[..], b"x", b"\x00", b"ab\x00", b"<html>"] {
+            assert_eq!(read(plain).unwrap(), plain);
+        }
+        for wide in [
+            &b"\xff\xfe{\x00"[..],
+            b"\xfe\xff\x00{",
+            b"\x00\x00\xfe\xff",
+            b"{\x00\"\x00",
+            b"\x00{\x00\"",
+            b"{\x00\x00\x00",
+            b"\x00\x00\x00{",
+            b"{\x00",
+        ] {
+            assert!(read(wide).is_none(), "{wide:?}");
+        }
     }
 
     #[test]

@@ -197,6 +197,10 @@ pub(super) async fn fetch(
             return broken("body");
         }
     };
+    let Some(body) = super::as_sdks_read(body) else {
+        tracing::warn!("stored answer is in UTF-16 or UTF-32, which the guard does not read");
+        return broken("encoded");
+    };
     let (scanned, json) = match ResponseBody::read_stored(stored, &body) {
         Ok(read) => (guard::scan_response(&rules, &body, &read.texts, None), true),
         Err(error @ ReadError::Ambiguous(_)) => {

@@ -245,6 +245,12 @@ class Upstream(BaseHTTPRequestHandler):
                                     "finish_reason": "stop"}],
                        "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}}
         data = json.dumps(payload).encode()
+        if "marked" in last_words(body):
+            # A broken upstream's answer behind a byte-order mark, which
+            # the SDK's JSON reader skips, its risky phrase across an
+            # escaped newline.
+            payload["choices"][0]["message"]["content"] = "Returns are guaranteed\nreturns, buy now."
+            data = b"\xef\xbb\xbf" + json.dumps(payload).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
@@ -626,6 +632,11 @@ routes:
             r = oa.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "tips?"}])
             assert r.choices[0].message.content == SAFE, r
             assert r.choices[0].finish_reason == "stop"
+
+        def openai_marked_answer():
+            r = oa.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "marked?"}])
+            assert r.choices[0].finish_reason == "content_filter", r
+            assert r.choices[0].message.content is None, r
 
         def openai_stream_ok():
             text = ""
@@ -1154,6 +1165,8 @@ routes:
             assert all("Ignore all previous" not in json.dumps(e) for e in REALTIME_EVENTS), REALTIME_EVENTS
 
         check("openai chat completion", openai_chat)
+        check("openai chat completion behind a byte-order mark is read as JSON: its risky answer refused",
+              openai_marked_answer)
         check("openai chat completion stream", openai_stream_ok)
         check("openai blocked prompt raises BadRequestError without retries", openai_blocked_prompt)
         check("openai blocked stream ends with content_filter", openai_blocked_stream)

@@ -158,10 +158,12 @@ async fn scripted_reply(
         .iter()
         .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or("").to_owned()))
         .collect();
-    let script: Value = headers
-        .iter()
-        .find(|(n, _)| n == "x-mock-reply")
-        .and_then(|(_, v)| serde_json::from_str(v).ok())
+    // Read as bytes: a script may carry any text (the proxy passes a
+    // header's bytes on as they are).
+    let script: Value = req
+        .headers()
+        .get("x-mock-reply")
+        .and_then(|v| serde_json::from_slice(v.as_bytes()).ok())
         .unwrap_or(json!({}));
     let body = req
         .into_body()
