@@ -648,6 +648,55 @@ async fn a_json_answer_behind_a_byte_order_mark_is_read_as_json() {
     proxy.stop().await;
 }
 
+/// An answer the guard cannot read as JSON is scanned as plain text; but a
+/// lenient JSON reader may still read it (Python's `json.loads`, which
+/// the SDKs use, takes `NaN` and lone surrogates), and then the escapes of
+/// its strings are what the client reads: a blocked phrase across an
+/// escaped newline, or with an escaped letter, is found all the same.
+#[tokio::test]
+async fn an_answer_that_reads_as_json_only_to_a_lenient_reader_is_guarded() {
+    let (_mock, proxy) = start().await;
+    let answer = |content: &str, tail: &str| {
+        format!(
+            r#"{{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{{"index":0,"message":{{"role":"assistant","content":"{content}"}},"finish_reason":"stop"}}]{tail}}}"#
+        )
+    };
+    for raw in [
+        answer(
+            r"They are guaranteed\nreturns.",
+            r#","usage":{"prompt_tokens":NaN}"#,
+        ),
+        answer(r"They are guaranteed re\u0074urns. \ud800", ""),
+        answer(
+            r"They are \u0022guaranteed\u0020returns\u0022.",
+            r#","x":-Infinity"#,
+        ),
+    ] {
+        let response = proxy
+            .post(
+                "/v1/chat/completions",
+                json!({"raw_json": raw}),
+                &chat("Tips?", false),
+            )
+            .await;
+        assert_eq!(response.headers()["x-fairgate-verdict"], "block", "{raw}");
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("They are"), "{body}");
+    }
+    // Escapes that spell nothing blocked leave the answer as it came.
+    let raw = answer(r"Start with a budget.\nThen save.", r#","x":NaN"#);
+    let response = proxy
+        .post(
+            "/v1/chat/completions",
+            json!({"raw_json": raw}),
+            &chat("Tips?", false),
+        )
+        .await;
+    assert_eq!(response.headers()["x-fairgate-verdict"], "allow");
+    assert_eq!(response.text().await.unwrap(), raw);
+    proxy.stop().await;
+}
+
 /// A stream whose lines all end at a `\r` (which SSE allows) is read to its
 /// end: its last event too, whose blank line is its last byte.
 #[tokio::test]

@@ -398,21 +398,90 @@ fn without_logprobs(body: Bytes) -> Bytes {
 /// Scans a response body that is not JSON as one text: the guard cannot
 /// tell the answer from the rest. Redacted as plain text, since there are
 /// no JSON strings to splice.
+///
+/// A body the guard does not read as JSON may still read so to a lenient
+/// reader: Python's `json.loads`, which the SDKs use, takes `NaN`,
+/// `Infinity` and lone surrogates. Its strings are then what the client
+/// reads, escapes decoded, so the text is also scanned with its escapes
+/// decoded ([`json_unescaped`]): a rule that matches only there (across an
+/// escaped newline, a letter written `\u0074`) blocks, since its match
+/// has no place in the body to redact.
 pub fn scan_plain_response(rules: &RuleSet, body: &[u8]) -> ResponseScan {
     let text = String::from_utf8_lossy(body);
-    let hits = rules.scan(Scope::Response, &text);
+    let mut hits = rules.scan(Scope::Response, &text);
     let redacting = hits.iter().any(|h| h.action == Action::Redact);
     let text = if redacting {
         redact(&text, &hits)
     } else {
         text.into_owned()
     };
+    if let Some(unescaped) = json_unescaped(&text) {
+        let mut more = rules.scan(Scope::Response, &unescaped);
+        more.retain(|hit| !hits.iter().any(|h| h.rule == hit.rule));
+        redactions_block(&mut more);
+        hits.extend(more);
+    }
     ResponseScan {
         redacted: redacting.then(|| Bytes::from(text.clone())),
         texts: vec![text],
         context: Vec::new(),
         hits,
     }
+}
+
+/// `text` with JSON's string escapes decoded (`\n`, `\"`, `\u0074`, a
+/// surrogate pair as its character, a lone surrogate as U+FFFD; an escape
+/// JSON does not have kept as it stands), as a reader decodes a string;
+/// `None` when it has no escape. Applied to a whole body, it gives the
+/// text of each of its strings, whatever a reader makes of the rest.
+fn json_unescaped(text: &str) -> Option<String> {
+    let first = text.find('\\')?;
+    let mut out = String::with_capacity(text.len());
+    out.push_str(&text[..first]);
+    let mut rest = &text[first..];
+    while let Some(at) = rest.find('\\') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        let (decoded, len) = match rest.as_bytes().get(1) {
+            Some(b'"') => ('"', 2),
+            Some(b'\\') => ('\\', 2),
+            Some(b'/') => ('/', 2),
+            Some(b'b') => ('\u{8}', 2),
+            Some(b'f') => ('\u{c}', 2),
+            Some(b'n') => ('\n', 2),
+            Some(b'r') => ('\r', 2),
+            Some(b't') => ('\t', 2),
+            Some(b'u') => unicode_escape(rest).unwrap_or(('\\', 1)),
+            _ => ('\\', 1),
+        };
+        out.push(decoded);
+        rest = &rest[len..];
+    }
+    out.push_str(rest);
+    Some(out)
+}
+
+/// The character that the `\uXXXX` escape at `escape`'s start (with the
+/// low half after it, for a high surrogate) stands for, and the escape's
+/// length; `None` for one without four hex digits.
+fn unicode_escape(escape: &str) -> Option<(char, usize)> {
+    let unit = |at: usize| {
+        let digits = escape.get(at + 2..at + 6)?;
+        (escape.get(at..at + 2)? == "\\u" && digits.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then(|| u32::from_str_radix(digits, 16).ok())
+            .flatten()
+    };
+    let high = unit(0)?;
+    if (0xd800..0xdc00).contains(&high)
+        && let Some(low) = unit(6).filter(|low| (0xdc00..0xe000).contains(low))
+    {
+        let c = char::from_u32(0x10000 + ((high - 0xd800) << 10) + (low - 0xdc00));
+        return Some((c.unwrap_or(char::REPLACEMENT_CHARACTER), 12));
+    }
+    Some((
+        char::from_u32(high).unwrap_or(char::REPLACEMENT_CHARACTER),
+        6,
+    ))
 }
 
 /// The message shown for a block: the first blocking rule's, else the
@@ -480,6 +549,55 @@ pub fn strip_logprobs(value: &mut Value) -> bool {
 mod tests {
     use super::*;
     use crate::testing::Lcg;
+
+    /// Random strings written as JSON writes them, and with every
+    /// character but ASCII letters escaped as `\uXXXX` (as Python's
+    /// `json.dumps` does for all but ASCII): decoded as a JSON reader
+    /// decodes them.
+    #[test]
+    fn escapes_are_decoded_as_a_json_reader_decodes_them() {
+        let alphabet = [
+            'a', 'Z', ' ', '"', '\\', '/', '\n', '\t', '\u{1}', 'é', '€', '😀', '\u{2028}',
+        ];
+        let mut random = Lcg(7);
+        for _ in 0..2_000 {
+            let len = random.below(12);
+            let text: String = (0..len).map(|_| *random.pick(&alphabet)).collect();
+            let written = serde_json::to_string(&text).unwrap();
+            assert_eq!(
+                json_unescaped(&written).unwrap_or(written.clone()),
+                format!("\"{text}\"")
+            );
+            let mut ascii = String::new();
+            for c in text.chars() {
+                match c.is_ascii_alphabetic() {
+                    true => ascii.push(c),
+                    false => {
+                        for unit in c.encode_utf16(&mut [0; 2]) {
+                            ascii.push_str(&format!("\\u{unit:04X}"));
+                        }
+                    }
+                }
+            }
+            assert_eq!(
+                json_unescaped(&ascii).unwrap_or(ascii.clone()),
+                text,
+                "{ascii}"
+            );
+        }
+        assert_eq!(json_unescaped("plain"), None);
+        // Lone surrogates, as Python reads them, then shown as U+FFFD.
+        assert_eq!(
+            json_unescaped(r"a\ud800b\udc00").unwrap(),
+            "a\u{fffd}b\u{fffd}"
+        );
+        assert_eq!(json_unescaped(r"\ud83d\ud83d\ude00").unwrap(), "\u{fffd}😀");
+        // Not escapes JSON has: kept as they stand.
+        assert_eq!(
+            json_unescaped(r"\x \u12 \u12G4 \").unwrap(),
+            r"\x \u12 \u12G4 \"
+        );
+    }
 
     #[test]
     fn tagged_parts_of_a_prompt_are_context() {

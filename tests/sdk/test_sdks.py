@@ -251,6 +251,13 @@ class Upstream(BaseHTTPRequestHandler):
             # escaped newline.
             payload["choices"][0]["message"]["content"] = "Returns are guaranteed\nreturns, buy now."
             data = b"\xef\xbb\xbf" + json.dumps(payload).encode()
+        if "lenient" in last_words(body):
+            # An answer that is JSON only to a lenient reader (Python's,
+            # the SDK's, takes NaN), its risky phrase across an escaped
+            # newline.
+            payload["choices"][0]["message"]["content"] = "Returns are guaranteed\nreturns, buy now."
+            payload["usage"]["prompt_tokens"] = float("nan")
+            data = json.dumps(payload).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
@@ -637,6 +644,17 @@ routes:
             r = oa.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "marked?"}])
             assert r.choices[0].finish_reason == "content_filter", r
             assert r.choices[0].message.content is None, r
+
+        def openai_lenient_answer():
+            # Not JSON to the guard: no answer to make a refusal of, so the
+            # content-filter error.
+            try:
+                r = oa.chat.completions.create(model="gpt-4o-mini",
+                                               messages=[{"role": "user", "content": "lenient?"}])
+            except openai.BadRequestError as e:
+                assert e.code == "content_filter", e
+            else:
+                raise AssertionError(f"the answer came through: {r}")
 
         def openai_stream_ok():
             text = ""
@@ -1167,6 +1185,9 @@ routes:
         check("openai chat completion", openai_chat)
         check("openai chat completion behind a byte-order mark is read as JSON: its risky answer refused",
               openai_marked_answer)
+        check("openai chat completion that is JSON only to a lenient reader (NaN): its risky answer raises "
+              "BadRequestError",
+              openai_lenient_answer)
         check("openai chat completion stream", openai_stream_ok)
         check("openai blocked prompt raises BadRequestError without retries", openai_blocked_prompt)
         check("openai blocked stream ends with content_filter", openai_blocked_stream)
