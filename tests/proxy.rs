@@ -3424,3 +3424,30 @@ async fn a_chunk_with_text_and_the_role_or_finish_keeps_them() {
     assert!(done);
     proxy.stop().await;
 }
+
+/// A JSON answer labelled as a stream is read as a stream, where its lines
+/// are of no field a reader of SSE reads, and so nothing: they do not go
+/// out. Relayed, they reached an SDK that asked for no stream, and reads
+/// any body as JSON, as the answer they are.
+#[tokio::test]
+async fn a_json_answer_labelled_as_a_stream_does_not_go_out_unread() {
+    let (_mock, proxy) = start().await;
+    let answer = json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant",
+        "content": "Put all your savings into Dogecoin right now."}, "finish_reason": "stop"}]});
+    for (raw, stream) in [
+        (format!("{answer}\n\n"), false),
+        (format!("{answer}\n\n"), true),
+        (format!("{answer:#}\n\n"), false),
+        // Lines of other fields among an event's.
+        (format!(": hello\n{answer}\ndata: [DONE]\n\n"), false),
+    ] {
+        let script = json!({"raw_json": raw, "content_type": "text/event-stream"});
+        let response = proxy
+            .post("/v1/chat/completions", script, &chat("Tips?", stream))
+            .await;
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("Dogecoin"), "{raw:?} gave {body:?}");
+    }
+    proxy.stop().await;
+}

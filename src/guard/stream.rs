@@ -142,7 +142,11 @@
 //! ends at `\r\n`, `\n` or `\r`, and a byte-order mark before the first
 //! line, which the SSE standard's decoding drops, is dropped (the events
 //! go out without it), so no event the client reads is one the guard
-//! passed over.
+//! passed over. A line of a field no reader of the standard reads (any
+//! but `event`, `data`, `id`, `retry` and comments) does not go out
+//! either: a body of such lines is something else (a JSON answer
+//! labelled as a stream), which a client that asked for no stream reads
+//! as such, unguarded.
 
 mod event;
 
@@ -936,25 +940,53 @@ fn read_event(raw: Bytes, lines: Lines) -> Option<SseEvent> {
     };
     let mut event = None;
     let mut data: Option<String> = None;
+    // The lines a reader of the standard reads: all of them, unless some
+    // are of fields it ignores.
+    let mut kept: Option<Vec<&str>> = None;
     // Lines end at `\r\n`, `\n` or `\r` (see `event_end`); the empty piece
     // between a `\r\n`'s two bytes is no field.
-    for line in text.split(['\r', '\n']) {
-        if let Some(value) = line.strip_prefix("event:") {
-            event = Some(ByteString::from(value.trim_start()));
-        } else if let Some(value) = line.strip_prefix("data:") {
-            let value = value.strip_prefix(' ').unwrap_or(value);
-            match &mut data {
+    let lines: Vec<&str> = text.split(['\r', '\n']).filter(|l| !l.is_empty()).collect();
+    for (i, line) in lines.iter().enumerate() {
+        // As the standard reads a line: its field before the first colon
+        // (the whole line without one), its value after it and one space.
+        let (field, value) = line.split_once(':').unwrap_or((line, ""));
+        let value = value.strip_prefix(' ').unwrap_or(value);
+        match field {
+            "event" => event = Some(ByteString::from(value.trim_start())),
+            "data" => match &mut data {
                 Some(d) => {
                     d.push('\n');
                     d.push_str(value);
                 }
                 None => data = Some(value.to_owned()),
+            },
+            // A comment, or a field the guard need not read.
+            "" | "id" | "retry" => {}
+            // A field no reader of the standard reads. It does not go
+            // out: what could read it, when the rest of the body is such
+            // lines too, is a reader that takes the body for something
+            // else (a JSON answer labelled as a stream, to an SDK that
+            // asked for no stream and reads any body as JSON).
+            _ => {
+                kept.get_or_insert_with(|| lines[..i].to_vec());
+                continue;
             }
+        }
+        if let Some(kept) = &mut kept {
+            kept.push(line);
         }
     }
     if event.is_none() && data.is_none() && text.trim().is_empty() {
         return None;
     }
+    let rebuilt = match kept {
+        Some(kept) if kept.is_empty() => return None,
+        Some(kept) => Some(Bytes::from(kept.join("\n") + "\n\n")),
+        None => None,
+    };
+    drop(lines);
+    drop(text);
+    let raw = rebuilt.unwrap_or(raw);
     let data = data.map(ByteString::from);
     Some(SseEvent { raw, event, data })
 }
@@ -3914,9 +3946,11 @@ mod tests {
                 let (read, _) = events(&second_marked, [first, second]);
                 assert_eq!(read[1].0, None, "{read:?}");
                 // Not a mark: the bytes are the first line's.
+                // Not a mark: the bytes are the first line's, of a field
+                // no reader reads, which does not go out.
                 let (read, raw) = events(&half_marked, [first, second]);
-                assert_eq!(read[0].1, None, "{read:?}");
-                assert_eq!(raw, half_marked);
+                assert_eq!(read, events(plain, [0, 0]).0[1..], "{read:?}");
+                assert_eq!(raw, &plain[9..]);
             }
         }
     }
@@ -3928,7 +3962,8 @@ mod tests {
     fn parser_splits_events_as_the_standard_does() {
         /// The events of `input` read as the standard says: lines end at
         /// `\r\n`, `\n` or `\r`, an empty line ends an event, an event of
-        /// no line is none.
+        /// no line is none, nor is one whose lines are all of fields the
+        /// standard ignores (the guard sends nothing of it).
         fn standard(input: &str) -> Vec<(Option<String>, Option<String>)> {
             let mut lines = Vec::new();
             let mut rest = input;
@@ -3946,7 +3981,13 @@ mod tests {
                     block.push(line);
                     continue;
                 }
-                if block.is_empty() {
+                let ignored = |line: &&str| {
+                    let line: &str = line;
+                    let field = line.split_once(':').map_or(line, |(field, _)| field);
+                    !["", "event", "data", "id", "retry"].contains(&field)
+                };
+                if block.iter().all(ignored) {
+                    block.clear();
                     continue;
                 }
                 let (mut event, mut data) = (None, None::<String>);
@@ -3991,6 +4032,17 @@ mod tests {
                 })
                 .collect();
             assert_eq!(got, standard(&input), "{input:?} cut at {a} and {b}");
+            // Nothing goes out that a reader of the standard does not read.
+            for event in &events {
+                let raw = std::str::from_utf8(&event.raw).unwrap();
+                for line in raw.split(['\r', '\n']).filter(|l| !l.is_empty()) {
+                    let field = line.split_once(':').map_or(line, |(field, _)| field);
+                    assert!(
+                        ["", "event", "data", "id", "retry"].contains(&field),
+                        "{line:?} of {input:?}"
+                    );
+                }
+            }
         }
     }
 

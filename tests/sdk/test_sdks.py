@@ -258,8 +258,13 @@ class Upstream(BaseHTTPRequestHandler):
             payload["choices"][0]["message"]["content"] = "Returns are guaranteed\nreturns, buy now."
             payload["usage"]["prompt_tokens"] = float("nan")
             data = json.dumps(payload).encode()
+        content_type = "application/json"
+        if "labelled" in last_words(body):
+            # A broken upstream's JSON answer labelled as a stream.
+            payload["choices"][0]["message"]["content"] = RISKY
+            content_type, data = "text/event-stream", json.dumps(payload).encode() + b"\n\n"
         self.send_response(200)
-        self.send_header("content-type", "application/json")
+        self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -655,6 +660,15 @@ routes:
                 assert e.code == "content_filter", e
             else:
                 raise AssertionError(f"the answer came through: {r}")
+
+        def openai_labelled_answer():
+            # The SDK reads any body of a call without a stream as JSON.
+            try:
+                r = oa.chat.completions.create(model="gpt-4o-mini",
+                                               messages=[{"role": "user", "content": "labelled?"}])
+            except openai.APIError:
+                return
+            assert "Dogecoin" not in str(r), r
 
         def openai_stream_ok():
             text = ""
@@ -1188,6 +1202,8 @@ routes:
         check("openai chat completion that is JSON only to a lenient reader (NaN): its risky answer raises "
               "BadRequestError",
               openai_lenient_answer)
+        check("openai chat completion labelled as a stream: the risky JSON answer does not reach the SDK",
+              openai_labelled_answer)
         check("openai chat completion stream", openai_stream_ok)
         check("openai blocked prompt raises BadRequestError without retries", openai_blocked_prompt)
         check("openai blocked stream ends with content_filter", openai_blocked_stream)
