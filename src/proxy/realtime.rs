@@ -54,9 +54,10 @@
 //! upstream and ends, for the client, `failed` with
 //! `response_too_large`.
 //!
-//! Everything else passes as it comes: binary messages, events of no
-//! response (the session's, the input audio buffer's, rate limits,
-//! errors). Each side's pings are answered by fairgate; a close is passed
+//! A binary message is read as its text, an event like any ([`as_text`]):
+//! the SDKs read either kind of message as JSON. Everything else passes
+//! as it comes: events of no response (the session's, the input audio
+//! buffer's, rate limits, errors). Each side's pings are answered by fairgate; a close is passed
 //! on. An upstream event that is not a JSON object with a `type` is
 //! dropped and counted (`fairgate_upstream_errors_total{kind="malformed"}`).
 //!
@@ -253,9 +254,9 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
     relay(Session::new(state, handshake), client, upstream).await;
 }
 
-/// What a guarded WebSocket session does with each side's events (its
-/// text messages). Binary messages and closes pass as they come; pings
-/// are answered by the sockets themselves.
+/// What a guarded WebSocket session does with each side's events: its
+/// messages, text or binary ([`as_text`]). Closes pass as they come;
+/// pings are answered by the sockets themselves.
 pub(super) trait Relay {
     /// The messages to send for an event from the client.
     fn client_event(&mut self, text: Utf8Bytes) -> Vec<Send>;
@@ -263,6 +264,16 @@ pub(super) trait Relay {
     fn upstream_event(&mut self, text: Utf8Bytes) -> Vec<Send>;
     /// How the session ends, as the first side to close or fail tells.
     fn ending(&mut self, end: StreamEnd);
+}
+
+/// A binary message read as an event, as the SDKs read it: their
+/// `json.loads` takes a message's bytes whatever its kind, so a binary
+/// one passed on unread could carry an answer past the guard. Bytes that
+/// are not UTF-8 are not JSON either, and read as the text they make
+/// (an event that does not read).
+fn as_text(bytes: Bytes) -> Utf8Bytes {
+    Utf8Bytes::try_from(bytes.clone())
+        .unwrap_or_else(|_| Utf8Bytes::from(String::from_utf8_lossy(&bytes).into_owned()))
 }
 
 /// Relays a WebSocket session between `client` and `upstream`, each
@@ -297,7 +308,8 @@ pub(super) async fn relay(mut session: impl Relay, client: Upgraded, upstream: U
                     }
                     match message {
                         Message::Text(text) => session.client_event(text),
-                        Message::Binary(_) | Message::Close(_) => vec![Send::Upstream(message)],
+                        Message::Binary(bytes) => session.client_event(as_text(bytes)),
+                        Message::Close(_) => vec![Send::Upstream(message)],
                         Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Vec::new(),
                     }
                 }
@@ -311,7 +323,8 @@ pub(super) async fn relay(mut session: impl Relay, client: Upgraded, upstream: U
                     }
                     match message {
                         Message::Text(text) => session.upstream_event(text),
-                        Message::Binary(_) | Message::Close(_) => vec![Send::Client(message)],
+                        Message::Binary(bytes) => session.upstream_event(as_text(bytes)),
+                        Message::Close(_) => vec![Send::Client(message)],
                         Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Vec::new(),
                     }
                 }

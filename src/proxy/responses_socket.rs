@@ -31,7 +31,8 @@
 //! dropped. An event the guard writes itself carries the lane's
 //! `stream_id`. An `error` that refuses a request before any response
 //! of it and a steer's acknowledgements (`response.steer.*`) pass as
-//! they came, as do binary messages and closes; an `error` that refuses a
+//! they came, as do closes (a binary message is read as a text one is,
+//! see `realtime::as_text`); an `error` that refuses a
 //! second `response.create` on a lane (`response_already_in_flight`)
 //! leaves the response under way open. An upstream event that is not JSON is dropped
 //! and counted (`fairgate_upstream_errors_total{kind="malformed"}`).
