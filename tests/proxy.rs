@@ -857,6 +857,39 @@ async fn buffer_mode_sends_nothing_of_a_blocked_stream() {
     proxy.stop().await;
 }
 
+/// A blocked Messages API stream in buffer mode, of which nothing was
+/// sent, ends as one blocked in holdback does: the message's start (the
+/// SDKs' stream helpers take no event before it), then its refusal.
+#[tokio::test]
+async fn buffer_mode_begins_a_blocked_messages_stream_with_its_start() {
+    use fairgate::config::StreamMode;
+    let (_mock, proxy) = start_with(|c| c.guard.stream_mode = StreamMode::Buffer).await;
+    let chunks = [
+        "Fine words first. ",
+        "Then: borrow money to invest in crypto.",
+    ];
+    let response = proxy
+        .post(
+            "/v1/messages",
+            json!({"chunks": chunks}),
+            &messages("Ideas?", true),
+        )
+        .await;
+    let body = response.text().await.unwrap();
+    let names: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(
+        names,
+        ["message_start", "message_delta", "message_stop"],
+        "{body}"
+    );
+    assert!(!body.contains("Fine words"), "{body}");
+    assert!(body.contains(r#""stop_reason":"refusal""#), "{body}");
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn monitor_mode_passes_everything_and_counts_the_hit() {
     use fairgate::config::StreamMode;
@@ -3449,5 +3482,68 @@ async fn a_json_answer_labelled_as_a_stream_does_not_go_out_unread() {
         let body = response.text().await.unwrap();
         assert!(!body.contains("Dogecoin"), "{raw:?} gave {body:?}");
     }
+    proxy.stop().await;
+}
+
+/// A Messages API stream whose `message_start` carries content, as the API
+/// never writes it: the SDKs' stream helpers start the message they build
+/// from it (`get_final_message()`, `get_final_text()`), so its text is read
+/// as the answer's, and a blocked one ends the stream before it goes out.
+/// The Responses API's `response.created` likewise.
+#[tokio::test]
+async fn text_in_a_streams_first_event_is_guarded() {
+    let (_mock, proxy) = start().await;
+    let start_with = |content: Value| {
+        let start = json!({"type": "message_start", "message": {"id": "msg_1", "type": "message",
+            "role": "assistant", "model": "c", "content": content, "stop_reason": null,
+            "usage": {"input_tokens": 1, "output_tokens": 1}}});
+        format!(
+            "event: message_start\ndata: {start}\n\n\
+             event: message_delta\ndata: {{\"type\":\"message_delta\",\"delta\":{{\"stop_reason\":\"end_turn\",\"stop_sequence\":null}},\"usage\":{{\"output_tokens\":1}}}}\n\n\
+             event: message_stop\ndata: {{\"type\":\"message_stop\"}}\n\n"
+        )
+    };
+    let risky = "Put all your savings into Dogecoin right now.";
+    for content in [
+        json!([{"type": "text", "text": risky}]),
+        json!([{"type": "tool_use", "id": "t", "name": "buy", "input": {"note": risky}}]),
+    ] {
+        let response = proxy
+            .post(
+                "/v1/messages",
+                json!({"raw_sse": start_with(content.clone())}),
+                &messages("Tips?", true),
+            )
+            .await;
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("Dogecoin"), "{content} gave {body}");
+        assert!(body.contains(r#""stop_reason":"refusal""#), "{body}");
+        // The message starts, without its content, as the helpers need.
+        assert!(body.starts_with("event: message_start\n"), "{body}");
+        assert!(body.contains(r#""content":[]"#), "{body}");
+    }
+    let safe = json!([{"type": "text", "text": "Start with a budget."}]);
+    let response = proxy
+        .post(
+            "/v1/messages",
+            json!({"raw_sse": start_with(safe)}),
+            &messages("Tips?", true),
+        )
+        .await;
+    let body = response.text().await.unwrap();
+    assert!(body.contains("Start with a budget."), "{body}");
+    assert!(body.contains(r#""stop_reason":"end_turn""#), "{body}");
+
+    let created = json!({"type": "response.created", "sequence_number": 0, "response": {
+        "id": "resp_1", "object": "response", "status": "in_progress", "model": "m",
+        "output": [{"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": risky, "annotations": []}]}]}});
+    let raw = format!("event: response.created\ndata: {created}\n\n");
+    let request = json!({"model": "m", "input": "Tips?", "stream": true});
+    let response = proxy
+        .post("/v1/responses", json!({"raw_sse": raw}), &request)
+        .await;
+    let body = response.text().await.unwrap();
+    assert!(!body.contains("Dogecoin"), "{body}");
     proxy.stop().await;
 }

@@ -36,7 +36,10 @@
 //!   of its own, and a block ends every choice not yet finished);
 //!   Anthropic, `content_block_stop`, a `message_delta` with
 //!   `stop_reason: "refusal"` (its `stop_details` explained by the rule's
-//!   message), and `message_stop`. Redactions apply before
+//!   message), and `message_stop`, after a `message_start` (content
+//!   emptied) when the client has not had one: a start that carried
+//!   content (which the API never sends; the SDKs' helpers would show
+//!   it) is held, its text read as the answer's. Redactions apply before
 //!   release. *Cost*: text that no match may cover goes out at the next
 //!   check; a phrase that a rule would block if it went on waits until it
 //!   ends or turns harmless. A check rescans a window of the longest
@@ -989,6 +992,19 @@ fn read_event(raw: Bytes, lines: Lines) -> Option<SseEvent> {
     let raw = rebuilt.unwrap_or(raw);
     let data = data.map(ByteString::from);
     Some(SseEvent { raw, event, data })
+}
+
+/// Anthropic's `message_start` event `raw`, its message's `content`
+/// emptied, as the API writes it; `None` for any other event.
+fn empty_start(raw: &Bytes) -> Option<Bytes> {
+    memchr::memmem::find(raw, b"message_start")?;
+    let data = parse_event(raw.clone())?.data?;
+    let mut start: Value = serde_json::from_str(&data).ok()?;
+    if start["type"] != "message_start" {
+        return None;
+    }
+    start["message"]["content"] = json!([]);
+    Some(sse(Some("message_start"), &start))
 }
 
 /// An event held back in buffer mode, with the range of `acc` its text
@@ -2072,6 +2088,18 @@ impl Guard {
                     .map(|t| t.value.to_string())
                     .unwrap_or_default(),
             },
+            // A message begun with content, which the API never sends, but
+            // the SDKs' helpers would show: held until its text is read.
+            Some("message_start") if event.message.is_some() => {
+                let message = event.message.unwrap_or_default().as_bytes();
+                match exchange::ResponseBody::read(Endpoint::Messages, message) {
+                    Ok(read) => {
+                        let texts: Vec<&str> = read.texts.iter().map(|t| &*t.text).collect();
+                        Kind::held(texts.join("\n"))
+                    }
+                    Err(_) => Kind::Malformed,
+                }
+            }
             Some("content_block_stop") => Kind::BlockEnd,
             Some("message_delta") => Kind::Final,
             Some("message_stop") => Kind::Done,
@@ -2669,7 +2697,13 @@ impl Guard {
             return vec![self.responses_ending()];
         }
         if self.dialect == Dialect::Anthropic {
-            let mut frames = Vec::new();
+            // A message whose start the client has not had (buffer mode
+            // sends nothing before the end; a start with content is held)
+            // begins the ending with it, without content: the SDKs' stream
+            // helpers build the message from it and take no event before.
+            let unsent = (self.held.iter().map(|(event, _)| &event.raw))
+                .chain(self.held_frames.iter().map(|frame| &frame.raw));
+            let mut frames: Vec<Bytes> = unsent.filter_map(empty_start).take(1).collect();
             if self.block_open {
                 frames.push(sse(
                     Some("content_block_stop"),

@@ -208,7 +208,8 @@ class Upstream(BaseHTTPRequestHandler):
                 if compacts:
                     frames = anthropic_compaction_stream(text)
                 elif anthropic_api:
-                    frames = anthropic_stream(text, thinking_text(body))
+                    started = RISKY if "started" in last_words(body) else None
+                    frames = anthropic_stream(text, thinking_text(body), started)
                 elif responses_api:
                     frames = responses_stream(text)
                 else:
@@ -475,11 +476,14 @@ def openai_stream(text, gemini=False):
 SIGNATURE = "EqQBCgIYAhIM1gbcDa9GJwZA2b3h"
 
 
-def anthropic_stream(text, thinking=None):
+def anthropic_stream(text, thinking=None, started=None):
+    """`started`: text the message starts with, as a broken upstream's
+    `message_start` might carry it (the API's is always empty)."""
     def event(name, data):
         return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+    content = [{"type": "text", "text": started}] if started else []
     yield event("message_start", {"type": "message_start", "message": {
-        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": [],
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": content,
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 1}}})
     index = 0
     if thinking is not None:
@@ -806,6 +810,14 @@ routes:
                 final = stream.get_final_message()
             assert text == SAFE, text
             assert final.stop_reason == "end_turn"
+
+        def anthropic_started_stream():
+            # The stream helper builds its message from message_start's.
+            with an.messages.stream(model="claude-x", max_tokens=50,
+                                    messages=[{"role": "user", "content": "started?"}]) as stream:
+                final = stream.get_final_message()
+            assert "Dogecoin" not in str(final), final
+            assert final.stop_reason == "refusal", final
 
         def anthropic_blocked_prompt():
             before = len(Upstream.requests)
@@ -1227,6 +1239,8 @@ routes:
         check("openai batch output file comes with the risky answer refused", openai_batch_output)
         check("anthropic message", anthropic_message)
         check("anthropic message stream", anthropic_stream_ok)
+        check("anthropic stream whose message_start carries risky text ends with refusal, the text unsent",
+              anthropic_started_stream)
         check("anthropic blocked prompt raises BadRequestError", anthropic_blocked_prompt)
         check("anthropic blocked stream ends with refusal", anthropic_blocked_stream)
         check("anthropic answers that make risky advice of their prefill end with refusal",

@@ -65,6 +65,10 @@ pub struct Event<'a> {
     /// The JSON text of `usage`, or else of `message.usage` or
     /// `response.usage`, when it is an object.
     pub usage: Option<&'a str>,
+    /// The JSON text of `message` (Anthropic's `message_start`) when its
+    /// `content` is not empty, as the API never sends it: the SDKs' stream
+    /// helpers start the message they build from it.
+    pub message: Option<&'a str>,
     /// Where the strings lie that are members of the objects read, but
     /// not read themselves (ids, model names, padding), in order.
     pub skipped: Vec<Range<usize>>,
@@ -152,11 +156,20 @@ impl<'a> Event<'a> {
                         }
                     }
                     _ => {
-                        if reader.is_object()? {
-                            reader.object(["usage"], |reader, _| {
-                                inner_usage = inner_usage.or(reader.object_text()?);
+                        let span = reader.span()?;
+                        let mut inner = reader.part(span.clone());
+                        if inner.is_object()? {
+                            let mut content = false;
+                            inner.object(["usage", "content"], |inner, key| {
+                                match key {
+                                    0 => inner_usage = inner_usage.or(inner.object_text()?),
+                                    _ => content = data[inner.span()?].trim() != "[]",
+                                }
                                 Ok(())
                             })?;
+                            if content && key == 7 {
+                                event.message = Some(&data[span]);
+                            }
                         }
                     }
                 }
