@@ -155,21 +155,28 @@ impl<'a> Event<'a> {
                             event.content_block = Delta::read(reader)?;
                         }
                     }
-                    _ => {
-                        let span = reader.span()?;
-                        let mut inner = reader.part(span.clone());
-                        if inner.is_object()? {
+                    7 => {
+                        let start = reader.jiter.current_index();
+                        if reader.is_object()? {
                             let mut content = false;
-                            inner.object(["usage", "content"], |inner, key| {
+                            reader.object(["usage", "content"], |reader, key| {
                                 match key {
-                                    0 => inner_usage = inner_usage.or(inner.object_text()?),
-                                    _ => content = data[inner.span()?].trim() != "[]",
+                                    0 => inner_usage = inner_usage.or(reader.object_text()?),
+                                    _ => content = data[reader.span()?].trim() != "[]",
                                 }
                                 Ok(())
                             })?;
-                            if content && key == 7 {
-                                event.message = Some(&data[span]);
+                            if content {
+                                event.message = Some(&data[start..reader.jiter.current_index()]);
                             }
+                        }
+                    }
+                    _ => {
+                        if reader.is_object()? {
+                            reader.object(["usage"], |reader, _| {
+                                inner_usage = inner_usage.or(reader.object_text()?);
+                                Ok(())
+                            })?;
                         }
                     }
                 }
