@@ -567,22 +567,8 @@ async fn an_event_behind_a_byte_order_mark_is_guarded() {
     assert_eq!(finishes, ["content_filter"], "{body:?}");
     assert!(done);
 
-    let allowed = openai_raw_stream(
-        &[json!({"content": "Save "}), json!({"content": "more."})],
-        "stop",
-    );
-    let body = relay_stream(
-        &proxy,
-        "/v1/chat/completions",
-        format!("\u{feff}{allowed}"),
-        &chat("Tips?", true),
-    )
-    .await;
+    let body = relays_save_more(&proxy, |raw| format!("\u{feff}{raw}")).await;
     assert!(!body.contains('\u{feff}'), "{body:?}");
-    let (received, finishes, done) = sdk_stream_text(&body);
-    assert_eq!(received, "Save more.");
-    assert_eq!(finishes, ["stop"]);
-    assert!(done, "{body:?}");
     proxy.stop().await;
 }
 
@@ -702,17 +688,33 @@ async fn an_answer_that_reads_as_json_only_to_a_lenient_reader_is_guarded() {
 #[tokio::test]
 async fn a_stream_whose_lines_end_at_carriage_returns_is_read_to_its_end() {
     let (_mock, proxy) = start().await;
+    relays_save_more(&proxy, |raw| raw.replace('\n', "\r")).await;
+    proxy.stop().await;
+}
+
+/// Relays the stream "Save more." (two deltas, then its finish), as
+/// `written` writes it, and checks that the SDKs read it whole, finished
+/// and done; the body the client got.
+async fn relays_save_more(
+    proxy: &support::Proxy,
+    written: impl FnOnce(String) -> String,
+) -> String {
     let raw = openai_raw_stream(
         &[json!({"content": "Save "}), json!({"content": "more."})],
         "stop",
     );
-    let raw = raw.replace('\n', "\r");
-    let body = relay_stream(&proxy, "/v1/chat/completions", raw, &chat("Tips?", true)).await;
+    let body = relay_stream(
+        proxy,
+        "/v1/chat/completions",
+        written(raw),
+        &chat("Tips?", true),
+    )
+    .await;
     let (received, finishes, done) = sdk_stream_text(&body);
     assert_eq!(received, "Save more.");
     assert_eq!(finishes, ["stop"]);
     assert!(done, "{body:?}");
-    proxy.stop().await;
+    body
 }
 
 #[tokio::test]
