@@ -3546,3 +3546,135 @@ async fn text_in_a_streams_first_event_is_guarded() {
     assert!(!body.contains("Dogecoin"), "{body}");
     proxy.stop().await;
 }
+
+/// A call's arguments are JSON the model writes itself, escapes and all,
+/// and reach the client's code parsed (`json.loads`): a blocked phrase
+/// with an escaped letter or across an escaped newline is found in them,
+/// whole or streamed, however the deltas cut the escape. Arguments with
+/// escapes that spell nothing blocked go out whole.
+#[tokio::test]
+async fn a_calls_arguments_are_read_as_the_code_that_parses_them_reads_them() {
+    let (_mock, proxy) = start().await;
+    let hidden = [
+        r#"{"note": "Put all your s\u0061vings into one coin right now."}"#,
+        r#"{"note": "These are guaranteed\nreturns."}"#,
+    ];
+    let completion = |args: &str| {
+        json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": null,
+            "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "note", "arguments": args}}]}, "finish_reason": "tool_calls"}]})
+    };
+    let chunk = |delta: Value, finish: Value| {
+        let chunk = json!({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+        format!("data: {chunk}\n\n")
+    };
+    let call_stream = |args: &str| {
+        // Cut inside the escape.
+        let cut = args.find('\\').unwrap() + 3;
+        let start = json!({"role": "assistant", "tool_calls": [{"index": 0, "id": "call_1",
+            "type": "function", "function": {"name": "note", "arguments": ""}}]});
+        let piece =
+            |text: &str| json!({"tool_calls": [{"index": 0, "function": {"arguments": text}}]});
+        chunk(start, Value::Null)
+            + &chunk(piece(&args[..cut]), Value::Null)
+            + &chunk(piece(&args[cut..]), Value::Null)
+            + &chunk(json!({}), json!("tool_calls"))
+            + "data: [DONE]\n\n"
+    };
+    let anthropic_stream = |args: &str| {
+        let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
+        let cut = args.find('\\').unwrap() + 3;
+        let delta = |text: &str| {
+            event(
+                "content_block_delta",
+                json!({"type": "content_block_delta",
+            "index": 0, "delta": {"type": "input_json_delta", "partial_json": text}}),
+            )
+        };
+        event(
+            "message_start",
+            json!({"type": "message_start", "message": {"id": "m", "type": "message",
+            "role": "assistant", "model": "c", "content": [], "stop_reason": null,
+            "usage": {"input_tokens": 1, "output_tokens": 1}}}),
+        ) + &event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0,
+                "content_block": {"type": "tool_use", "id": "t", "name": "note", "input": {}}}),
+        ) + &delta(&args[..cut])
+            + &delta(&args[cut..])
+            + &event(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": 0}),
+            )
+            + &event(
+                "message_delta",
+                json!({"type": "message_delta",
+                "delta": {"stop_reason": "tool_use", "stop_sequence": null}, "usage": {"output_tokens": 1}}),
+            )
+            + &event("message_stop", json!({"type": "message_stop"}))
+    };
+    for args in hidden {
+        let plain = serde_json::from_str::<Value>(args).unwrap()["note"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let response = proxy
+            .post(
+                "/v1/chat/completions",
+                json!({"raw_json": completion(args).to_string()}),
+                &chat("Tips?", false),
+            )
+            .await;
+        assert_eq!(response.headers()["x-fairgate-verdict"], "block", "{args}");
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("note"), "{body}");
+
+        let body = relay_stream(
+            &proxy,
+            "/v1/chat/completions",
+            call_stream(args),
+            &chat("Tips?", true),
+        )
+        .await;
+        let (_, finishes, done) = sdk_stream_text(&body);
+        assert_eq!(finishes, ["content_filter"], "{args}: {body}");
+        assert!(done && !body.contains(r#"\"note"#), "{body}");
+
+        let response = proxy
+            .post(
+                "/v1/messages",
+                json!({"raw_sse": anthropic_stream(args)}),
+                &messages("Tips?", true),
+            )
+            .await;
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("partial_json"), "{args}: {body}");
+        let (_, stop, _) = anthropic_stream_text(&body);
+        assert_eq!(stop.as_deref(), Some("refusal"), "{plain}: {body}");
+    }
+    let safe = r#"{"note": "Start with a budget.\nThen s\u0061ve."}"#;
+    let body = relay_stream(
+        &proxy,
+        "/v1/chat/completions",
+        call_stream(safe),
+        &chat("Tips?", true),
+    )
+    .await;
+    let (_, finishes, done) = sdk_stream_text(&body);
+    assert_eq!(finishes, ["tool_calls"], "{body}");
+    assert!(done);
+    let sent: String = body
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| {
+            c.pointer("/choices/0/delta/tool_calls/0/function/arguments")?
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(sent, safe);
+    proxy.stop().await;
+}

@@ -272,6 +272,9 @@ pub fn scan_response(
             // What it is the text of cannot be redacted: the text blocks.
             redactions_block(&mut found);
         }
+        // A text that is JSON itself (a call's arguments, a tool's input)
+        // reaches the client's code parsed, its escapes decoded.
+        let escaped = unescaped_hits(rules, *scope, text, &found);
         let redacted = found
             .iter()
             .any(|h| h.action == Action::Redact)
@@ -287,6 +290,7 @@ pub fn scan_response(
             edits.push((span.clone(), redacted));
         }
         hits.extend(found);
+        hits.extend(escaped);
     }
     // An answer with no text of its own is still shown after its prefill.
     if let Some(prefill) = prefill.filter(|_| !continued) {
@@ -415,18 +419,29 @@ pub fn scan_plain_response(rules: &RuleSet, body: &[u8]) -> ResponseScan {
     } else {
         text.into_owned()
     };
-    if let Some(unescaped) = json_unescaped(&text) {
-        let mut more = rules.scan(Scope::Response, &unescaped);
-        more.retain(|hit| !hits.iter().any(|h| h.rule == hit.rule));
-        redactions_block(&mut more);
-        hits.extend(more);
-    }
+    let escaped = unescaped_hits(rules, Scope::Response, &text, &hits);
+    hits.extend(escaped);
     ResponseScan {
         redacted: redacting.then(|| Bytes::from(text.clone())),
         texts: vec![text],
         context: Vec::new(),
         hits,
     }
+}
+
+/// The hits of `text` (of `scope`) that only its view with JSON's
+/// escapes decoded ([`json_unescaped`]) has, of rules `found` (its own
+/// hits) lacks: none when it has no escape. They block, a redaction too,
+/// since their match has no place in `text` to rewrite; their spans are
+/// the decoded view's.
+pub(crate) fn unescaped_hits(rules: &RuleSet, scope: Scope, text: &str, found: &[Hit]) -> Vec<Hit> {
+    let Some(unescaped) = json_unescaped(text) else {
+        return Vec::new();
+    };
+    let mut more = rules.scan(scope, &unescaped);
+    more.retain(|hit| !found.iter().any(|h| h.rule == hit.rule));
+    redactions_block(&mut more);
+    more
 }
 
 /// `text` with JSON's string escapes decoded (`\n`, `\"`, `\u0074`, a

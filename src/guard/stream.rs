@@ -71,7 +71,11 @@
 //! goes out unchanged, as it came, once all of its text lies before any
 //! match under way (checked as text is: every delta of the first 64
 //! bytes, then every 64 bytes; a block's start waits for its first
-//! text), so long reasoning and calls stream. The rest go out when the
+//! text), so long reasoning and calls stream. A call's arguments and a
+//! tool's input are JSON the client's code reads parsed, so they are
+//! read with their escapes decoded too; once one holds an escape, the
+//! held events wait for the end, where the decoded text is scanned whole
+//! (the text as written no longer tells where a match is under way). The rest go out when the
 //! content block or the response ends (in a chat completion, which has no
 //! blocks, when text follows), once all the text is scanned; or the stream
 //! ends blocked, closing a thinking block whose start went out. Held
@@ -1139,6 +1143,8 @@ pub struct Guard {
     held_frames: Vec<HeldFrame>,
     held_released: usize,
     held_whole: bool,
+    /// Held text has had an escape (see `push_held`).
+    held_escaped: bool,
     /// Hits in text that Responses API events repeat but the stream did
     /// not carry.
     repeated_hits: Vec<Hit>,
@@ -1264,6 +1270,7 @@ impl Guard {
             held_frames: Vec::new(),
             held_released: 0,
             held_whole: false,
+            held_escaped: false,
             repeated_hits: Vec::new(),
             context_hits: Vec::new(),
             context_texts: Vec::new(),
@@ -1850,6 +1857,7 @@ impl Guard {
             self.scan_tool_results(data);
         }
         if let Some(held) = choice.delta.held_text() {
+            self.hold_json(choice.delta.json_texts());
             let content = choice.delta.content.as_ref().map_or("", |t| &t.value);
             return Kind::Held {
                 text: format!("{content}{held}"),
@@ -1965,9 +1973,14 @@ impl Guard {
             // The model's words in a call: a function's or MCP tool's
             // arguments, a custom tool's input, the code it runs.
             Some(
-                "response.function_call_arguments.delta"
-                | "response.mcp_call_arguments.delta"
-                | "response.custom_tool_call_input.delta"
+                "response.function_call_arguments.delta" | "response.mcp_call_arguments.delta",
+            ) => {
+                let arguments = event.delta_text.as_ref().map(|t| &*t.value);
+                self.hold_json(arguments.into_iter());
+                Kind::held(arguments.unwrap_or_default().to_owned())
+            }
+            Some(
+                "response.custom_tool_call_input.delta"
                 | "response.code_interpreter_call_code.delta"
                 | "response.refusal.delta"
                 | "response.reasoning_summary_text.delta"
@@ -2043,7 +2056,10 @@ impl Guard {
                             .as_ref()
                             .map_or_else(String::new, |t| t.value.to_string()),
                     ),
-                    _ => delta.held_text().map_or(Kind::Other, Kind::held),
+                    _ => {
+                        self.hold_json(delta.json_texts());
+                        delta.held_text().map_or(Kind::Other, Kind::held)
+                    }
                 }
             }
             // A thinking block's events are held, its start too: its text
@@ -2312,6 +2328,18 @@ impl Guard {
         self.held_text.push_str(text);
     }
 
+    /// Held text that is JSON (a call's arguments, a tool's input) reaches
+    /// the client's code parsed, its escapes decoded. With an escape in
+    /// it, the text as it stands no longer tells where a match is under
+    /// way, so nothing held goes out before the end, where the held text
+    /// is read with its escapes decoded too (see `scan_held`).
+    fn hold_json<'t>(&mut self, mut json: impl Iterator<Item = &'t str>) {
+        if json.any(|text| text.contains('\\')) {
+            self.held_escaped = true;
+            self.held_whole = true;
+        }
+    }
+
     /// Whether the text is due a check: see [`CHECK_STEP`].
     fn check_due(&self) -> bool {
         check_due(self.acc.len() - self.prefill, self.checked - self.prefill)
@@ -2431,6 +2459,12 @@ impl Guard {
         }
         self.held_checked = text.len();
         let view = scan_into(&self.setup.rules, text, from, &mut self.held_hits);
+        if self.held_escaped {
+            let unsent = &text[self.held_released.min(from)..];
+            let rules = &self.setup.rules;
+            let escaped = super::unescaped_hits(rules, Scope::Response, unsent, &self.held_hits);
+            self.held_hits.extend(escaped);
+        }
         (from, view)
     }
 

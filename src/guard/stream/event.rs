@@ -352,6 +352,13 @@ impl<'a> Delta<'a> {
         })
     }
 
+    /// The texts of the delta that are JSON: a tool's input, a call's
+    /// arguments.
+    pub fn json_texts(&self) -> impl Iterator<Item = &str> {
+        let texts = self.partial_json.iter().chain(&self.arguments);
+        texts.map(|t| &*t.value)
+    }
+
     /// The text of a delta that the guard cannot re-frame and so holds
     /// whole: content sent as parts, a refusal, tool-call arguments (a call's opening, with none
     /// yet, too), a tool's input, reasoning, audio (its transcript; a
