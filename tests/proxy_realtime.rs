@@ -694,6 +694,62 @@ async fn an_answer_in_binary_messages_is_guarded() {
     close(ws, proxy).await;
 }
 
+/// A call's arguments are JSON the model writes, escapes and all, which
+/// the client's code parses: a blocked phrase behind an escaped letter
+/// blocks the response.
+#[tokio::test]
+async fn a_calls_arguments_are_read_with_their_escapes_decoded() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let args = r#"{"note":"Put all your s\u0061vings into one coin now."}"#;
+    let call = |status: &str, arguments: &str| {
+        json!({"id": "item_c", "object": "realtime.item", "type": "function_call", "status": status,
+            "name": "note", "call_id": "call_1", "arguments": arguments})
+    };
+    let event = |fields: Value| fields.to_string();
+    upstream.script(vec![
+        event(
+            json!({"type": "response.created", "event_id": "event_1", "response": {
+            "id": "resp_c", "object": "realtime.response", "status": "in_progress", "output": []}}),
+        ),
+        event(
+            json!({"type": "response.output_item.added", "event_id": "event_2",
+            "response_id": "resp_c", "output_index": 0, "item": call("in_progress", "")}),
+        ),
+        event(
+            json!({"type": "response.function_call_arguments.delta", "event_id": "event_3",
+            "response_id": "resp_c", "item_id": "item_c", "output_index": 0, "call_id": "call_1",
+            "delta": args}),
+        ),
+        event(
+            json!({"type": "response.function_call_arguments.done", "event_id": "event_4",
+            "response_id": "resp_c", "item_id": "item_c", "output_index": 0, "call_id": "call_1",
+            "arguments": args}),
+        ),
+        event(
+            json!({"type": "response.output_item.done", "event_id": "event_5",
+            "response_id": "resp_c", "output_index": 0, "item": call("completed", args)}),
+        ),
+        event(
+            json!({"type": "response.done", "event_id": "event_6", "response": {
+            "id": "resp_c", "object": "realtime.response", "status": "completed",
+            "status_details": null, "output": [call("completed", args)],
+            "usage": {"total_tokens": 42, "input_tokens": 30, "output_tokens": 12}}}),
+        ),
+        event(json!({"type": "rate_limits.updated", "event_id": "event_7", "rate_limits": []})),
+    ]);
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    let texts = until(&mut ws, "rate_limits.updated").await;
+    assert!(texts.iter().all(|t| !t.contains("one coin")), "{texts:?}");
+    let events = parsed(&texts);
+    assert_eq!(
+        events[1]["response"]["status_details"]["reason"], "content_filter",
+        "{texts:?}"
+    );
+    close(ws, proxy).await;
+}
+
 /// An upstream event that is not JSON is dropped and counted; the
 /// session goes on.
 #[tokio::test]

@@ -539,7 +539,10 @@ impl Answer {
             if found.iter().any(|h| h.action == Action::Redact) {
                 redactions.push(((*text).to_owned(), redact(text, &found)));
             }
+            // A call's arguments reach the client's code parsed.
+            let escaped = guard::unescaped_hits(&self.rules, scope, text, &found);
             hits.extend(found);
+            hits.extend(escaped);
         }
         let (context, shown): (Vec<_>, Vec<_>) =
             texts.iter().partition(|(kind, _)| *kind == Kind::Context);
