@@ -2334,7 +2334,7 @@ impl Guard {
     /// way, so nothing held goes out before the end, where the held text
     /// is read with its escapes decoded too (see `scan_held`).
     fn hold_json<'t>(&mut self, mut json: impl Iterator<Item = &'t str>) {
-        if json.any(|text| text.contains('\\')) {
+        if json.any(|text| memchr::memchr(b'\\', text.as_bytes()).is_some()) {
             self.held_escaped = true;
             self.held_whole = true;
         }
