@@ -415,6 +415,34 @@ async fn streamed_call_arguments_inputs_and_code_are_guarded() {
     proxy.stop().await;
 }
 
+/// A function's or MCP tool's arguments are JSON the model writes, escapes
+/// and all, and the client's code reads them parsed: a blocked phrase
+/// behind an escaped letter, the escape cut across two deltas, blocks.
+#[tokio::test]
+async fn streamed_call_arguments_are_read_with_their_escapes_decoded() {
+    let (_mock, proxy) = start().await;
+    for call in [CALLS[0], CALLS[2]] {
+        let hidden = call_stream(
+            call,
+            &[
+                "{\"note\": \"Put all your s\\u00",
+                "61vings into one coin now.\"}",
+            ],
+        );
+        let response = proxy
+            .post(
+                "/v1/responses",
+                json!({"raw_sse": hidden}),
+                &request("Write my note.", true),
+            )
+            .await;
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("one coin"), "{call:?}: {body}");
+        assert_blocked_ending(&events(&body));
+    }
+    proxy.stop().await;
+}
+
 /// What the client gets of a whole answer whose output items are `output`.
 async fn answered(proxy: &support::Proxy, output: Value) -> reqwest::Response {
     let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",
