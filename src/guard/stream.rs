@@ -75,8 +75,8 @@
 //! tool's input are JSON the client's code reads parsed, so they are
 //! read with their escapes decoded too; once one holds an escape, the
 //! held events wait for the end, where the decoded text is scanned whole
-//! (the text as written no longer tells where a match is under way). The rest go out when the
-//! content block or the response ends (in a chat completion, which has no
+//! (the text as written no longer tells where a match is under way). The
+//! rest go out when the content block or the response ends (in a chat completion, which has no
 //! blocks, when text follows), once all the text is scanned; or the stream
 //! ends blocked, closing a thinking block whose start went out. Held
 //! events never overtake text sent before them. Audio waits for its end:
@@ -954,10 +954,7 @@ fn read_event(raw: Bytes, lines: Lines) -> Option<SseEvent> {
     // between a `\r\n`'s two bytes is no field.
     let lines: Vec<&str> = text.split(['\r', '\n']).filter(|l| !l.is_empty()).collect();
     for (i, line) in lines.iter().enumerate() {
-        // As the standard reads a line: its field before the first colon
-        // (the whole line without one), its value after it and one space.
-        let (field, value) = line.split_once(':').unwrap_or((line, ""));
-        let value = value.strip_prefix(' ').unwrap_or(value);
+        let (field, value) = field_of(line);
         match field {
             "event" => event = Some(ByteString::from(value.trim_start())),
             "data" => match &mut data {
@@ -968,7 +965,7 @@ fn read_event(raw: Bytes, lines: Lines) -> Option<SseEvent> {
                 None => data = Some(value.to_owned()),
             },
             // A comment, or a field the guard need not read.
-            "" | "id" | "retry" => {}
+            _ if SSE_FIELDS.contains(&field) => {}
             // A field no reader of the standard reads. It does not go
             // out: what could read it, when the rest of the body is such
             // lines too, is a reader that takes the body for something
@@ -996,6 +993,18 @@ fn read_event(raw: Bytes, lines: Lines) -> Option<SseEvent> {
     let raw = rebuilt.unwrap_or(raw);
     let data = data.map(ByteString::from);
     Some(SseEvent { raw, event, data })
+}
+
+/// The fields of SSE, as its readers read them: a comment (no name), the
+/// event's name, its data, its id and the client's retry delay.
+const SSE_FIELDS: [&str; 5] = ["", "event", "data", "id", "retry"];
+
+/// A line's field and value as the SSE standard reads them: the field
+/// before the first colon (the whole line without one), the value after
+/// it, without one space.
+fn field_of(line: &str) -> (&str, &str) {
+    let (field, value) = line.split_once(':').unwrap_or((line, ""));
+    (field, value.strip_prefix(' ').unwrap_or(value))
 }
 
 /// Anthropic's `message_start` event `raw`, its message's `content`
@@ -4049,10 +4058,10 @@ mod tests {
                     block.push(line);
                     continue;
                 }
+                // Read apart from `field_of`, as the rest of this reference is.
                 let ignored = |line: &&str| {
                     let line: &str = line;
-                    let field = line.split_once(':').map_or(line, |(field, _)| field);
-                    !["", "event", "data", "id", "retry"].contains(&field)
+                    !SSE_FIELDS.contains(&line.split_once(':').map_or(line, |(field, _)| field))
                 };
                 if block.iter().all(ignored) {
                     block.clear();
@@ -4104,11 +4113,8 @@ mod tests {
             for event in &events {
                 let raw = std::str::from_utf8(&event.raw).unwrap();
                 for line in raw.split(['\r', '\n']).filter(|l| !l.is_empty()) {
-                    let field = line.split_once(':').map_or(line, |(field, _)| field);
-                    assert!(
-                        ["", "event", "data", "id", "retry"].contains(&field),
-                        "{line:?} of {input:?}"
-                    );
+                    let (field, _) = field_of(line);
+                    assert!(SSE_FIELDS.contains(&field), "{line:?} of {input:?}");
                 }
             }
         }
