@@ -3678,3 +3678,107 @@ async fn a_calls_arguments_are_read_as_the_code_that_parses_them_reads_them() {
     assert_eq!(sent, safe);
     proxy.stop().await;
 }
+
+/// A chunk of a chat completion stream that carries several choices at
+/// once, as raw SSE for the mock.
+fn chunk_of_choices(choices: Value) -> String {
+    let chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": choices});
+    format!("data: {chunk}\n\n")
+}
+
+/// A chunk may carry several choices: every one of them is guarded as its
+/// own choice's chunk and reaches the client (holdback and buffer send
+/// them as the chunks of one choice each that OpenAI sends), however the
+/// items come; monitor mode passes the chunk as it came.
+#[tokio::test]
+async fn every_choice_of_a_chunk_of_several_is_guarded() {
+    use fairgate::config::StreamMode;
+    let advice = "Put all your savings into Dogecoin right now.";
+    let item = |index: usize, delta: Value, finish: Value| json!({"index": index, "delta": delta, "finish_reason": finish});
+    // The second choice's last text comes with both finishes.
+    let stream = |first: &str, second: &str, last: &str| {
+        let mut raw = chunk_of_choices(json!([
+            item(
+                0,
+                json!({"role": "assistant", "content": first}),
+                Value::Null
+            ),
+            item(
+                1,
+                json!({"role": "assistant", "content": second}),
+                Value::Null
+            ),
+        ]));
+        raw += &chunk_of_choices(json!([
+            item(0, json!({}), json!("stop")),
+            item(1, json!({"content": last}), json!("stop")),
+        ]));
+        raw + "data: [DONE]\n\n"
+    };
+    let (stop, filtered) = (Some("stop".to_owned()), Some("content_filter".to_owned()));
+    for mode in [
+        StreamMode::Holdback,
+        StreamMode::Buffer,
+        StreamMode::Monitor,
+    ] {
+        let (_mock, proxy) = start_with(|c| c.guard.stream_mode = mode).await;
+        let mut question = chat("Two ideas, please.", true);
+        question["n"] = json!(2);
+        let post = |raw: String| relay_stream(&proxy, "/v1/chat/completions", raw, &question);
+
+        let allowed = stream("Budget first.", "Pay off the card.", " Thanks.");
+        let body = post(allowed.clone()).await;
+        let (texts, finishes, done) = choices_of(&body);
+        assert_eq!(
+            texts,
+            ["Budget first.", "Pay off the card. Thanks."],
+            "{mode:?}: {body}"
+        );
+        assert_eq!(
+            (finishes, done),
+            (vec![stop.clone(); 2], 1),
+            "{mode:?}: {body}"
+        );
+        if mode == StreamMode::Monitor {
+            assert_eq!(body, allowed);
+        }
+
+        // The second choice blocked, in a chunk the first one shares:
+        // with its first text, or in the chunk that finishes both.
+        for body in [
+            post(stream("Budget first.", advice, " Thanks.")).await,
+            post(stream("Budget first.", "Here:", advice)).await,
+        ] {
+            assert_eq!(
+                body.contains("Dogecoin"),
+                mode == StreamMode::Monitor,
+                "{mode:?}: {body}"
+            );
+            if mode != StreamMode::Monitor {
+                let (_, finishes, done) = choices_of(&body);
+                assert_eq!(finishes[1], filtered, "{mode:?}: {body}");
+                assert_eq!(done, 1, "{mode:?}: {body}");
+            }
+        }
+        if mode == StreamMode::Monitor {
+            proxy.stop().await;
+            continue;
+        }
+
+        // A choice behind an item that is none.
+        let mut raw = chunk_of_choices(json!([
+            null,
+            item(
+                1,
+                json!({"role": "assistant", "content": advice}),
+                Value::Null
+            )
+        ]));
+        raw += &chunk_of_choices(json!([item(1, json!({}), json!("stop"))]));
+        let body = post(raw + "data: [DONE]\n\n").await;
+        assert!(!body.contains("Dogecoin"), "{mode:?}: {body}");
+        assert!(body.contains("content_filter"), "{mode:?}: {body}");
+        proxy.stop().await;
+    }
+}

@@ -33,7 +33,9 @@
 //!   client asked for usage, the upstream is read on, unsent, for up to
 //!   10 s until its usage chunk, which goes out before `[DONE]`; a stream
 //!   of several choices, `n` > 1, is guarded choice by choice, each a text
-//!   of its own, and a block ends every choice not yet finished);
+//!   of its own, and a block ends every choice not yet finished; a chunk
+//!   that carries several choices is read, and sent, as a chunk of each
+//!   (see `split_choices`), in every mode but monitor);
 //!   Anthropic, `content_block_stop`, a `message_delta` with
 //!   `stop_reason: "refusal"` (its `stop_details` explained by the rule's
 //!   message), and `message_stop`, after a `message_start` (content
@@ -1097,6 +1099,8 @@ enum Kind {
     Done,
     /// An OpenAI chunk of another choice than the guard's (`n` > 1).
     Choice(u64),
+    /// An OpenAI chunk of several choices, read as a chunk of each.
+    Choices,
     Other,
     Malformed,
 }
@@ -1350,6 +1354,26 @@ impl Guard {
         frames
     }
 
+    /// A chunk of several choices, as the chunks of one choice each that
+    /// OpenAI sends ([`split_choices`]), each guarded as it would be.
+    /// Monitor mode passes the chunk as it came.
+    fn on_choices(&mut self, event: SseEvent) -> Vec<Bytes> {
+        let Some(pieces) = split_choices(&event) else {
+            return self.by_mode(event, Kind::Malformed);
+        };
+        let mut frames = Vec::new();
+        for piece in pieces {
+            if self.finished {
+                break;
+            }
+            frames.append(&mut self.on_event(piece));
+        }
+        if self.setup.mode == StreamMode::Monitor {
+            frames = vec![event.raw];
+        }
+        frames
+    }
+
     /// The other choices' guards at the end of the stream: their last
     /// frames, and whether one of them blocked.
     fn end_other_choices(&mut self) -> (Vec<Bytes>, bool) {
@@ -1369,6 +1393,9 @@ impl Guard {
             return Vec::new();
         }
         let kind = self.classify(&event);
+        if matches!(kind, Kind::Choices) {
+            return self.on_choices(event);
+        }
         let event = match self.redacted_data.take() {
             Some(data) => parse_event(sse_text(event.event.as_deref(), &data)).unwrap_or(event),
             None => event,
@@ -1858,6 +1885,11 @@ impl Guard {
             return self.classify_responses(event, data);
         }
         let choice = &event.choice;
+        // Only the stream's own guard sees such chunks: the others get
+        // their choice's part of one.
+        if choice.several {
+            return Kind::Choices;
+        }
         if let Some(index) = choice.index.filter(|&index| index != self.choice) {
             return Kind::Choice(index);
         }
@@ -1886,8 +1918,7 @@ impl Guard {
             Some(text) if !text.value.is_empty() => {
                 // In holdback only: monitor mode passes the chunk as it
                 // came, and buffer mode replays it so (see `replay_or_block`).
-                self.text_with_finish =
-                    choice.finished && choice.alone && self.setup.mode == StreamMode::Holdback;
+                self.text_with_finish = choice.finished && self.setup.mode == StreamMode::Holdback;
                 if let Some(role) = &choice.delta.role
                     && self.released == 0
                 {
@@ -2292,8 +2323,9 @@ impl Guard {
                 self.finished = true;
                 frames
             }
-            // Another choice's chunks never come here (see `on_event`).
-            Kind::Choice(_) | Kind::Other => self.after_held(event.raw),
+            // Chunks of other choices, or of several, never come here
+            // (see `on_event`).
+            Kind::Choice(_) | Kind::Choices | Kind::Other => self.after_held(event.raw),
         }
     }
 
@@ -2892,6 +2924,40 @@ impl Guard {
     }
 }
 
+/// A chunk of several choices (`choices` holding more than one item) as
+/// the chunks of one choice each that OpenAI sends, in order: each the
+/// chunk with that one choice, the chunk's `usage` on the last (`null` on
+/// the others). None when it is not a JSON object, or holds more choices
+/// than the API allows.
+fn split_choices(event: &SseEvent) -> Option<Vec<SseEvent>> {
+    let mut chunk: Map<String, Value> = serde_json::from_str(event.data.as_deref()?).ok()?;
+    let Some(Value::Array(choices)) = chunk.remove("choices") else {
+        return None;
+    };
+    if choices.len() > MAX_CHOICES {
+        return None;
+    }
+    let usage = chunk.remove("usage");
+    let last = choices.len().saturating_sub(1);
+    choices
+        .into_iter()
+        .enumerate()
+        .map(|(at, choice)| {
+            let mut piece = chunk.clone();
+            piece.insert("choices".into(), Value::Array(vec![choice]));
+            if let Some(usage) = &usage {
+                let usage = if at == last {
+                    usage.clone()
+                } else {
+                    Value::Null
+                };
+                piece.insert("usage".into(), usage);
+            }
+            parse_event(sse(event.event.as_deref(), &Value::Object(piece)))
+        })
+        .collect()
+}
+
 /// An OpenAI chunk of one choice that carries both text and its finish,
 /// as the two chunks the API itself sends: the text, `finish_reason` null
 /// and with no `usage`; then the finish, with no text (an empty delta),
@@ -2942,7 +3008,7 @@ fn plain_text(event: &Event, data: &str, token: &Range<usize>, endpoint: Endpoin
         _ => false,
     };
     alone
-        && choice.alone
+        && !choice.several
         && !choice.finished
         && choice.logprobs.is_none()
         && event.usage.is_none()
@@ -3307,6 +3373,7 @@ mod tests {
             Kind::Final => "final".into(),
             Kind::Done => "done".into(),
             Kind::Choice(index) => format!("choice {index}"),
+            Kind::Choices => "choices".to_owned(),
             Kind::Other => "other".into(),
             Kind::Malformed => "malformed".into(),
         }
@@ -3338,8 +3405,8 @@ mod tests {
             );
             assert_eq!(frame_after(endpoint, first), expected, "{first}");
         }
-        // Anything more in the chunk (a role, several choices, a finish,
-        // logprobs, usage, no finish_reason), or a chunk written over
+        // Anything more in the chunk (a role, a finish, logprobs, usage,
+        // no finish_reason), or a chunk written over
         // several lines (its data several `data:` lines), and the chunk
         // is rebuilt: on one line, the delta holding the text alone,
         // finish_reason null, no usage.
@@ -3348,7 +3415,6 @@ mod tests {
             "{\"id\":\"c\",\r\n\"choices\":[{\"index\":0,\"delta\":{\"content\":\"first\"},\"finish_reason\":null}]}",
             r#"{"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":"first"},"finish_reason":null}]}"#,
             r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first","refusal":null},"finish_reason":null}]}"#,
-            r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first"},"finish_reason":null},{"index":1,"delta":{"content":"other"},"finish_reason":null}]}"#,
             r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first"},"logprobs":{"content":[]},"finish_reason":null}]}"#,
             r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first"},"finish_reason":null}],"usage":{"total_tokens":3}}"#,
             r#"{"id":"c","choices":[{"index":0,"delta":{"content":"first"}}]}"#,
@@ -3610,10 +3676,16 @@ mod tests {
                 r#"{"type":"response.output_text.delta","delta":"a\nb","item":{"type":"x"}}"#,
                 r#"text "a\nb" 0"#,
             ),
+            // Several choices, whatever the items: read as a chunk of each.
             (
                 chat,
                 r#"{"choices":[3,{"delta":{"content":"second"}}]}"#,
-                "other",
+                "choices",
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"choices":[{"text":"a"},{"text":"b","index":1}]}"#,
+                "choices",
             ),
             (chat, r#"[1]"#, "other"),
             (chat, r#"{"choices":[{"delta":{"content":"#, "malformed"),

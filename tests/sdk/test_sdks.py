@@ -212,6 +212,8 @@ class Upstream(BaseHTTPRequestHandler):
                     frames = anthropic_stream(text, thinking_text(body), started)
                 elif responses_api:
                     frames = responses_stream(text)
+                elif "packed" in last_words(body):
+                    frames = openai_packed_stream(SAFE, text)
                 else:
                     frames = openai_stream(text, gemini=body.get("model", "").startswith("gemini"))
                 # Asked to break off: half the events, then the connection
@@ -473,6 +475,20 @@ def openai_stream(text, gemini=False):
     yield "data: [DONE]\n\n"
 
 
+def openai_packed_stream(first, second):
+    """Two choices (`n: 2`) as a server may send them, and OpenAI never
+    does: every chunk carries a piece of each."""
+    def frame(*items):
+        return "data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                                      "model": "gpt-4o-mini", "choices": list(items)}) + "\n\n"
+    pieces = [list(chunks(first)), list(chunks(second))]
+    for at in range(max(map(len, pieces))):
+        yield frame(*({"index": index, "delta": {"content": texts[at]} if at < len(texts) else {},
+                       "finish_reason": None} for index, texts in enumerate(pieces)))
+    yield frame(*({"index": index, "delta": {}, "finish_reason": "stop"} for index in range(2)))
+    yield "data: [DONE]\n\n"
+
+
 SIGNATURE = "EqQBCgIYAhIM1gbcDa9GJwZA2b3h"
 
 
@@ -705,6 +721,21 @@ routes:
                     finish = chunk.choices[0].finish_reason
             assert finish == "content_filter", finish
             assert "savings" not in text, text
+
+        def openai_packed_choices():
+            # Each choice's text and finish, as the SDK's chunks give them.
+            def choices(prompt):
+                texts, finishes = ["", ""], [None, None]
+                for chunk in oa.chat.completions.create(model="gpt-4o-mini", stream=True, n=2,
+                                                        messages=[{"role": "user", "content": prompt}]):
+                    for choice in chunk.choices:
+                        texts[choice.index] += choice.delta.content or ""
+                        finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+                return texts, finishes
+            texts, finishes = choices("packed tips?")
+            assert texts == [SAFE, SAFE] and finishes == ["stop", "stop"], (texts, finishes)
+            texts, finishes = choices("packed and risky?")
+            assert "Dogecoin" not in texts[1] and finishes[1] == "content_filter", (texts, finishes)
 
         def other_providers_base_urls_guarded():
             # The base URLs Gemini's and DeepSeek's OpenAI-compatible APIs
@@ -1217,6 +1248,8 @@ routes:
         check("openai chat completion stream", openai_stream_ok)
         check("openai blocked prompt raises BadRequestError without retries", openai_blocked_prompt)
         check("openai blocked stream ends with content_filter", openai_blocked_stream)
+        check("openai stream of two choices whose chunks carry both: both guarded, the risky one filtered",
+              openai_packed_choices)
         check("openai SDK on Gemini's and DeepSeek's base URLs: blocked prompt and answer",
               other_providers_base_urls_guarded)
         check("openai SDK stream helper on a Gemini-style stream (role and finish with the text) gets both",

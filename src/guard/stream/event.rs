@@ -116,8 +116,10 @@ pub struct Choice<'a> {
     pub logprobs: Option<&'a str>,
     /// Whether `finish_reason` is there and not `null`.
     pub finished: bool,
-    /// Whether it is the only item of `choices`.
-    pub alone: bool,
+    /// Whether `choices` has more items than this one (whatever they
+    /// are): a chunk of several choices, read choice by choice (see
+    /// [`super::split_choices`]).
+    pub several: bool,
 }
 
 impl<'a> Event<'a> {
@@ -194,7 +196,7 @@ impl<'a> Event<'a> {
 
 impl<'a> Choice<'a> {
     /// The first item of `choices`, when it is an object; the other items
-    /// are only checked to be JSON.
+    /// are only checked to be JSON, and counted (`several`).
     fn first(reader: &mut Reader<'a>) -> Result<Choice<'a>, ReadError> {
         let mut choice = Choice::default();
         let peek = reader.jiter.peek()?;
@@ -221,8 +223,12 @@ impl<'a> Choice<'a> {
                     Ok(())
                 },
             )?;
+        } else if let Some(peek) = item {
+            reader.jiter.known_skip(peek)?;
+        }
+        if item.is_some() {
             item = reader.jiter.array_step()?;
-            choice.alone = item.is_none();
+            choice.several = item.is_some();
         }
         while let Some(peek) = item {
             reader.jiter.known_skip(peek)?;
@@ -729,6 +735,21 @@ mod tests {
         let event = Event::read(r#"{"choices":[{"delta":{"content":"plain"}}]}"#).unwrap();
         let content = event.choice.delta.content.unwrap();
         assert!(matches!(content.value, Cow::Borrowed("plain")));
+    }
+
+    #[test]
+    fn a_chunk_of_several_choices_is_told_whatever_its_items() {
+        let several = |choices: &str| {
+            let data = format!(r#"{{"choices":{choices},"id":"c"}}"#);
+            Event::read(&data).unwrap().choice.several
+        };
+        assert!(several(r#"[{"index":0},{"index":1}]"#));
+        assert!(several(r#"[null,{"delta":{"content":"a"}}]"#));
+        assert!(several(r#"[[],2,3]"#));
+        assert!(!several(r#"[{"delta":{"content":"a"}}]"#));
+        assert!(!several("[null]"));
+        assert!(!several("[]"));
+        assert!(!several("{}"));
     }
 
     #[test]
