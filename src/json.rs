@@ -326,17 +326,28 @@ impl<'a> Reader<'a> {
         Ok(None)
     }
 
-    /// The next value if it is a non-negative integer.
-    pub fn u64(&mut self) -> Result<Option<u64>, ReadError> {
+    /// The next value as an index (of a choice, a content block): a
+    /// non-negative integer, or `None` for `null`. Anything else is an
+    /// error, not no index: an SDK reads `true` as 1, `1.0` as 1 (a key of
+    /// a Python dict), `"1"` as a key of an object in JavaScript, so the
+    /// guard, which would have read it as no index, would join the text to
+    /// another choice's or block's than the client does.
+    pub fn index(&mut self) -> Result<Option<u64>, ReadError> {
         let peek = self.jiter.peek()?;
-        if !peek.is_num() {
+        if peek == Peek::Null {
             self.jiter.known_skip(peek)?;
             return Ok(None);
         }
-        let digits = self.jiter.known_number_bytes(peek)?;
-        Ok(std::str::from_utf8(digits)
-            .ok()
-            .and_then(|n| n.parse().ok()))
+        let digits = match peek.is_num() {
+            true => self.jiter.known_number_bytes(peek)?,
+            false => b"",
+        };
+        match std::str::from_utf8(digits).ok().map(str::parse) {
+            Some(Ok(index)) => Ok(Some(index)),
+            _ => Err(ReadError::Invalid(
+                "an index that is not a non-negative integer".into(),
+            )),
+        }
     }
 
     /// Skips the next value; whether it was not `null`.

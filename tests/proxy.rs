@@ -3782,3 +3782,81 @@ async fn every_choice_of_a_chunk_of_several_is_guarded() {
         proxy.stop().await;
     }
 }
+
+/// An index the APIs write as a whole number, given as something else
+/// (`true`, `1.0`, `"1"`), is read by each SDK as some index, and not
+/// always the guard's: the Python SDK's stream helper takes `true` for
+/// choice 1, where the guard would have read no index (choice 0) and the
+/// text of two choices as one. Such a stream is malformed: it ends there
+/// with the API's error event, in every mode that guards, and nothing of
+/// the text a rule would block goes out.
+#[tokio::test]
+async fn an_index_that_is_not_a_whole_number_ends_the_stream() {
+    use fairgate::config::StreamMode;
+    let piece = |index: &Value, text: &str| {
+        choice_chunk(0, json!({"content": text}), Value::Null)
+            .replace(r#""index":0"#, &format!(r#""index":{index}"#))
+    };
+    for mode in [StreamMode::Holdback, StreamMode::Buffer] {
+        let (_mock, proxy) = start_with(|c| c.guard.stream_mode = mode).await;
+        let mut question = chat("Two ideas, please.", true);
+        question["n"] = json!(2);
+        for index in [json!(true), json!(1.0), json!("1"), json!(-1), json!([1])] {
+            // Two choices interleaved: the second's, read as the SDK
+            // reads it, is the blocked phrase.
+            let zero = json!(0);
+            let mut raw = piece(&zero, "Budget ");
+            raw += &piece(&index, "Put all your ");
+            raw += &piece(&zero, "first, ");
+            raw += &piece(&index, "savings into Dogecoin right now.");
+            raw += &piece(&zero, "then save.");
+            raw += "data: [DONE]\n\n";
+            let body = relay_stream(&proxy, "/v1/chat/completions", raw, &question).await;
+            assert!(!body.contains("savings into"), "{mode:?} {index}: {body}");
+            let last = body.trim_end().rsplit("\n\n").next().unwrap();
+            assert!(
+                last.contains(r#""code":"upstream_error""#),
+                "{mode:?} {index}: {body}"
+            );
+            assert!(!body.contains("[DONE]"), "{mode:?} {index}: {body}");
+        }
+        // A null index is no index, as the SDKs read it none.
+        let null = piece(&Value::Null, "Budget first.");
+        let raw = null + &choice_chunk(0, json!({}), json!("stop")) + "data: [DONE]\n\n";
+        let body = relay_stream(&proxy, "/v1/chat/completions", raw, &question).await;
+        let (text, finishes, done) = openai_stream_text(&body);
+        assert_eq!(
+            (text.as_str(), done),
+            ("Budget first.", true),
+            "{mode:?}: {body}"
+        );
+        assert_eq!(finishes, ["stop"], "{mode:?}: {body}");
+
+        // An Anthropic content block's index too.
+        let ask = messages("Tips?", true);
+        let mut raw = anthropic_start();
+        raw += &event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        );
+        raw += &event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": 0.5,
+                "delta": {"type": "text_delta", "text": "Put all your savings into Dogecoin."}}),
+        );
+        raw += &event(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": 0}),
+        );
+        let body = relay_stream(
+            &proxy,
+            "/v1/messages",
+            raw + &anthropic_end("end_turn"),
+            &ask,
+        )
+        .await;
+        assert!(!body.contains("Dogecoin"), "{mode:?}: {body}");
+        assert!(body.contains("event: error"), "{mode:?}: {body}");
+        proxy.stop().await;
+    }
+}

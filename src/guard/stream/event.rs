@@ -144,7 +144,7 @@ impl<'a> Event<'a> {
             reader.object(keys, |reader, key| {
                 match key {
                     0 => event.kind = reader.string()?.map(|s| s.value),
-                    1 => event.index = reader.u64()?,
+                    1 => event.index = reader.index()?,
                     2 => match reader.jiter.peek()? {
                         Peek::String => event.delta_text = reader.string()?,
                         Peek::Object => event.delta = Delta::read(reader)?,
@@ -217,7 +217,7 @@ impl<'a> Choice<'a> {
                         }
                         1 => choice.text = reader.string()?,
                         2 => choice.finished = reader.not_null()?,
-                        3 => choice.index = reader.u64()?,
+                        3 => choice.index = reader.index()?,
                         _ => choice.logprobs = reader.object_text()?,
                     }
                     Ok(())
