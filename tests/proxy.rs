@@ -3860,3 +3860,89 @@ async fn an_index_that_is_not_a_whole_number_ends_the_stream() {
         proxy.stop().await;
     }
 }
+
+/// What the SDKs gather apart by index (Anthropic's content blocks,
+/// OpenAI's tool calls) the APIs send in turn. A server that goes back to
+/// an earlier one, interleaving two, would have the SDKs join pieces the
+/// guard read apart (the tool call below says "Put all your savings into
+/// Dogecoin" to the client's code): such a stream is malformed, and ends
+/// there with the API's error event, in every mode that guards.
+#[tokio::test]
+async fn what_the_sdks_gather_by_index_must_come_in_turn() {
+    use fairgate::config::StreamMode;
+    for mode in [StreamMode::Holdback, StreamMode::Buffer] {
+        let (_mock, proxy) = start_with(|c| c.guard.stream_mode = mode).await;
+        let ask = messages("Tips?", true);
+        let mut raw = anthropic_start();
+        for index in 0..2 {
+            raw += &event(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}),
+            );
+        }
+        for (index, text) in [
+            (0, "Put all your "),
+            (1, "Budget first. "),
+            (0, "savings into Dogecoin right now."),
+        ] {
+            raw += &event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": index,
+                    "delta": {"type": "text_delta", "text": text}}),
+            );
+        }
+        let body = relay_stream(
+            &proxy,
+            "/v1/messages",
+            raw + &anthropic_end("end_turn"),
+            &ask,
+        )
+        .await;
+        assert!(!body.contains("Dogecoin"), "{mode:?}: {body}");
+        let last = body.trim_end().rsplit("\n\n").next().unwrap();
+        assert!(last.starts_with("event: error"), "{mode:?}: {body}");
+
+        let question = chat("Write my notes.", true);
+        let call = |index: usize, arguments: &str| {
+            let call = json!({"index": index, "id": format!("call_{index}"), "type": "function",
+                "function": {"name": "note", "arguments": arguments}});
+            choice_chunk(0, json!({"tool_calls": [call]}), Value::Null)
+        };
+        let end = choice_chunk(0, json!({}), json!("tool_calls")) + "data: [DONE]\n\n";
+        let interleaved = [
+            call(0, "{\"n\":\"Put all your ")
+                + &call(1, "{\"n\":\"Budget")
+                + &call(0, "savings into Dogecoin right now.\"}")
+                + &call(1, " first.\"}"),
+            // In one chunk.
+            choice_chunk(
+                0,
+                json!({"tool_calls": [
+                    {"index": 0, "function": {"arguments": "{\"n\":\"Put all your "}},
+                    {"index": 1, "function": {"arguments": "{\"n\":\"Budget"}},
+                    {"index": 0, "function": {"arguments": "savings into Dogecoin right now.\"}"}}]}),
+                Value::Null,
+            ),
+        ];
+        for raw in interleaved {
+            let body = relay_stream(&proxy, "/v1/chat/completions", raw + &end, &question).await;
+            assert!(!body.contains("Dogecoin"), "{mode:?}: {body}");
+            let last = body.trim_end().rsplit("\n\n").next().unwrap();
+            assert!(
+                last.contains(r#""code":"upstream_error""#),
+                "{mode:?}: {body}"
+            );
+        }
+        // Calls in turn go out as they came.
+        let in_turn = call(0, "{\"n\":\"Budget first.\"}") + &call(1, "{\"n\":\"Then save.\"}");
+        let body = relay_stream(
+            &proxy,
+            "/v1/chat/completions",
+            in_turn.clone() + &end,
+            &question,
+        )
+        .await;
+        assert_eq!(body, in_turn + &end, "{mode:?}");
+        proxy.stop().await;
+    }
+}

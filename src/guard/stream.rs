@@ -35,7 +35,10 @@
 //!   of several choices, `n` > 1, is guarded choice by choice, each a text
 //!   of its own, and a block ends every choice not yet finished; a chunk
 //!   that carries several choices is read, and sent, as a chunk of each
-//!   (see `split_choices`), in every mode but monitor);
+//!   (see `split_choices`), in every mode but monitor; a stream that goes
+//!   back to a tool call, content block, item or part it had left, which
+//!   the SDKs would gather apart from what the guard read with it, is
+//!   malformed, see `Reached`);
 //!   Anthropic, `content_block_stop`, a `message_delta` with
 //!   `stop_reason: "refusal"` (its `stop_details` explained by the rule's
 //!   message), and `message_stop`, after a `message_start` (content
@@ -805,22 +808,23 @@ enum Lines {
 /// API starts every one), `content_block_stop` and `message_stop`, four of
 /// the six events of a message that are not text deltas. Every other
 /// form of them (spaces, other members, a long index) is read in full.
-fn anthropic_bare_kind(data: &str) -> Option<Kind> {
+fn anthropic_bare_kind(data: &str) -> Option<(Kind, Option<u64>)> {
     match data {
-        r#"{"type": "ping"}"# | r#"{"type":"ping"}"# => return Some(Kind::Other),
-        r#"{"type":"message_stop"}"# => return Some(Kind::Done),
+        r#"{"type": "ping"}"# | r#"{"type":"ping"}"# => return Some((Kind::Other, None)),
+        r#"{"type":"message_stop"}"# => return Some((Kind::Done, None)),
         _ => {}
     }
     if let Some(rest) = data.strip_prefix(r#"{"type":"content_block_stop","index":"#) {
-        let (_, rest) = bare_index(rest)?;
-        return (rest == "}").then_some(Kind::BlockEnd);
+        let (block, rest) = bare_index(rest)?;
+        return (rest == "}").then_some((Kind::BlockEnd, Some(block)));
     }
     let rest = data.strip_prefix(r#"{"type":"content_block_start","index":"#)?;
     let (block, rest) = bare_index(rest)?;
-    (rest == r#","content_block":{"type":"text","text":""}}"#).then_some(Kind::BlockStart {
+    let start = Kind::BlockStart {
         block,
         text: String::new(),
-    })
+    };
+    (rest == r#","content_block":{"type":"text","text":""}}"#).then_some((start, Some(block)))
 }
 
 /// The usage an Anthropic `message_delta` reports, when the event is as
@@ -1122,6 +1126,22 @@ impl Kind {
 /// The bytes of answer text a stream guard makes room for at once.
 const ANSWER_ROOM: usize = 1024;
 
+/// How far a stream has come, by index, through what the SDKs gather
+/// apart: Anthropic's content blocks, OpenAI's tool calls (each choice's
+/// guard its own), the Responses API's items and their content and
+/// summary parts. The APIs send each in turn, and the guard reads the text
+/// of each as it comes; a server that went back to one (interleaved two)
+/// would have the SDKs join pieces the guard read apart, so an event of
+/// one before the last reached is malformed.
+#[derive(Debug, Default)]
+struct Reached {
+    block: u64,
+    call: u64,
+    item: u64,
+    part: u64,
+    summary: u64,
+}
+
 /// The stream guard as a state machine: events in, frames out. No I/O, so
 /// the tests drive it directly.
 pub struct Guard {
@@ -1232,6 +1252,9 @@ pub struct Guard {
     /// whose chunks come interleaved: each choice is a text of its own.
     choice: u64,
     others: Vec<Guard>,
+    /// How far the stream has come through what the SDKs gather apart by
+    /// index (see [`Reached`]).
+    reached: Reached,
     /// The client has this guard's final event (OpenAI: its choice's
     /// finish), so a block ends its choice no more.
     ended: bool,
@@ -1314,6 +1337,7 @@ impl Guard {
             shape: None,
             choice: 0,
             others: Vec::new(),
+            reached: Reached::default(),
             ended: false,
             deferring: false,
             logprobs: Vec::new(),
@@ -1788,6 +1812,64 @@ impl Guard {
         sse(Some("error"), &event)
     }
 
+    /// Whether an event of Anthropic content block `block` comes in turn:
+    /// not of a block before the last one reached.
+    fn block_in_order(&mut self, block: Option<u64>) -> bool {
+        let Some(block) = block else {
+            return true;
+        };
+        if block > self.reached.block {
+            self.reached.block = block;
+            // A text delta of the block before has its shape.
+            self.shape = None;
+        }
+        block == self.reached.block
+    }
+
+    /// Whether a delta's OpenAI tool calls (the indexes of its first and
+    /// last) come in turn: none before the last one reached.
+    fn calls_in_order(&mut self, calls: Option<(u64, u64)>) -> bool {
+        let Some((first, last)) = calls else {
+            return true;
+        };
+        if first < self.reached.call {
+            return false;
+        }
+        self.reached.call = last;
+        true
+    }
+
+    /// Whether a Responses API event comes in turn: not of an item before
+    /// the last one reached, nor of a content or summary part of the item
+    /// before its last one reached.
+    fn item_in_order(&mut self, event: &Event) -> bool {
+        let Some(item) = event.output_index else {
+            return true;
+        };
+        let reached = &mut self.reached;
+        if item > reached.item {
+            (reached.item, reached.part, reached.summary) = (item, 0, 0);
+            self.shape = None;
+        }
+        if item < reached.item {
+            return false;
+        }
+        for (index, reached) in [
+            (event.content_index, &mut reached.part),
+            (event.summary_index, &mut reached.summary),
+        ] {
+            let Some(index) = index else { continue };
+            if index < *reached {
+                return false;
+            }
+            if index > *reached {
+                *reached = index;
+                self.shape = None;
+            }
+        }
+        true
+    }
+
     fn classify(&mut self, event: &SseEvent) -> Kind {
         let Some(data) = event.data.as_deref() else {
             return Kind::Other;
@@ -1808,8 +1890,11 @@ impl Guard {
             };
         }
         if self.dialect == Dialect::Anthropic {
-            if let Some(kind) = anthropic_bare_kind(data) {
-                return kind;
+            if let Some((kind, block)) = anthropic_bare_kind(data) {
+                return match self.block_in_order(block) {
+                    true => kind,
+                    false => Kind::Malformed,
+                };
             }
             if let Some(usage) = anthropic_bare_message_delta(data) {
                 self.note_usage(usage);
@@ -1897,6 +1982,9 @@ impl Guard {
         if choice.delta.annotated {
             self.scan_tool_results(data);
         }
+        if !self.calls_in_order(choice.delta.calls) {
+            return Kind::Malformed;
+        }
         if let Some(held) = choice.delta.held_text() {
             self.hold_json(choice.delta.json_texts());
             let content = choice.delta.content.as_ref().map_or("", |t| &t.value);
@@ -1954,6 +2042,9 @@ impl Guard {
     }
 
     fn classify_responses(&mut self, event: &Event, data: &str) -> Kind {
+        if !self.item_in_order(event) {
+            return Kind::Malformed;
+        }
         let part = self.parts;
         match event.kind.as_deref() {
             Some("response.output_text.delta") => {
@@ -2073,6 +2164,14 @@ impl Guard {
     }
 
     fn classify_anthropic(&mut self, event: &Event, data: &str) -> Kind {
+        if event
+            .kind
+            .as_deref()
+            .is_some_and(|kind| kind.starts_with("content_block_"))
+            && !self.block_in_order(event.index)
+        {
+            return Kind::Malformed;
+        }
         match event.kind.as_deref() {
             Some("content_block_delta") => {
                 let delta = &event.delta;
@@ -4245,7 +4344,7 @@ mod tests {
             (describe(&mut guard, data), guard.usage)
         };
         for data in bare {
-            let kind = anthropic_bare_kind(data).unwrap_or_else(|| panic!("{data}"));
+            let (kind, _) = anthropic_bare_kind(data).unwrap_or_else(|| panic!("{data}"));
             assert_eq!(
                 (describe_kind(kind, &data_event(data)), None),
                 read(data),

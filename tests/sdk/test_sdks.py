@@ -214,6 +214,8 @@ class Upstream(BaseHTTPRequestHandler):
                     frames = responses_stream(text)
                 elif "packed" in last_words(body):
                     frames = openai_packed_stream(SAFE, text)
+                elif "interleaved" in last_words(body):
+                    frames = openai_interleaved_calls(RISKY)
                 else:
                     frames = openai_stream(text, gemini=body.get("model", "").startswith("gemini"))
                 # Asked to break off: half the events, then the connection
@@ -486,6 +488,29 @@ def openai_packed_stream(first, second):
         yield frame(*({"index": index, "delta": {"content": texts[at]} if at < len(texts) else {},
                        "finish_reason": None} for index, texts in enumerate(pieces)))
     yield frame(*({"index": index, "delta": {}, "finish_reason": "stop"} for index in range(2)))
+    yield "data: [DONE]\n\n"
+
+
+def openai_interleaved_calls(text):
+    """Two tool calls whose argument pieces come interleaved, as no API
+    sends them: the first call's arguments say `text`, which neither
+    call's pieces say in the order sent."""
+    def frame(index, arguments, first=False):
+        call = {"index": index, "function": {"arguments": arguments}}
+        if first:
+            call.update(id=f"call_{index}", type="function", function={"name": "note", "arguments": arguments})
+        return "data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                                      "model": "gpt-4o-mini",
+                                      "choices": [{"index": 0, "delta": {"tool_calls": [call]},
+                                                   "finish_reason": None}]}) + "\n\n"
+    half = text.index("savings") + 3
+    yield frame(0, '{"note": "' + text[:half], first=True)
+    yield frame(1, '{"note": "Budget', first=True)
+    yield frame(0, text[half:] + '"}')
+    yield frame(1, ' first."}')
+    yield "data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                                 "model": "gpt-4o-mini",
+                                 "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}) + "\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -826,6 +851,19 @@ routes:
             else:
                 raise AssertionError(f"a stream the upstream broke off read as whole: {text!r}")
             assert text and SAFE.startswith(text), text
+
+        def openai_interleaved_calls_raise():
+            # The stream helper gathers each call's arguments by index.
+            try:
+                with oa.chat.completions.stream(model="gpt-4o-mini",
+                                                messages=[{"role": "user", "content": "interleaved calls?"}]) as stream:
+                    for _ in stream:
+                        pass
+                    calls = stream.get_final_completion().choices[0].message.tool_calls
+            except openai.APIError as e:
+                assert "not well formed" in e.message, e.message
+            else:
+                raise AssertionError(f"interleaved calls read as whole: {calls}")
 
         def anthropic_message():
             m = an.messages.create(model="claude-x", max_tokens=50, messages=[{"role": "user", "content": "tips?"}])
@@ -1257,6 +1295,8 @@ routes:
         check("openai-compatible answers that make risky advice of their prefix end with content_filter",
               openai_prefilled_answers_refused)
         check("openai stream the upstream breaks off raises APIError", openai_broken_stream)
+        check("openai stream of tool calls whose pieces come interleaved raises APIError, the risky arguments unread",
+              openai_interleaved_calls_raise)
         check("openai response", openai_response)
         check("openai response stream", openai_response_stream)
         check("openai blocked response stream ends incomplete for content_filter", openai_blocked_response_stream)

@@ -52,6 +52,12 @@ pub struct Event<'a> {
     pub kind: Option<Cow<'a, str>>,
     /// `index`: Anthropic's content block.
     pub index: Option<u64>,
+    /// Where a Responses API event is in the response: its item
+    /// (`output_index`), and in it its content part (`content_index`) or
+    /// reasoning summary part (`summary_index`).
+    pub output_index: Option<u64>,
+    pub content_index: Option<u64>,
+    pub summary_index: Option<u64>,
     /// `delta` when it is an object (Anthropic).
     pub delta: Delta<'a>,
     /// `delta` when it is a string (Responses API).
@@ -102,6 +108,9 @@ pub struct Delta<'a> {
     pub annotated: bool,
     /// Its `role` (OpenAI: the first delta of a choice's message).
     pub role: Option<Text<'a>>,
+    /// The `index` of the first and the last of its `tool_calls` that
+    /// have one (OpenAI), which come in order.
+    pub calls: Option<(u64, u64)>,
 }
 
 /// An OpenAI choice.
@@ -139,6 +148,9 @@ impl<'a> Event<'a> {
                 "part",
                 "message",
                 "response",
+                "output_index",
+                "content_index",
+                "summary_index",
             ];
             let mut inner_usage = None;
             reader.object(keys, |reader, key| {
@@ -173,6 +185,9 @@ impl<'a> Event<'a> {
                             }
                         }
                     }
+                    9 => event.output_index = reader.index()?,
+                    10 => event.content_index = reader.index()?,
+                    11 => event.summary_index = reader.index()?,
                     _ => {
                         if reader.is_object()? {
                             reader.object(["usage"], |reader, _| {
@@ -335,6 +350,9 @@ impl<'a> Delta<'a> {
 
     /// The `function.arguments` (or a custom tool's `custom.input`) of
     /// each item of `tool_calls`, in order.
+    /// A call whose `index` is below one before it is an error: the
+    /// SDKs gather each call's arguments by its index, and the guard reads
+    /// them in the order they come (see [`Delta::calls`]).
     fn read_tool_calls(&mut self, reader: &mut Reader<'a>) -> Result<(), ReadError> {
         if !reader.is(Peek::Array)? {
             return Ok(());
@@ -343,7 +361,20 @@ impl<'a> Delta<'a> {
             if !reader.is_object()? {
                 return Ok(());
             }
-            reader.object(["function", "custom"], |reader, call| {
+            reader.object(["function", "custom", "index"], |reader, call| {
+                if call == 2 {
+                    let Some(index) = reader.index()? else {
+                        return Ok(());
+                    };
+                    self.calls = match self.calls {
+                        Some((_, last)) if index < last => {
+                            return Err(ReadError::Invalid("tool calls out of order".into()));
+                        }
+                        Some((first, _)) => Some((first, index)),
+                        None => Some((index, index)),
+                    };
+                    return Ok(());
+                }
                 if !reader.is_object()? {
                     return Ok(());
                 }
