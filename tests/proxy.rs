@@ -3946,3 +3946,63 @@ async fn what_the_sdks_gather_by_index_must_come_in_turn() {
         proxy.stop().await;
     }
 }
+
+/// A tool's input written in its block's start (the API sends `input:
+/// {}` and the input in deltas) is what the SDKs' stream helpers keep as
+/// the input when no delta follows: it is read with the block's deltas,
+/// in every mode that guards, and goes out as it came when it passes.
+#[tokio::test]
+async fn a_tools_input_in_its_blocks_start_is_guarded() {
+    use fairgate::config::StreamMode;
+    let ask = messages("Write my note.", true);
+    let stream = |block: Value| {
+        let mut raw = anthropic_start();
+        raw += &event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0, "content_block": block}),
+        );
+        raw += &event(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": 0}),
+        );
+        raw + &anthropic_end("tool_use")
+    };
+    for mode in [StreamMode::Holdback, StreamMode::Buffer] {
+        let (_mock, proxy) = start_with(|c| c.guard.stream_mode = mode).await;
+        let post = |raw: String| relay_stream(&proxy, "/v1/messages", raw, &ask);
+        let risky = json!({"note": "Put all your savings into Dogecoin right now."});
+        for (kind, input, escaped) in [
+            ("tool_use", risky.clone(), false),
+            // Behind an escape, as the client's code reads it parsed.
+            ("tool_use", risky, true),
+            (
+                "server_tool_use",
+                json!({"query": "Put all your savings into Dogecoin right now"}),
+                false,
+            ),
+        ] {
+            let block = json!({"type": kind, "id": "toolu_1", "name": "note", "input": input});
+            let mut raw = stream(block);
+            if escaped {
+                raw = raw.replace("savings", r"s\u0061vings");
+            }
+            let body = post(raw).await;
+            assert!(!body.contains("Dogecoin"), "{mode:?} {kind}: {body}");
+            let (_, stop, _) = anthropic_stream_text(&body);
+            assert_eq!(stop.as_deref(), Some("refusal"), "{mode:?} {kind}: {body}");
+        }
+        let allowed = stream(json!({"type": "tool_use", "id": "toolu_1", "name": "note",
+            "input": {"note": "Budget first."}}));
+        let body = post(allowed).await;
+        assert_eq!(
+            anthropic_stream_text(&body).1.as_deref(),
+            Some("tool_use"),
+            "{mode:?}: {body}"
+        );
+        assert!(
+            body.contains(r#""input":{"note":"Budget first."}"#),
+            "{mode:?}: {body}"
+        );
+        proxy.stop().await;
+    }
+}

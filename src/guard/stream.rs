@@ -2234,6 +2234,24 @@ impl Guard {
                     text: String::new(),
                 }
             }
+            // A tool's input written in its block's start, which the API
+            // sends empty: held with the block's input deltas, as JSON.
+            Some("content_block_start")
+                if event
+                    .content_block
+                    .input
+                    .is_some_and(|input| input.trim() != "{}") =>
+            {
+                self.separate_held();
+                let input = event.content_block.input.unwrap_or_default();
+                self.hold_json([input].into_iter());
+                Kind::Held {
+                    text: input.to_owned(),
+                    finished: false,
+                    opens: Some(event.index.unwrap_or(0)),
+                    whole: false,
+                }
+            }
             Some("content_block_start") => Kind::BlockStart {
                 block: event.index.unwrap_or(0),
                 text: event

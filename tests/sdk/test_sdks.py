@@ -207,6 +207,8 @@ class Upstream(BaseHTTPRequestHandler):
             try:
                 if compacts:
                     frames = anthropic_compaction_stream(text)
+                elif anthropic_api and "tool start" in last_words(body):
+                    frames = anthropic_tool_start_stream(text)
                 elif anthropic_api:
                     started = RISKY if "started" in last_words(body) else None
                     frames = anthropic_stream(text, thinking_text(body), started)
@@ -544,6 +546,24 @@ def anthropic_stream(text, thinking=None, started=None):
                                             "delta": {"type": "text_delta", "text": piece}})
     yield event("content_block_stop", {"type": "content_block_stop", "index": index})
     yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn",
+                                                                     "stop_sequence": None},
+                                  "usage": {"output_tokens": 9}})
+    yield event("message_stop", {"type": "message_stop"})
+
+
+def anthropic_tool_start_stream(note):
+    """A tool's call whose input is written in its block's start, as a
+    broken upstream might write it (the API's start is `input: {}`, the
+    input in `input_json_delta` events after it)."""
+    def event(name, data):
+        return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+    yield event("message_start", {"type": "message_start", "message": {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 1}}})
+    yield event("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {
+        "type": "tool_use", "id": "toolu_1", "name": "note", "input": {"note": note}}})
+    yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use",
                                                                      "stop_sequence": None},
                                   "usage": {"output_tokens": 9}})
     yield event("message_stop", {"type": "message_stop"})
@@ -907,6 +927,19 @@ routes:
             # Detailed as the API details its own refusals.
             details = final.stop_details
             assert details is not None and details.type == "refusal" and details.explanation, details
+
+        def anthropic_tool_input_in_start():
+            # The stream helper keeps the start's input when no delta follows.
+            def final(prompt):
+                with an.messages.stream(model="claude-x", max_tokens=50,
+                                        messages=[{"role": "user", "content": prompt}]) as stream:
+                    return stream.get_final_message()
+            allowed = final("tool start, please")
+            assert allowed.stop_reason == "tool_use", allowed
+            assert allowed.content[0].input == {"note": SAFE}, allowed.content
+            blocked = final("tool start, risky")
+            assert blocked.stop_reason == "refusal", blocked
+            assert "savings" not in str(blocked.content), blocked.content
 
         def anthropic_prefilled_answers_refused():
             asked = [{"role": "user", "content": "a tip?"}, {"role": "assistant", "content": PREFILL}]
@@ -1297,6 +1330,8 @@ routes:
         check("openai stream the upstream breaks off raises APIError", openai_broken_stream)
         check("openai stream of tool calls whose pieces come interleaved raises APIError, the risky arguments unread",
               openai_interleaved_calls_raise)
+        check("anthropic stream helper: a tool's input written in its block's start is guarded",
+              anthropic_tool_input_in_start)
         check("openai response", openai_response)
         check("openai response stream", openai_response_stream)
         check("openai blocked response stream ends incomplete for content_filter", openai_blocked_response_stream)

@@ -111,6 +111,10 @@ pub struct Delta<'a> {
     /// The `index` of the first and the last of its `tool_calls` that
     /// have one (OpenAI), which come in order.
     pub calls: Option<(u64, u64)>,
+    /// The JSON text of `input` when it is an object: a tool's input in
+    /// its block's start (Anthropic), which the API sends empty and the
+    /// SDKs' stream helpers keep as the input when no delta follows.
+    pub input: Option<&'a str>,
 }
 
 /// An OpenAI choice.
@@ -271,6 +275,7 @@ impl<'a> Delta<'a> {
             "function_call",
             "annotations",
             "role",
+            "input",
         ];
         reader
             .object(keys, |reader, key| {
@@ -322,6 +327,10 @@ impl<'a> Delta<'a> {
                         delta.arguments.extend(reader.string()?);
                         Ok(())
                     });
+                }
+                if key == 13 {
+                    delta.input = reader.object_text()?;
+                    return Ok(());
                 }
                 if key == 9 {
                     delta.audio = reader.is_object()?;
