@@ -44,7 +44,9 @@
 //!   message), and `message_stop`, after a `message_start` (content
 //!   emptied) when the client has not had one: a start that carried
 //!   content (which the API never sends; the SDKs' helpers would show
-//!   it) is held, its text read as the answer's. Redactions apply before
+//!   it) is held, its text read as the answer's, and so is a tool's block
+//!   whose start carries its input (which the API sends empty, and the
+//!   helpers keep when no delta follows). Redactions apply before
 //!   release. *Cost*: text that no match may cover goes out at the next
 //!   check; a phrase that a rule would block if it went on waits until it
 //!   ends or turns harmless. A check rescans a window of the longest
