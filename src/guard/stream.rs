@@ -1820,25 +1820,18 @@ impl Guard {
         let Some(block) = block else {
             return true;
         };
-        if block > self.reached.block {
-            self.reached.block = block;
-            // A text delta of the block before has its shape.
-            self.shape = None;
-        }
-        block == self.reached.block
+        self.reach(|reached| &mut reached.block, block)
     }
 
     /// Whether a delta's OpenAI tool calls (the indexes of its first and
-    /// last) come in turn: none before the last one reached.
+    /// last, in order within it) come in turn: none before the last one
+    /// reached.
     fn calls_in_order(&mut self, calls: Option<(u64, u64)>) -> bool {
         let Some((first, last)) = calls else {
             return true;
         };
-        if first < self.reached.call {
-            return false;
-        }
-        self.reached.call = last;
-        true
+        self.reach(|reached| &mut reached.call, first)
+            && self.reach(|reached| &mut reached.call, last)
     }
 
     /// Whether a Responses API event comes in turn: not of an item before
@@ -1848,28 +1841,28 @@ impl Guard {
         let Some(item) = event.output_index else {
             return true;
         };
-        let reached = &mut self.reached;
-        if item > reached.item {
-            (reached.item, reached.part, reached.summary) = (item, 0, 0);
+        if item > self.reached.item {
+            (self.reached.part, self.reached.summary) = (0, 0);
+        }
+        self.reach(|reached| &mut reached.item, item)
+            && event
+                .content_index
+                .is_none_or(|part| self.reach(|reached| &mut reached.part, part))
+            && event
+                .summary_index
+                .is_none_or(|part| self.reach(|reached| &mut reached.summary, part))
+    }
+
+    /// Moves the place `at` picks out of [`Reached`] on to `index`: false
+    /// when `index` is before it. A text event's shape holds its place,
+    /// so the shape goes once the stream moves on.
+    fn reach(&mut self, at: impl Fn(&mut Reached) -> &mut u64, index: u64) -> bool {
+        let reached = at(&mut self.reached);
+        if index > *reached {
+            *reached = index;
             self.shape = None;
         }
-        if item < reached.item {
-            return false;
-        }
-        for (index, reached) in [
-            (event.content_index, &mut reached.part),
-            (event.summary_index, &mut reached.summary),
-        ] {
-            let Some(index) = index else { continue };
-            if index < *reached {
-                return false;
-            }
-            if index > *reached {
-                *reached = index;
-                self.shape = None;
-            }
-        }
-        true
+        index == *reached
     }
 
     fn classify(&mut self, event: &SseEvent) -> Kind {
@@ -2246,7 +2239,7 @@ impl Guard {
             {
                 self.separate_held();
                 let input = event.content_block.input.unwrap_or_default();
-                self.hold_json([input].into_iter());
+                self.hold_json(std::iter::once(input));
                 Kind::Held {
                     text: input.to_owned(),
                     finished: false,
