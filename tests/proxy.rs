@@ -1545,6 +1545,16 @@ fn event(name: &str, data: Value) -> String {
     format!("event: {name}\ndata: {data}\n\n")
 }
 
+/// An Anthropic content block's event `name` (`content_block_start`,
+/// `_delta` or `_stop`) for block `index`, with its other members.
+fn block_event(name: &str, index: Value, members: Value) -> String {
+    let mut data = json!({"type": name, "index": index});
+    if let (Some(data), Value::Object(members)) = (data.as_object_mut(), members) {
+        data.extend(members);
+    }
+    event(name, data)
+}
+
 /// An Anthropic stream's first event, `message_start`.
 fn anthropic_start() -> String {
     event(
@@ -3834,20 +3844,13 @@ async fn an_index_that_is_not_a_whole_number_ends_the_stream() {
 
         // An Anthropic content block's index too.
         let ask = messages("Tips?", true);
-        let mut raw = anthropic_start();
-        raw += &event(
-            "content_block_start",
-            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-        );
-        raw += &event(
-            "content_block_delta",
-            json!({"type": "content_block_delta", "index": 0.5,
-                "delta": {"type": "text_delta", "text": "Put all your savings into Dogecoin."}}),
-        );
-        raw += &event(
-            "content_block_stop",
-            json!({"type": "content_block_stop", "index": 0}),
-        );
+        let text_block = json!({"content_block": {"type": "text", "text": ""}});
+        let delta =
+            json!({"delta": {"type": "text_delta", "text": "Put all your savings into Dogecoin."}});
+        let raw = anthropic_start()
+            + &block_event("content_block_start", json!(0), text_block)
+            + &block_event("content_block_delta", json!(0.5), delta)
+            + &block_event("content_block_stop", json!(0), json!({}));
         let body = relay_stream(
             &proxy,
             "/v1/messages",
@@ -3875,21 +3878,16 @@ async fn what_the_sdks_gather_by_index_must_come_in_turn() {
         let ask = messages("Tips?", true);
         let mut raw = anthropic_start();
         for index in 0..2 {
-            raw += &event(
-                "content_block_start",
-                json!({"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}),
-            );
+            let text_block = json!({"content_block": {"type": "text", "text": ""}});
+            raw += &block_event("content_block_start", json!(index), text_block);
         }
         for (index, text) in [
             (0, "Put all your "),
             (1, "Budget first. "),
             (0, "savings into Dogecoin right now."),
         ] {
-            raw += &event(
-                "content_block_delta",
-                json!({"type": "content_block_delta", "index": index,
-                    "delta": {"type": "text_delta", "text": text}}),
-            );
+            let delta = json!({"delta": {"type": "text_delta", "text": text}});
+            raw += &block_event("content_block_delta", json!(index), delta);
         }
         let body = relay_stream(
             &proxy,
@@ -3956,16 +3954,14 @@ async fn a_tools_input_in_its_blocks_start_is_guarded() {
     use fairgate::config::StreamMode;
     let ask = messages("Write my note.", true);
     let stream = |block: Value| {
-        let mut raw = anthropic_start();
-        raw += &event(
-            "content_block_start",
-            json!({"type": "content_block_start", "index": 0, "content_block": block}),
-        );
-        raw += &event(
-            "content_block_stop",
-            json!({"type": "content_block_stop", "index": 0}),
-        );
-        raw + &anthropic_end("tool_use")
+        anthropic_start()
+            + &block_event(
+                "content_block_start",
+                json!(0),
+                json!({"content_block": block}),
+            )
+            + &block_event("content_block_stop", json!(0), json!({}))
+            + &anthropic_end("tool_use")
     };
     for mode in [StreamMode::Holdback, StreamMode::Buffer] {
         let (_mock, proxy) = start_with(|c| c.guard.stream_mode = mode).await;
