@@ -3689,6 +3689,99 @@ async fn a_calls_arguments_are_read_as_the_code_that_parses_them_reads_them() {
     proxy.stop().await;
 }
 
+/// A call's arguments with escapes in them (a tool that writes code or a
+/// file: its quotes escaped, every line ending in `\n`) stream as any
+/// call's do: their events go out as they came once their text, as the
+/// client's code reads it parsed, lies before any match under way, while
+/// the model is still writing (here it never ends). A phrase a rule
+/// blocks behind an escape is held back all the same: the lines before it
+/// went out, the phrase never does.
+#[tokio::test]
+async fn calls_whose_arguments_have_escapes_stream_before_they_end() {
+    let (_mock, proxy) = start().await;
+    let said = "Index funds spread the risk.";
+    let line = format!(r#"print(\"{said}\")\n"#);
+    // The phrase open in the decoded text only, where a check falls (the
+    // piece is longer than a check's step): the text as written, with
+    // no match under way, would let it go.
+    let phrase = [
+        r"That is all the code. My advice, though: Put all your s\u0061vings ",
+        "into one coin right now.",
+        r#"\"}"#,
+    ];
+    let openai = |tail: &[&str]| {
+        let start = json!({"role": "assistant", "tool_calls": [{"index": 0, "id": "call_1",
+            "type": "function", "function": {"name": "write", "arguments": "{\"code\": \""}}]});
+        let piece =
+            |text: &str| json!({"tool_calls": [{"index": 0, "function": {"arguments": text}}]});
+        let lines = std::iter::repeat_n(piece(&line), 40);
+        let tail = tail.iter().map(|text| piece(text));
+        std::iter::once(start)
+            .chain(lines)
+            .chain(tail)
+            .collect::<Vec<_>>()
+    };
+    let anthropic = |tail: &[&str]| {
+        let input = |text: &str| {
+            let delta = json!({"delta": {"type": "input_json_delta", "partial_json": text}});
+            block_event("content_block_delta", json!(0), delta)
+        };
+        let start = json!({"content_block": {"type": "tool_use", "id": "toolu_1", "name": "write", "input": {}}});
+        let lines: String = std::iter::repeat_n(input(&line), 40).collect();
+        let tail: String = tail.iter().map(|text| input(text)).collect();
+        anthropic_start()
+            + &block_event("content_block_start", json!(0), start)
+            + &input("{\"code\": \"")
+            + &lines
+            + &tail
+    };
+    let lines_sent = |got: &str| got.matches(said).count();
+
+    // The model still writing.
+    let cases = [
+        (
+            "/v1/chat/completions",
+            chat("Write it.", true),
+            openai(&[]).iter().map(|delta| {
+                let chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1,
+                    "model": "m", "choices": [{"index": 0, "delta": delta, "finish_reason": null}]});
+                format!("data: {chunk}\n\n")
+            }).collect::<String>(),
+        ),
+        ("/v1/messages", messages("Write it.", true), anthropic(&[])),
+    ];
+    for (path, request, raw) in cases {
+        let script = json!({"raw_sse": raw, "hold_open": true});
+        let mut response = proxy.post(path, script, &request).await;
+        let got = read_until(&mut response, |got| lines_sent(got) >= 20).await;
+        // As the upstream sent it, up to where it was released.
+        assert!(raw.starts_with(&got[..got.rfind("\n\n").unwrap()]), "{got}");
+    }
+
+    // A phrase behind an escape, after the lines.
+    let body = relay_stream(
+        &proxy,
+        "/v1/chat/completions",
+        openai_raw_stream(&openai(&phrase), "tool_calls"),
+        &chat("Write it.", true),
+    )
+    .await;
+    let (_, finishes, done) = sdk_stream_text(&body);
+    assert_eq!(finishes, ["content_filter"], "{body}");
+    assert!(done && lines_sent(&body) >= 20, "{body}");
+    assert!(!body.contains("Put all"), "{body}");
+
+    let raw = anthropic(&phrase)
+        + &block_event("content_block_stop", json!(0), json!({}))
+        + &anthropic_end("tool_use");
+    let body = relay_stream(&proxy, "/v1/messages", raw, &messages("Write it.", true)).await;
+    let (_, stop, _) = anthropic_stream_text(&body);
+    assert_eq!(stop.as_deref(), Some("refusal"), "{body}");
+    assert!(lines_sent(&body) >= 20, "{body}");
+    assert!(!body.contains("Put all"), "{body}");
+    proxy.stop().await;
+}
+
 /// A chunk of a chat completion stream that carries several choices at
 /// once, as raw SSE for the mock.
 fn chunk_of_choices(choices: Value) -> String {

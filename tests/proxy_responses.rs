@@ -443,6 +443,36 @@ async fn streamed_call_arguments_are_read_with_their_escapes_decoded() {
     proxy.stop().await;
 }
 
+/// Arguments with escapes in them (code: quotes escaped, lines ending in
+/// `\n`) stream as any call's do, their deltas sent once their text, as
+/// the client's code reads it parsed, lies before any match under way; a
+/// blocked phrase behind an escape after them never goes out.
+#[tokio::test]
+async fn streamed_call_arguments_with_escapes_stream_up_to_a_match() {
+    let (_mock, proxy) = start().await;
+    let said = "Index funds spread the risk.";
+    let line = format!(r#"print(\"{said}\")\n"#);
+    let mut pieces = vec!["{\"code\": \""];
+    pieces.extend(std::iter::repeat_n(line.as_str(), 40));
+    // Open in the decoded text only, where a check falls.
+    pieces.extend([
+        r"That is all the code. My advice, though: Put all your s\u0061vings ",
+        "into one coin now.",
+        r#"\"}"#,
+    ]);
+    for call in [CALLS[0], CALLS[2]] {
+        let script = json!({"raw_sse": call_stream(call, &pieces)});
+        let response = proxy
+            .post("/v1/responses", script, &request("Write my code.", true))
+            .await;
+        let body = response.text().await.unwrap();
+        assert!(body.matches(said).count() >= 20, "{call:?}: {body}");
+        assert!(!body.contains("Put all"), "{call:?}: {body}");
+        assert_blocked_ending(&events(&body));
+    }
+    proxy.stop().await;
+}
+
 /// What the client gets of a whole answer whose output items are `output`.
 async fn answered(proxy: &support::Proxy, output: Value) -> reqwest::Response {
     let answer = json!({"id": "resp_mock", "object": "response", "status": "completed",

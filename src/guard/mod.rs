@@ -452,14 +452,28 @@ pub(crate) fn unescaped_hits(rules: &RuleSet, scope: Scope, text: &str, found: &
 fn json_unescaped(text: &str) -> Option<String> {
     // memchr's search: a text without an escape, as most are, costs a
     // scan of its bytes and nothing more.
-    let first = memchr::memchr(b'\\', text.as_bytes())?;
+    memchr::memchr(b'\\', text.as_bytes())?;
     let mut out = String::with_capacity(text.len());
-    out.push_str(&text[..first]);
-    let mut rest = &text[first..];
+    unescape_into(&mut out, text, true);
+    Some(out)
+}
+
+/// Appends `text` to `out` with JSON's string escapes decoded, as
+/// [`json_unescaped`] decodes them; returns how much of `text` it took.
+/// Unless `last`, it stops before an escape that more text may still
+/// complete or change (a `\` at the end, a `\u` without its four digits,
+/// a high surrogate whose low half may follow), so that text that comes in
+/// pieces decodes as it would whole.
+pub(crate) fn unescape_into(out: &mut String, text: &str, last: bool) -> usize {
+    let mut rest = text;
     while let Some(at) = memchr::memchr(b'\\', rest.as_bytes()) {
         out.push_str(&rest[..at]);
         rest = &rest[at..];
         let (decoded, len) = match rest.as_bytes().get(1) {
+            None if !last => return text.len() - rest.len(),
+            Some(b'u') if !last && unfinished_unicode_escape(rest) => {
+                return text.len() - rest.len();
+            }
             Some(b'"') => ('"', 2),
             Some(b'\\') => ('\\', 2),
             Some(b'/') => ('/', 2),
@@ -475,7 +489,25 @@ fn json_unescaped(text: &str) -> Option<String> {
         rest = &rest[len..];
     }
     out.push_str(rest);
-    Some(out)
+    text.len()
+}
+
+/// Whether the `\u` escape at `escape`'s start may still read otherwise
+/// once more text follows: its digits are cut short, or it is a high
+/// surrogate and what follows it could yet be the low half's escape.
+fn unfinished_unicode_escape(escape: &str) -> bool {
+    if escape.len() < 6 {
+        return escape.as_bytes()[2..].iter().all(u8::is_ascii_hexdigit);
+    }
+    let unit = escape
+        .get(2..6)
+        .and_then(|digits| u32::from_str_radix(digits, 16).ok());
+    let high = unit.is_some_and(|unit| (0xd800..0xdc00).contains(&unit));
+    // The low half's escape, `\uDC00` to `\uDFFF`, as far as it has come.
+    let low = escape.as_bytes()[6..].iter().take(6);
+    let could_be_low = low.clone().zip(*b"\\u").all(|(b, want)| *b == want)
+        && low.skip(2).all(u8::is_ascii_hexdigit);
+    high && escape.len() < 12 && could_be_low
 }
 
 /// The character that the `\uXXXX` escape at `escape`'s start (with the
@@ -614,6 +646,39 @@ mod tests {
             json_unescaped(r"\x \u12 \u12G4 \").unwrap(),
             r"\x \u12 \u12G4 \"
         );
+    }
+
+    /// Text that comes in pieces, cut anywhere (inside an escape, between
+    /// a surrogate's halves), decodes as it does whole.
+    #[test]
+    fn escapes_cut_into_pieces_decode_as_whole() {
+        let texts = [
+            r#"{"a": "x\ny\"z\\"}"#,
+            r"\u0061\ud83d\ude00\ud83d\u0062\ud83d",
+            r"\u12G4 \x \ud83d\n\udc00 \",
+            r"é\u00e9€\ud83dé",
+        ];
+        for text in texts {
+            let whole = json_unescaped(text).unwrap();
+            let cuts: Vec<usize> = (0..=text.len())
+                .filter(|&at| text.is_char_boundary(at))
+                .collect();
+            for &first in &cuts {
+                for &second in cuts.iter().filter(|&&at| at >= first) {
+                    let (mut out, mut pending) = (String::new(), String::new());
+                    for piece in [&text[..first], &text[first..second], &text[second..]] {
+                        pending.push_str(piece);
+                        let used = unescape_into(&mut out, &pending, false);
+                        pending.drain(..used);
+                        // Only an escape cut short waits.
+                        assert!(pending.is_empty() || pending.starts_with('\\'), "{pending}");
+                        assert!(pending.len() < 12, "{pending}");
+                    }
+                    unescape_into(&mut out, &pending, true);
+                    assert_eq!(out, whole, "{text} cut at {first} and {second}");
+                }
+            }
+        }
     }
 
     #[test]

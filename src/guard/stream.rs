@@ -80,9 +80,12 @@
 //! bytes, then every 64 bytes; a block's start waits for its first
 //! text), so long reasoning and calls stream. A call's arguments and a
 //! tool's input are JSON the client's code reads parsed, so they are
-//! read with their escapes decoded too; once one holds an escape, the
-//! held events wait for the end, where the decoded text is scanned whole
-//! (the text as written no longer tells where a match is under way). The
+//! read with their escapes decoded too: once one holds an escape (a
+//! quote, a line break: code, a file), the held text is also kept
+//! decoded, with an escape cut across two events decoded once it is
+//! whole, and held back as the text as written is (which no longer tells
+//! where a match is under way): an event goes out once its text lies
+//! before any match under way in both. The
 //! rest go out when the content block or the response ends (in a chat completion, which has no
 //! blocks, when text follows), once all the text is scanned; or the stream
 //! ends blocked, closing a thinking block whose start went out. Held
@@ -1037,7 +1040,55 @@ type Held = (SseEvent, Option<(usize, usize, u64)>);
 struct HeldFrame {
     raw: Bytes,
     end: usize,
+    /// Where [`Decoded`]'s text ended then (`end` while there is none).
+    decoded_end: usize,
     opens: Option<u64>,
+}
+
+/// The held text as the client's code reads it parsed, its JSON escapes
+/// decoded (see [`Guard::hold_json`]): kept from the first escape in a
+/// call's arguments or a tool's input, and held back as the text as it
+/// stands is, with hits of its own.
+#[derive(Default)]
+struct Decoded {
+    text: String,
+    /// The held text's end when it may be an escape cut short, not
+    /// decoded until what follows tells how it reads.
+    pending: String,
+    checked: usize,
+    released: usize,
+    hits: Vec<Hit>,
+}
+
+impl Decoded {
+    /// Decodes `text`, which follows the held text decoded so far; at the
+    /// `last`, an escape cut short as it stands.
+    fn push(&mut self, text: &str, last: bool) {
+        self.pending.push_str(text);
+        let used = super::unescape_into(&mut self.text, &self.pending, last);
+        self.pending.drain(..used);
+    }
+
+    /// Scans the text not scanned yet (and enough before it); a redaction
+    /// in it blocks, as the text as written cannot show where it lies.
+    fn scan(&mut self, rules: &RuleSet, hold: usize) {
+        if self.checked < self.text.len() {
+            let from = window_start(&self.text, self.checked, self.released, hold);
+            self.checked = self.text.len();
+            scan_into(rules, &self.text, from, &mut self.hits);
+            super::redactions_block(&mut self.hits);
+        }
+    }
+
+    /// How far the text can be released (see [`safe_end`]), once scanned.
+    fn safe_end(&self, rules: &RuleSet, hold: usize) -> usize {
+        let from = window_start(&self.text, self.checked, self.released, hold);
+        let view = Normalized::new(&self.text[from..]);
+        let released = self.released;
+        safe_end(
+            rules, &self.text, released, released, from, &view, &self.hits,
+        )
+    }
 }
 
 /// An event's text: where it lies in the event's data when it stands
@@ -1178,8 +1229,8 @@ pub struct Guard {
     held_frames: Vec<HeldFrame>,
     held_released: usize,
     held_whole: bool,
-    /// Held text has had an escape (see `push_held`).
-    held_escaped: bool,
+    /// The held text decoded, once its JSON has had an escape.
+    decoded: Option<Box<Decoded>>,
     /// Hits in text that Responses API events repeat but the stream did
     /// not carry.
     repeated_hits: Vec<Hit>,
@@ -1308,7 +1359,7 @@ impl Guard {
             held_frames: Vec::new(),
             held_released: 0,
             held_whole: false,
-            held_escaped: false,
+            decoded: None,
             repeated_hits: Vec::new(),
             context_hits: Vec::new(),
             context_texts: Vec::new(),
@@ -1551,7 +1602,7 @@ impl Guard {
         frames.append(&mut match self.setup.mode {
             StreamMode::Monitor => {
                 self.scan_window(0);
-                self.scan_held();
+                self.scan_held(true);
                 Vec::new()
             }
             StreamMode::Buffer => self.replay_or_block(),
@@ -2308,7 +2359,7 @@ impl Guard {
             Kind::Done => {
                 self.finished = true;
                 self.scan_window(0);
-                self.scan_held();
+                self.scan_held(true);
             }
             _ => {}
         }
@@ -2396,11 +2447,8 @@ impl Guard {
             } => {
                 self.push_held(&text);
                 self.held_whole |= whole;
-                self.held_frames.push(HeldFrame {
-                    raw: event.raw,
-                    end: self.held_text.len(),
-                    opens,
-                });
+                let frame = self.held_frame(event.raw, opens);
+                self.held_frames.push(frame);
                 if finished {
                     return self.check(true);
                 }
@@ -2446,11 +2494,8 @@ impl Guard {
         if self.held_frames.is_empty() {
             return vec![frame];
         }
-        self.held_frames.push(HeldFrame {
-            raw: frame,
-            end: self.held_text.len(),
-            opens: None,
-        });
+        let frame = self.held_frame(frame, None);
+        self.held_frames.push(frame);
         Vec::new()
     }
 
@@ -2474,22 +2519,53 @@ impl Guard {
     }
 
     fn push_held(&mut self, text: &str) {
+        let from = self.held_text.len();
         if self.held_break && !text.is_empty() {
             self.held_text.push('\n');
             self.held_break = false;
         }
         self.held_text.push_str(text);
+        if let Some(decoded) = &mut self.decoded {
+            decoded.push(&self.held_text[from..], false);
+        }
     }
 
     /// Held text that is JSON (a call's arguments, a tool's input) reaches
-    /// the client's code parsed, its escapes decoded. With an escape in
-    /// it, the text as it stands no longer tells where a match is under
-    /// way, so nothing held goes out before the end, where the held text
-    /// is read with its escapes decoded too (see `scan_held`).
+    /// the client's code parsed, its escapes decoded. Once it has an
+    /// escape, the text as it stands no longer tells where a match is
+    /// under way, so the held text is also kept decoded ([`Decoded`]),
+    /// and an event goes out once its text lies before any match under
+    /// way in both.
     fn hold_json<'t>(&mut self, mut json: impl Iterator<Item = &'t str>) {
-        if json.any(|text| memchr::memchr(b'\\', text.as_bytes()).is_some()) {
-            self.held_escaped = true;
-            self.held_whole = true;
+        if self.decoded.is_some()
+            || !json.any(|text| memchr::memchr(b'\\', text.as_bytes()).is_some())
+        {
+            return;
+        }
+        // The held text so far, decoded up to each unsent event's end.
+        let mut decoded = Box::<Decoded>::default();
+        decoded.push(&self.held_text[..self.held_released], false);
+        decoded.released = decoded.text.len();
+        let mut fed = self.held_released;
+        for frame in &mut self.held_frames {
+            decoded.push(&self.held_text[fed..frame.end], false);
+            frame.decoded_end = decoded.text.len();
+            fed = frame.end;
+        }
+        decoded.push(&self.held_text[fed..], false);
+        self.decoded = Some(decoded);
+    }
+
+    /// An event that waits behind the held text, or carries some of it:
+    /// it ends where the held text ends now.
+    fn held_frame(&self, raw: Bytes, opens: Option<u64>) -> HeldFrame {
+        let end = self.held_text.len();
+        let decoded_end = self.decoded.as_ref().map_or(end, |d| d.text.len());
+        HeldFrame {
+            raw,
+            end,
+            decoded_end,
+            opens,
         }
     }
 
@@ -2514,7 +2590,7 @@ impl Guard {
             self.scan_window(window_start)
         };
         if final_check {
-            self.scan_held();
+            self.scan_held(true);
         }
         if self.should_block() {
             return self.block();
@@ -2541,7 +2617,7 @@ impl Guard {
         };
         let mut frames = self.release(safe);
         if final_check && !self.held_frames.is_empty() {
-            frames.append(&mut self.release_held(self.held_text.len()));
+            frames.append(&mut self.release_held(self.held_text.len(), usize::MAX));
         }
         frames
     }
@@ -2551,7 +2627,7 @@ impl Guard {
     /// lies before any match under way. They go out as they came, so a
     /// long thinking block or call streams rather than arriving at once.
     fn check_held(&mut self) -> Vec<Bytes> {
-        let (from, view) = self.scan_held();
+        let (from, view) = self.scan_held(false);
         if self.should_block() {
             return self.block();
         }
@@ -2566,20 +2642,25 @@ impl Guard {
             &view,
             &self.held_hits,
         );
-        self.release_held(safe)
+        let decoded_safe = self
+            .decoded
+            .as_ref()
+            .map_or(usize::MAX, |decoded| decoded.safe_end(rules, self.hold()));
+        self.release_held(safe, decoded_safe)
     }
 
-    /// Sends the held events whose text ends by `safe` (and the events
-    /// waiting behind them); all of them when `safe` is the end.
-    fn release_held(&mut self, safe: usize) -> Vec<Bytes> {
+    /// Sends the held events whose text ends by `safe`, and by
+    /// `decoded_safe` in the decoded text (and the events waiting behind
+    /// them); all of them when `safe` is the end.
+    fn release_held(&mut self, safe: usize, decoded_safe: usize) -> Vec<Bytes> {
         let mut count = self
             .held_frames
             .iter()
-            .take_while(|f| f.end <= safe)
+            .take_while(|f| f.end <= safe && f.decoded_end <= decoded_safe)
             .count();
         // A block's start waits for its first text: a block that ends
         // blocked before any went out is never begun.
-        while safe < self.held_text.len()
+        while count < self.held_frames.len()
             && count > 0
             && self.held_frames[count - 1].opens.is_some()
         {
@@ -2588,6 +2669,9 @@ impl Guard {
         let mut frames = Vec::with_capacity(count);
         for frame in self.held_frames.drain(..count) {
             self.held_released = frame.end;
+            if let Some(decoded) = &mut self.decoded {
+                decoded.released = frame.decoded_end;
+            }
             if let Some(block) = frame.opens {
                 // A block the client saw start must be ended, if blocked.
                 self.block = block;
@@ -2602,22 +2686,24 @@ impl Guard {
     }
 
     /// Scans the held text not scanned yet (and enough before it: see
-    /// `window_start`), keeping new hits; returns where the window starts,
-    /// and its normalized view when the scan made one.
-    fn scan_held(&mut self) -> (usize, Option<Normalized>) {
+    /// `window_start`), keeping new hits, and so its decoded text, to the
+    /// end when `last`; returns where the window starts, and its
+    /// normalized view when the scan made one.
+    fn scan_held(&mut self, last: bool) -> (usize, Option<Normalized>) {
+        let hold = self.hold();
+        if let Some(decoded) = &mut self.decoded {
+            if last {
+                decoded.push("", true);
+            }
+            decoded.scan(&self.setup.rules, hold);
+        }
         let text = &self.held_text;
-        let from = window_start(text, self.held_checked, self.held_released, self.hold());
+        let from = window_start(text, self.held_checked, self.held_released, hold);
         if self.held_checked == text.len() {
             return (from, None);
         }
         self.held_checked = text.len();
         let view = scan_into(&self.setup.rules, text, from, &mut self.held_hits);
-        if self.held_escaped {
-            let unsent = &text[self.held_released.min(from)..];
-            let rules = &self.setup.rules;
-            let escaped = super::unescaped_hits(rules, Scope::Response, unsent, &self.held_hits);
-            self.held_hits.extend(escaped);
-        }
         (from, view)
     }
 
@@ -2630,7 +2716,11 @@ impl Guard {
 
     /// The hits in the text this guard read.
     fn response_hits(&self) -> impl Iterator<Item = Hit> + '_ {
-        let all = self.hits.iter().chain(&self.held_hits);
+        // A rule found in the decoded text that the text as it stands
+        // showed too counts once.
+        let decoded = self.decoded.iter().flat_map(|decoded| &decoded.hits);
+        let decoded = decoded.filter(|hit| !self.held_hits.iter().any(|h| h.rule == hit.rule));
+        let all = self.hits.iter().chain(&self.held_hits).chain(decoded);
         all.chain(&self.repeated_hits)
             .chain(&self.context_hits)
             .cloned()
@@ -2667,6 +2757,7 @@ impl Guard {
             || self
                 .held_hits
                 .iter()
+                .chain(self.decoded.iter().flat_map(|decoded| &decoded.hits))
                 .any(|h| matches!(h.action, Action::Block | Action::Redact))
             || self.tool_results_block()
         {
@@ -2992,7 +3083,7 @@ impl Guard {
     /// Buffer mode at the end: the whole response is known.
     fn replay_or_block(&mut self) -> Vec<Bytes> {
         self.scan_window(0);
-        self.scan_held();
+        self.scan_held(true);
         if self.should_block() {
             return self.block();
         }
