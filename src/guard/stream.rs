@@ -1064,32 +1064,44 @@ impl Decoded {
     /// Decodes `text`, which follows the held text decoded so far; at the
     /// `last`, an escape cut short as it stands.
     fn push(&mut self, text: &str, last: bool) {
+        if self.pending.is_empty() {
+            let used = super::unescape_into(&mut self.text, text, last);
+            self.pending.push_str(&text[used..]);
+            return;
+        }
         self.pending.push_str(text);
         let used = super::unescape_into(&mut self.text, &self.pending, last);
         self.pending.drain(..used);
     }
 
-    /// Scans the text not scanned yet (and enough before it); a redaction
-    /// in it blocks, as the text as written cannot show where it lies.
-    fn scan(&mut self, rules: &RuleSet, hold: usize) {
-        if self.checked < self.text.len() {
-            let from = window_start(&self.text, self.checked, self.released, hold);
-            self.checked = self.text.len();
-            scan_into(rules, &self.text, from, &mut self.hits);
-            super::redactions_block(&mut self.hits);
+    /// Scans the text not scanned yet (and enough before it), as
+    /// [`Guard::scan_held`] scans the text as written; a redaction in it
+    /// blocks, as the text as written cannot show where it lies.
+    fn scan(&mut self, rules: &RuleSet, hold: usize) -> Window {
+        let from = window_start(&self.text, self.checked, self.released, hold);
+        if self.checked == self.text.len() {
+            return (from, None);
         }
+        self.checked = self.text.len();
+        let view = scan_into(rules, &self.text, from, &mut self.hits);
+        super::redactions_block(&mut self.hits);
+        (from, view)
     }
 
-    /// How far the text can be released (see [`safe_end`]), once scanned.
-    fn safe_end(&self, rules: &RuleSet, hold: usize) -> usize {
-        let from = window_start(&self.text, self.checked, self.released, hold);
-        let view = Normalized::new(&self.text[from..]);
+    /// How far the text can be released (see [`safe_end`]), once scanned
+    /// from `from` (with its normalized view when the scan made one).
+    fn safe_end(&self, rules: &RuleSet, (from, view): Window) -> usize {
+        let view = view.unwrap_or_else(|| Normalized::new(&self.text[from..]));
         let released = self.released;
         safe_end(
             rules, &self.text, released, released, from, &view, &self.hits,
         )
     }
 }
+
+/// Where a scan's window starts, and its normalized view when the scan
+/// made one.
+type Window = (usize, Option<Normalized>);
 
 /// An event's text: where it lies in the event's data when it stands
 /// there as it reads (a JSON string without escapes, as most are), or else
@@ -2627,7 +2639,7 @@ impl Guard {
     /// lies before any match under way. They go out as they came, so a
     /// long thinking block or call streams rather than arriving at once.
     fn check_held(&mut self) -> Vec<Bytes> {
-        let (from, view) = self.scan_held(false);
+        let ((from, view), decoded_window) = self.scan_held(false);
         if self.should_block() {
             return self.block();
         }
@@ -2642,10 +2654,10 @@ impl Guard {
             &view,
             &self.held_hits,
         );
-        let decoded_safe = self
-            .decoded
-            .as_ref()
-            .map_or(usize::MAX, |decoded| decoded.safe_end(rules, self.hold()));
+        let decoded_safe = match (&self.decoded, decoded_window) {
+            (Some(decoded), Some(window)) => decoded.safe_end(rules, window),
+            _ => usize::MAX,
+        };
         self.release_held(safe, decoded_safe)
     }
 
@@ -2687,24 +2699,23 @@ impl Guard {
 
     /// Scans the held text not scanned yet (and enough before it: see
     /// `window_start`), keeping new hits, and so its decoded text, to the
-    /// end when `last`; returns where the window starts, and its
-    /// normalized view when the scan made one.
-    fn scan_held(&mut self, last: bool) -> (usize, Option<Normalized>) {
+    /// end when `last`; returns the window of each.
+    fn scan_held(&mut self, last: bool) -> (Window, Option<Window>) {
         let hold = self.hold();
-        if let Some(decoded) = &mut self.decoded {
+        let decoded = self.decoded.as_mut().map(|decoded| {
             if last {
                 decoded.push("", true);
             }
-            decoded.scan(&self.setup.rules, hold);
-        }
+            decoded.scan(&self.setup.rules, hold)
+        });
         let text = &self.held_text;
         let from = window_start(text, self.held_checked, self.held_released, hold);
         if self.held_checked == text.len() {
-            return (from, None);
+            return ((from, None), decoded);
         }
         self.held_checked = text.len();
         let view = scan_into(&self.setup.rules, text, from, &mut self.held_hits);
-        (from, view)
+        ((from, view), decoded)
     }
 
     /// The request's hits and the response's so far.
