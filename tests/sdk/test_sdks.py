@@ -11,6 +11,7 @@ non-zero if any check failed.
 """
 
 import json
+import re
 import os
 import socket
 import subprocess
@@ -209,6 +210,8 @@ class Upstream(BaseHTTPRequestHandler):
                     frames = anthropic_compaction_stream(text)
                 elif anthropic_api and "tool start" in last_words(body):
                     frames = anthropic_tool_start_stream(text)
+                elif anthropic_api and "write code" in last_words(body):
+                    frames = anthropic_code_tool_stream(text)
                 elif anthropic_api:
                     started = RISKY if "started" in last_words(body) else None
                     frames = anthropic_stream(text, thinking_text(body), started)
@@ -562,6 +565,35 @@ def anthropic_tool_start_stream(note):
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 1}}})
     yield event("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {
         "type": "tool_use", "id": "toolu_1", "name": "note", "input": {"note": note}}})
+    yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use",
+                                                                     "stop_sequence": None},
+                                  "usage": {"output_tokens": 9}})
+    yield event("message_stop", {"type": "message_stop"})
+
+
+def code_lines(note):
+    """A program of forty lines that ends by printing `note`: what a tool
+    that writes code or a file is given, quotes and line breaks escaped
+    in its JSON."""
+    return "".join(f'print("line {i}")\n' for i in range(40)) + f'print("{note}")\n'
+
+
+def anthropic_code_tool_stream(note):
+    """A tool's call whose input is a program (see `code_lines`), its JSON
+    streamed a line at a time in `input_json_delta` events, as the API
+    streams a tool's input."""
+    def event(name, data):
+        return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+    written = json.dumps({"code": code_lines(note)})
+    yield event("message_start", {"type": "message_start", "message": {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 1}}})
+    yield event("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {
+        "type": "tool_use", "id": "toolu_1", "name": "write_file", "input": {}}})
+    for piece in re.split(r"(?<=\\n)", written):
+        yield event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                            "delta": {"type": "input_json_delta", "partial_json": piece}})
     yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
     yield event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use",
                                                                      "stop_sequence": None},
@@ -940,6 +972,23 @@ routes:
             blocked = final("tool start, risky")
             assert blocked.stop_reason == "refusal", blocked
             assert "savings" not in str(blocked.content), blocked.content
+
+        def anthropic_code_tool_input():
+            # A program, its lines escaped, streamed a line at a time.
+            def streamed(prompt):
+                with an.messages.stream(model="claude-x", max_tokens=50,
+                                        messages=[{"role": "user", "content": prompt}]) as stream:
+                    pieces = [e.partial_json for e in stream if e.type == "input_json"]
+                    return pieces, stream.get_final_message()
+            pieces, allowed = streamed("write code, please")
+            assert allowed.stop_reason == "tool_use", allowed
+            assert allowed.content[0].input == {"code": code_lines(SAFE)}, allowed.content
+            assert len(pieces) > 40, pieces
+            pieces, blocked = streamed("write code, risky")
+            assert blocked.stop_reason == "refusal", blocked
+            assert "savings" not in str(blocked.content) and "savings" not in "".join(pieces), pieces
+            # The lines before the risky one reached the client.
+            assert len(pieces) >= 20, pieces
 
         def anthropic_prefilled_answers_refused():
             asked = [{"role": "user", "content": "a tip?"}, {"role": "assistant", "content": PREFILL}]
@@ -1332,6 +1381,9 @@ routes:
               openai_interleaved_calls_raise)
         check("anthropic stream helper: a tool's input written in its block's start is guarded",
               anthropic_tool_input_in_start)
+        check("anthropic stream helper: a tool's input of code (escaped quotes and line breaks) streamed "
+              "line by line arrives whole, its lines before a risky one sent, the risky one refused",
+              anthropic_code_tool_input)
         check("openai response", openai_response)
         check("openai response stream", openai_response_stream)
         check("openai blocked response stream ends incomplete for content_filter", openai_blocked_response_stream)
