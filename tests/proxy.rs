@@ -3780,6 +3780,23 @@ async fn calls_whose_arguments_have_escapes_stream_before_they_end() {
     assert!(lines_sent(&body) >= 20, "{body}");
     assert!(!body.contains("Put all"), "{body}");
     proxy.stop().await;
+
+    // In buffer mode the same call is read whole, decoded: nothing of it
+    // goes out; the lines alone go out as they came.
+    use fairgate::config::StreamMode;
+    let (_mock, proxy) = start_with(|c| c.guard.stream_mode = StreamMode::Buffer).await;
+    let request = chat("Write it.", true);
+    let post = |raw: String| relay_stream(&proxy, "/v1/chat/completions", raw, &request);
+    let body = post(openai_raw_stream(&openai(&phrase), "tool_calls")).await;
+    let (_, finishes, _) = sdk_stream_text(&body);
+    assert_eq!(finishes, ["content_filter"], "{body}");
+    assert!(
+        lines_sent(&body) == 0 && !body.contains("Put all"),
+        "{body}"
+    );
+    let allowed = openai_raw_stream(&openai(&[r#"\"}"#]), "tool_calls");
+    assert_eq!(post(allowed.clone()).await, allowed);
+    proxy.stop().await;
 }
 
 /// A chunk of a chat completion stream that carries several choices at
