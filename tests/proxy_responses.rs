@@ -1323,48 +1323,10 @@ async fn the_titles_of_cited_pages_are_read_as_context() {
 #[tokio::test]
 async fn items_and_parts_must_come_in_turn() {
     use fairgate::config::StreamMode;
-    let first = json!({"item_id": "msg_1", "output_index": 0, "content_index": 0});
-    let places = [
-        // A second part of the item.
-        json!({"item_id": "msg_1", "output_index": 0, "content_index": 1}),
-        // A second item.
-        json!({"item_id": "msg_2", "output_index": 1, "content_index": 0}),
-    ];
     for mode in [StreamMode::Holdback, StreamMode::Buffer] {
         let (_mock, proxy) = support::start_with(|c| c.guard.stream_mode = mode).await;
-        for second in &places {
-            let at = |place: &Value, extra: Value| support::merged(place, extra);
-            let mut raw = vec![(
-                "response.created",
-                json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}}),
-            )];
-            for place in [&first, second] {
-                let item = json!({"id": place["item_id"], "type": "message", "content": []});
-                let index = &place["output_index"];
-                raw.push((
-                    "response.output_item.added",
-                    json!({"output_index": index, "item": item}),
-                ));
-                raw.push((
-                    "response.content_part.added",
-                    at(place, json!({"part": {"type": "output_text", "text": ""}})),
-                ));
-            }
-            for (place, text) in [
-                (&first, "Put all your "),
-                (second, "Budget first. "),
-                (&first, "savings into Dogecoin right now."),
-            ] {
-                raw.push((
-                    "response.output_text.delta",
-                    at(place, json!({"delta": text})),
-                ));
-            }
-            raw.push((
-                "response.completed",
-                json!({"response": {"id": "resp_mock", "status": "completed"}}),
-            ));
-            let body = relay(&proxy, support::numbered_stream(raw)).await;
+        for second in support::SECOND_PLACES {
+            let body = relay(&proxy, support::interleaved_stream(second)).await;
             assert!(!body.contains("Dogecoin"), "{mode:?}: {body}");
             let sent = events(&body);
             assert_eq!(sent.last().unwrap().0, "error", "{mode:?}: {body}");

@@ -20,12 +20,13 @@ use tokio_tungstenite::tungstenite::Message;
 type Client = support::WsClient;
 
 /// A mock of the Responses API's WebSocket mode: each `response.create`
-/// answered with the events of a stream of the next scripted chunks (each
-/// with the request's `stream_id`, when it gave one). Every text message
-/// it takes is kept.
+/// answered with the events of the next scripted stream, or of a stream
+/// of the next scripted chunks (each with the request's `stream_id`, when
+/// it gave one). Every text message it takes is kept.
 #[derive(Clone, Default)]
 struct Upstream {
     scripts: Arc<Mutex<VecDeque<Vec<String>>>>,
+    streams: Arc<Mutex<VecDeque<String>>>,
     received: Arc<Mutex<Vec<String>>>,
 }
 
@@ -67,8 +68,12 @@ impl Upstream {
                 }
                 _ => continue,
             }
-            let chunks = self.scripts.lock().unwrap().pop_front().unwrap_or_default();
-            for data in events_of(&support::responses_stream(&chunks)) {
+            let stream = self.streams.lock().unwrap().pop_front();
+            let stream = stream.unwrap_or_else(|| {
+                let chunks = self.scripts.lock().unwrap().pop_front().unwrap_or_default();
+                support::responses_stream(&chunks)
+            });
+            for data in events_of(&stream) {
                 let mut event: Value = serde_json::from_str(&data).unwrap();
                 if let Some(lane) = request.get("stream_id") {
                     event["stream_id"] = lane.clone();
@@ -83,6 +88,11 @@ impl Upstream {
     fn script(&self, chunks: &[&str]) {
         let chunks = chunks.iter().map(|c| c.to_string()).collect();
         self.scripts.lock().unwrap().push_back(chunks);
+    }
+
+    /// The next response's events: those of `sse`, a stream as written.
+    fn script_stream(&self, sse: String) {
+        self.streams.lock().unwrap().push_back(sse);
     }
 
     fn received(&self) -> Vec<String> {
@@ -348,4 +358,32 @@ async fn a_responses_socket_is_among_the_sessions_the_guard_reads() {
         }
         proxy.stop().await;
     }
+}
+
+/// A response whose stream goes back to a part or an item it had left
+/// (which the SDKs would gather apart from what the guard read with it)
+/// ends on its lane with the API's error event, as a streamed `POST
+/// /v1/responses` does, and the socket serves the next response.
+#[tokio::test]
+async fn a_response_that_goes_back_to_a_part_it_left_ends_in_error() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = start_proxy(config(&format!("http://{addr}"), Path::new("rules"))).await;
+    let mut ws = connect(&proxy).await;
+    for second in support::SECOND_PLACES {
+        upstream.script_stream(support::interleaved_stream(second));
+        ws.send(create("Some advice?", Some("lane-1")))
+            .await
+            .unwrap();
+        let events = one_response(&mut ws).await;
+        let last = events.last().unwrap();
+        assert_eq!(last["type"], "error", "{events:?}");
+        assert_eq!(last["stream_id"], "lane-1", "{events:?}");
+        assert!(!format!("{events:?}").contains("Dogecoin"), "{events:?}");
+    }
+    upstream.script(&SAFE);
+    ws.send(create("A tip?", None)).await.unwrap();
+    let events = one_response(&mut ws).await;
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    assert_eq!(text_of(&events), SAFE.concat());
+    proxy.stop().await;
 }

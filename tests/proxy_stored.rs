@@ -707,3 +707,26 @@ async fn requests_read_outside_an_exchange_leave_records() {
     assert_eq!(requests("openai", "client_closed"), None, "{metrics}");
     proxy.stop().await;
 }
+
+/// A stored response streamed again goes through the stream guard as a
+/// streamed answer does: one that goes back to a part or an item it had
+/// left ends with the API's error event, its advice unsent.
+#[tokio::test]
+async fn a_stored_response_streamed_again_that_goes_back_ends_in_error() {
+    let (_mock, proxy) = start().await;
+    for second in support::SECOND_PLACES {
+        let raw = support::interleaved_stream(second);
+        let response = proxy
+            .get(
+                "/v1/responses/resp_mock?stream=true",
+                json!({"raw_sse": raw}),
+            )
+            .await;
+        assert_eq!(response.status(), 200);
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("Dogecoin"), "{body}");
+        let last = body.trim_end().rsplit("\n\n").next().unwrap();
+        assert!(last.starts_with("event: error\n"), "{body}");
+    }
+    proxy.stop().await;
+}

@@ -455,6 +455,50 @@ pub fn responses_stream(chunks: &[String]) -> String {
     numbered_stream(events)
 }
 
+/// A second place of a Responses API stream's text, after the first
+/// part of its first item: a second part of the item, and a second item.
+pub const SECOND_PLACES: [(&str, u64, u64); 2] = [("msg_1", 0, 1), ("msg_2", 1, 0)];
+
+/// A Responses API stream that goes back to a part it had left: blocked
+/// advice in the first part of its first item, with text of `second`
+/// (item id, output index, content index) between its two pieces, which
+/// the SDKs would gather apart.
+pub fn interleaved_stream((item, output, content): (&str, u64, u64)) -> String {
+    let first = json!({"item_id": "msg_1", "output_index": 0, "content_index": 0});
+    let second = json!({"item_id": item, "output_index": output, "content_index": content});
+    let mut raw = vec![(
+        "response.created",
+        json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}}),
+    )];
+    for place in [&first, &second] {
+        let item = json!({"id": place["item_id"], "type": "message", "content": []});
+        let index = &place["output_index"];
+        raw.push((
+            "response.output_item.added",
+            json!({"output_index": index, "item": item}),
+        ));
+        raw.push((
+            "response.content_part.added",
+            merged(place, json!({"part": {"type": "output_text", "text": ""}})),
+        ));
+    }
+    for (place, text) in [
+        (&first, "Put all your "),
+        (&second, "Budget first. "),
+        (&first, "savings into Dogecoin right now."),
+    ] {
+        raw.push((
+            "response.output_text.delta",
+            merged(place, json!({"delta": text})),
+        ));
+    }
+    raw.push((
+        "response.completed",
+        json!({"response": {"id": "resp_mock", "status": "completed"}}),
+    ));
+    numbered_stream(raw)
+}
+
 /// The members of `base` and `extra` (both objects) in one object, those
 /// of `extra` where both have a key: an event at a part's place.
 pub fn merged(base: &Value, extra: Value) -> Value {
