@@ -303,9 +303,12 @@ impl<'a> Reader<'a> {
         }
         let start = self.jiter.current_index();
         let decoded = self.jiter.known_str()?;
-        // Without escapes the string is its token's bytes.
+        // Without escapes the string is its token's bytes, up to the
+        // closing quote. The quote matters: the value of `"a \\"` is `a \`,
+        // which its token also starts with.
         let raw = &self.data[start + 1..];
-        let value = if raw.starts_with(decoded) {
+        let value = if raw.starts_with(decoded) && raw.as_bytes().get(decoded.len()) == Some(&b'"')
+        {
             Cow::Borrowed(&raw[..decoded.len()])
         } else {
             Cow::Owned(decoded.to_owned())
@@ -406,6 +409,26 @@ pub fn splice(body: &[u8], edits: &[(Range<usize>, String)]) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A string is borrowed only when its token holds it as it reads:
+    /// one that ends in escaped backslashes starts with its value too.
+    #[test]
+    fn strings_with_escapes_are_owned_wherever_the_escapes_are() {
+        let cases = [
+            (r#""plain""#, "plain", true),
+            (r#""a \\""#, r"a \", false),
+            (r#""\\""#, r"\", false),
+            (r#""\\\\""#, r"\\", false),
+            (r#""a \\b""#, r"a \b", false),
+            (r#""\"a""#, r#""a"#, false),
+        ];
+        for (token, value, borrowed) in cases {
+            let text = Reader::new(token).string().unwrap().unwrap();
+            assert_eq!(text.value, value, "{token}");
+            assert_eq!(matches!(text.value, Cow::Borrowed(_)), borrowed, "{token}");
+            assert_eq!(text.token, 0..token.len(), "{token}");
+        }
+    }
 
     #[test]
     fn members_are_read_where_they_stand_and_know_their_tokens() {
