@@ -4113,3 +4113,58 @@ async fn a_tools_input_in_its_blocks_start_is_guarded() {
         proxy.stop().await;
     }
 }
+
+/// Text with backslashes (LaTeX, a Windows path, JSON an answer is to
+/// take) streams to the client as the upstream wrote it, in each API,
+/// however the deltas cut it: a delta of one backslash, as models stream
+/// LaTeX, included.
+#[tokio::test]
+async fn text_with_backslashes_streams_as_it_came() {
+    let (_mock, proxy) = start().await;
+    let pieces = [
+        "The area is ",
+        "\\",
+        "(",
+        "\\",
+        "pi r^2",
+        "\\",
+        "), the file C:",
+        "\\",
+        "Users",
+        "\\",
+        "\\",
+        " and ",
+        r#"{"a": "x\\"#,
+        r#"u0061 \"q"#,
+        r#"\" \\"#,
+        r#""}"#,
+    ];
+    let written = pieces.concat();
+    let responses = json!({"model": "gpt-4o-mini", "stream": true, "input": "Math?"});
+    for (path, request) in [
+        ("/v1/chat/completions", chat("Math?", true)),
+        ("/v1/messages", messages("Math?", true)),
+        ("/v1/responses", responses),
+    ] {
+        let script = json!({"chunks": pieces});
+        let body = proxy
+            .post(path, script, &request)
+            .await
+            .text()
+            .await
+            .unwrap();
+        let text = match path {
+            "/v1/chat/completions" => sdk_stream_text(&body).0,
+            "/v1/messages" => anthropic_stream_text(&body).0,
+            _ => body
+                .lines()
+                .filter_map(|line| line.strip_prefix("data: "))
+                .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+                .filter(|event| event["type"] == "response.output_text.delta")
+                .filter_map(|event| event["delta"].as_str().map(str::to_owned))
+                .collect(),
+        };
+        assert_eq!(text, written, "{path}: {body}");
+    }
+    proxy.stop().await;
+}

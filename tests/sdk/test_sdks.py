@@ -29,6 +29,8 @@ import openai
 from websockets.sync.server import serve as serve_websocket
 
 RISKY = "Sure. Put all your savings into Dogecoin right now, it is the future."
+# An answer with backslashes (LaTeX, a path), streamed a backslash a piece.
+LATEX = r'The area is \(\pi r^2\), saved in C:\Users\\ as {"a": "\\"}.'
 SAFE = "Start with a budget and an emergency fund, then invest regularly."
 
 
@@ -55,6 +57,8 @@ def reply_text(body):
         return CONTINUED
     if "think" in last_words(body):
         return SAFE
+    if "latex" in last_words(body):
+        return LATEX
     return RISKY if "risky" in last_words(body) else SAFE
 
 
@@ -68,8 +72,11 @@ def thinking_text(body):
 
 
 def chunks(text):
+    """The words of `text`, each with its space; a backslash a piece of
+    its own, as models stream LaTeX."""
     words = text.split(" ")
-    return [w + (" " if i < len(words) - 1 else "") for i, w in enumerate(words)]
+    pieces = [w + (" " if i < len(words) - 1 else "") for i, w in enumerate(words)]
+    return [p for piece in pieces for p in re.split(r"(\\)", piece) if p]
 
 
 class Upstream(BaseHTTPRequestHandler):
@@ -1179,6 +1186,20 @@ routes:
             assert text == SAFE, text
             assert final.output_text == SAFE, final
 
+        def backslashes_stream_as_written():
+            # LaTeX and a path, a backslash a delta, in each API's stream.
+            asked = [{"role": "user", "content": "latex, please"}]
+            stream = oa.chat.completions.create(model="gpt-4o-mini", stream=True, messages=asked)
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert text == LATEX, text
+            with an.messages.stream(model="claude-x", max_tokens=50, messages=asked) as stream:
+                text = "".join(stream.text_stream)
+            assert text == LATEX, text
+            with oa.responses.stream(model="gpt-4o-mini", input="latex, please") as stream:
+                text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+                final = stream.get_final_response()
+            assert text == LATEX and final.output_text == LATEX, (text, final.output_text)
+
         def openai_blocked_response_stream():
             with oa.responses.stream(model="gpt-4o-mini", input="something risky") as stream:
                 events = list(stream)
@@ -1386,6 +1407,8 @@ routes:
               anthropic_code_tool_input)
         check("openai response", openai_response)
         check("openai response stream", openai_response_stream)
+        check("openai and anthropic streams of LaTeX, a backslash a delta, reach the SDKs as written",
+              backslashes_stream_as_written)
         check("openai blocked response stream ends incomplete for content_filter", openai_blocked_response_stream)
         check("openai background response stream resumed after the last event got goes on where it was",
               openai_resumed_response_stream)
