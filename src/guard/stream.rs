@@ -3545,6 +3545,152 @@ mod tests {
         }
     }
 
+    /// Harmless text of every kind of character JSON writes (quotes,
+    /// backslashes, controls, line separators, accents, CJK, emoji), cut
+    /// at random into deltas and written as JSON writes it (characters
+    /// as they are, or every one but ASCII escaped, as Python's
+    /// `json.dumps` writes them), comes out of the guard as it went in,
+    /// in each API's stream.
+    #[test]
+    fn any_text_streams_as_it_came_in_every_api() {
+        use crate::testing::Lcg;
+        let alphabet = [
+            "a", "b", "e", "o", "x", "The", "plain", "words", " ", " ", " ", ".", ",", "\"", "\\",
+            "/", "\n", "\t", "\r", "\u{1}", "é", "ü", "日本", "😀", "\u{2028}", "\u{7f}", "ß", "İ",
+            "ﬁ", "\u{301}", "'", "<", "&",
+        ];
+        // JSON with every character but ASCII as `\uXXXX`.
+        let ascii = |json: String| {
+            let mut out = String::new();
+            for c in json.chars() {
+                match c.is_ascii() {
+                    true => out.push(c),
+                    false => {
+                        for unit in c.encode_utf16(&mut [0; 2]) {
+                            out.push_str(&format!("\\u{unit:04x}"));
+                        }
+                    }
+                }
+            }
+            out
+        };
+        let mut random = Lcg(11);
+        for round in 0..300 {
+            let len = 1 + random.below(40);
+            let text: String = (0..len).map(|_| *random.pick(&alphabet)).collect();
+            let mut pieces = Vec::new();
+            let mut rest = text.as_str();
+            while !rest.is_empty() {
+                let mut cut = (1 + random.below(6)).min(rest.len());
+                while !rest.is_char_boundary(cut) {
+                    cut += 1;
+                }
+                pieces.push(&rest[..cut]);
+                rest = &rest[cut..];
+            }
+            let escape_all = random.below(2) == 0;
+            let write = |value: Value| match escape_all {
+                true => ascii(value.to_string()),
+                false => value.to_string(),
+            };
+            let endpoints = [
+                Endpoint::ChatCompletions,
+                Endpoint::Completions,
+                Endpoint::Messages,
+                Endpoint::Responses,
+            ];
+            let modes = [StreamMode::Holdback, StreamMode::Buffer];
+            for (endpoint, mode) in endpoints.into_iter().flat_map(|e| modes.map(|m| (e, m))) {
+                let mut guard = Guard::new(setup(endpoint, mode));
+                let mut events: Vec<(Option<&str>, Value)> = Vec::new();
+                let merged = |at: &Value, extra: Value| {
+                    let mut out = at.clone();
+                    if let (Some(out), Value::Object(extra)) = (out.as_object_mut(), extra) {
+                        out.extend(extra);
+                    }
+                    out
+                };
+                let at = json!({"item_id": "m", "output_index": 0, "content_index": 0});
+                match endpoint {
+                    Endpoint::Messages => {
+                        events.push((Some("message_start"), json!({"type": "message_start", "message": {"id": "m", "type": "message", "role": "assistant", "content": [], "usage": {"input_tokens": 1, "output_tokens": 1}}})));
+                        events.push((Some("content_block_start"), json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})));
+                    }
+                    Endpoint::Responses => {
+                        events.push((Some("response.created"), json!({"type": "response.created", "sequence_number": 0, "response": {"id": "r", "status": "in_progress", "output": []}})));
+                        events.push((Some("response.content_part.added"), merged(&at, json!({"type": "response.content_part.added", "part": {"type": "output_text", "text": ""}}))));
+                    }
+                    _ => {}
+                }
+                for piece in &pieces {
+                    let event = match endpoint {
+                        Endpoint::ChatCompletions => (
+                            None,
+                            json!({"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": null}]}),
+                        ),
+                        Endpoint::Completions => (
+                            None,
+                            json!({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": piece, "finish_reason": null}]}),
+                        ),
+                        Endpoint::Messages => (
+                            Some("content_block_delta"),
+                            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}}),
+                        ),
+                        _ => (
+                            Some("response.output_text.delta"),
+                            merged(
+                                &at,
+                                json!({"type": "response.output_text.delta", "delta": piece}),
+                            ),
+                        ),
+                    };
+                    events.push(event);
+                }
+                match endpoint {
+                    Endpoint::Messages => {
+                        events.push((Some("content_block_stop"), json!({"type": "content_block_stop", "index": 0})));
+                        events.push((Some("message_delta"), json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 2}})));
+                        events.push((Some("message_stop"), json!({"type": "message_stop"})));
+                    }
+                    Endpoint::Responses => {
+                        events.push((Some("response.output_text.done"), merged(&at, json!({"type": "response.output_text.done", "text": text}))));
+                        events.push((Some("response.completed"), json!({"type": "response.completed", "response": {"id": "r", "status": "completed"}})));
+                    }
+                    _ => events.push((None, json!({"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "text": "", "finish_reason": "stop"}]}))),
+                }
+                let mut frames = Vec::new();
+                for (name, data) in events {
+                    let raw = sse_text(name, &write(data));
+                    frames.extend(guard.on_event(parse_event(raw).unwrap()));
+                }
+                frames.extend(guard.on_end());
+                let mut got = String::new();
+                for frame in &frames {
+                    let frame = String::from_utf8_lossy(frame);
+                    let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data: ")) else {
+                        continue;
+                    };
+                    let Ok(value) = serde_json::from_str::<Value>(data) else {
+                        continue;
+                    };
+                    let piece = match endpoint {
+                        Endpoint::ChatCompletions => value.pointer("/choices/0/delta/content"),
+                        Endpoint::Completions => value.pointer("/choices/0/text"),
+                        Endpoint::Messages => value.pointer("/delta/text"),
+                        _ => {
+                            (value["type"] == "response.output_text.delta").then(|| &value["delta"])
+                        }
+                    };
+                    got.push_str(piece.and_then(Value::as_str).unwrap_or_default());
+                }
+                assert_eq!(
+                    got, text,
+                    "round {round}, {endpoint:?}, {mode:?}, pieces {pieces:?}, escaped {escape_all}"
+                );
+            }
+        }
+    }
+
     /// The event of one `data:` line of `data`.
     fn data_event(data: &str) -> SseEvent {
         parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap()
