@@ -449,7 +449,7 @@ pub(crate) fn unescaped_hits(rules: &RuleSet, scope: Scope, text: &str, found: &
 /// JSON does not have kept as it stands), as a reader decodes a string;
 /// `None` when it has no escape. Applied to a whole body, it gives the
 /// text of each of its strings, whatever a reader makes of the rest.
-fn json_unescaped(text: &str) -> Option<String> {
+pub(crate) fn json_unescaped(text: &str) -> Option<String> {
     // memchr's search: a text without an escape, as most are, costs a
     // scan of its bytes and nothing more.
     memchr::memchr(b'\\', text.as_bytes())?;

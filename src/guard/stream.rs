@@ -3693,6 +3693,104 @@ mod tests {
         }
     }
 
+    /// A call's arguments of random harmless JSON text, escapes and all,
+    /// with a phrase a rule blocks written somewhere in it (some of its
+    /// letters escaped, as `\u0061`), cut at random into deltas: the
+    /// stream ends blocked, and what went out of the call before, read
+    /// as the client's code reads it (parsed), holds none of the phrase.
+    /// Without the phrase the whole call goes out as it came.
+    #[test]
+    fn a_phrase_in_a_calls_escaped_arguments_never_goes_out() {
+        use crate::testing::Lcg;
+        let alphabet = [
+            "code", "line", "print", " ", " ", " ", "\\n", "\\\"", "\\\\", "\\t", "\\u00e9", "é",
+            "(", ")", ":", ".", "x",
+        ];
+        let phrase = "Put all your savings into one coin.";
+        let mut random = Lcg(5);
+        for round in 0..200 {
+            let words = |random: &mut Lcg, n: usize| -> String {
+                (0..n).map(|_| *random.pick(&alphabet)).collect()
+            };
+            // Some of the phrase's letters escaped.
+            let hidden: String = phrase
+                .chars()
+                .map(|c| match c.is_ascii_lowercase() && random.below(4) == 0 {
+                    true => format!("\\u{:04x}", c as u32),
+                    false => c.to_string(),
+                })
+                .collect();
+            let (many, few) = (random.below(120), random.below(20));
+            let before = words(&mut random, many);
+            let after = words(&mut random, few);
+            let blocked = random.below(4) != 0;
+            let middle = if blocked {
+                format!(" {hidden} ")
+            } else {
+                " ".to_owned()
+            };
+            let arguments = format!("{{\"code\": \"{before}{middle}{after}\"}}");
+            let mut pieces = Vec::new();
+            let mut rest = arguments.as_str();
+            while !rest.is_empty() {
+                let mut cut = (1 + random.below(12)).min(rest.len());
+                while !rest.is_char_boundary(cut) {
+                    cut += 1;
+                }
+                pieces.push(&rest[..cut]);
+                rest = &rest[cut..];
+            }
+            let mut guard = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
+            let chunk = |delta: Value, finish: Value| {
+                let data = json!({"id": "c", "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+                data_event(&data.to_string())
+            };
+            let mut frames = guard.on_event(chunk(
+                json!({"role": "assistant", "tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "write", "arguments": ""}}]}),
+                Value::Null,
+            ));
+            let mut sent_before_end = 0;
+            for piece in &pieces {
+                let delta = json!({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]});
+                frames.extend(guard.on_event(chunk(delta, Value::Null)));
+                sent_before_end = frames.len();
+            }
+            frames.extend(guard.on_event(chunk(json!({}), json!("tool_calls"))));
+            let mut sent = String::new();
+            let mut finishes = Vec::new();
+            for frame in &frames {
+                let frame = String::from_utf8_lossy(frame);
+                let Some(data) = frame.trim().strip_prefix("data: ") else {
+                    continue;
+                };
+                let Ok(value) = serde_json::from_str::<Value>(data) else {
+                    continue;
+                };
+                let arguments = value.pointer("/choices/0/delta/tool_calls/0/function/arguments");
+                sent.push_str(arguments.and_then(Value::as_str).unwrap_or_default());
+                if let Some(finish) = value
+                    .pointer("/choices/0/finish_reason")
+                    .and_then(Value::as_str)
+                {
+                    finishes.push(finish.to_owned());
+                }
+            }
+            let context = format!("round {round}: {arguments}");
+            if blocked {
+                assert_eq!(finishes, ["content_filter"], "{context}");
+                let parsed = super::super::json_unescaped(&sent).unwrap_or(sent.clone());
+                assert!(!parsed.contains("Put all"), "{context}: sent {sent}");
+            } else {
+                assert_eq!(finishes, ["tool_calls"], "{context}");
+                assert_eq!(sent, arguments, "{context}");
+                // And most of it before the end: only what a match may
+                // still cover waits.
+                assert!(sent_before_end > 1 || arguments.len() < 400, "{context}");
+            }
+        }
+    }
+
     /// The event of one `data:` line of `data`.
     fn data_event(data: &str) -> SseEvent {
         parse_event(format!("data: {data}\n\n").into_bytes().into()).unwrap()
