@@ -3549,8 +3549,10 @@ mod tests {
     /// backslashes, controls, line separators, accents, CJK, emoji), cut
     /// at random into deltas and written as JSON writes it (characters
     /// as they are, or every one but ASCII escaped, as Python's
-    /// `json.dumps` writes them; in every event, or some), comes out of the guard as it went in,
-    /// in each API's stream.
+    /// `json.dumps` writes them; in every event, or some), its lines
+    /// ended by `\n`, `\r\n` or `\r` and its bytes read in random pieces,
+    /// comes out of the parser and the guard as it went in, in each API's
+    /// stream.
     #[test]
     fn any_text_streams_as_it_came_in_every_api() {
         use crate::testing::Lcg;
@@ -3590,11 +3592,12 @@ mod tests {
             }
             // Escaped in every event, in none, or in some.
             let escaping = random.below(3);
-            let mut write =
-                |value: Value| match escaping == 0 || (escaping == 2 && random.below(2) == 0) {
-                    true => ascii(value.to_string()),
-                    false => value.to_string(),
-                };
+            let write = |value: Value, random: &mut Lcg| match escaping == 0
+                || (escaping == 2 && random.below(2) == 0)
+            {
+                true => ascii(value.to_string()),
+                false => value.to_string(),
+            };
             let endpoints = [
                 Endpoint::ChatCompletions,
                 Endpoint::Completions,
@@ -3660,15 +3663,37 @@ mod tests {
                     }
                     _ => events.push((None, json!({"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "text": "", "finish_reason": "stop"}]}))),
                 }
-                let mut frames = Vec::new();
+                // The stream's bytes, its lines ended as a server may end
+                // them, read in random pieces as `Run` reads them.
+                let ending = *random.pick(&["\n", "\r\n", "\r"]);
+                let mut body = Vec::new();
                 for (name, data) in events {
-                    let raw = sse_text(name, &write(data));
-                    frames.extend(guard.on_event(parse_event(raw).unwrap()));
+                    let event = sse_text(name, &write(data, &mut random));
+                    let event = String::from_utf8(event.to_vec()).unwrap();
+                    body.extend_from_slice(event.replace('\n', ending).as_bytes());
                 }
+                let (mut parser, mut frames) = (SseParser::default(), Vec::new());
+                let mut rest = &body[..];
+                while !rest.is_empty() {
+                    let cut = (1 + random.below(200)).min(rest.len());
+                    let read = Bytes::copy_from_slice(&rest[..cut]);
+                    rest = &rest[cut..];
+                    guard.deferring = endpoint != Endpoint::Responses;
+                    for event in parser.push(read) {
+                        frames.extend(guard.on_event(event));
+                    }
+                    frames.extend(guard.deferred_check());
+                }
+                frames.extend(
+                    parser
+                        .finish()
+                        .map(|event| guard.on_event(event))
+                        .unwrap_or_default(),
+                );
                 frames.extend(guard.on_end());
                 let mut got = String::new();
                 for frame in &frames {
-                    let frame = String::from_utf8_lossy(frame);
+                    let frame = String::from_utf8_lossy(frame).replace('\r', "\n");
                     let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data: ")) else {
                         continue;
                     };
