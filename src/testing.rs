@@ -17,4 +17,29 @@ impl Lcg {
     pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
         &items[self.below(items.len())]
     }
+
+    /// `text` cut into pieces of 1 to `most` bytes (longer only to end on
+    /// a character's boundary), as an upstream's deltas may cut it.
+    pub fn pieces<'t>(&mut self, text: &'t str, most: usize) -> Vec<&'t str> {
+        let mut pieces = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            let mut cut = (1 + self.below(most)).min(rest.len());
+            while !rest.is_char_boundary(cut) {
+                cut += 1;
+            }
+            pieces.push(&rest[..cut]);
+            rest = &rest[cut..];
+        }
+        pieces
+    }
+}
+
+/// `c` as JSON's `\uXXXX` escapes (two for a character beyond the BMP),
+/// as Python's `json.dumps` writes every character but ASCII.
+pub(crate) fn unicode_escaped(c: char) -> String {
+    c.encode_utf16(&mut [0; 2])
+        .iter()
+        .map(|unit| format!("\\u{unit:04x}"))
+        .collect()
 }

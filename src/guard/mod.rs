@@ -617,17 +617,14 @@ mod tests {
                 json_unescaped(&written).unwrap_or(written.clone()),
                 format!("\"{text}\"")
             );
-            let mut ascii = String::new();
-            for c in text.chars() {
-                match c.is_ascii_alphabetic() {
-                    true => ascii.push(c),
-                    false => {
-                        for unit in c.encode_utf16(&mut [0; 2]) {
-                            ascii.push_str(&format!("\\u{unit:04X}"));
-                        }
-                    }
-                }
-            }
+            let escaped = |c: char| match c.is_ascii_alphabetic() {
+                true => c.to_string(),
+                // Hex digits in capitals, as some writers put them.
+                false => crate::testing::unicode_escaped(c)
+                    .to_uppercase()
+                    .replace("\\U", "\\u"),
+            };
+            let ascii: String = text.chars().map(escaped).collect();
             assert_eq!(
                 json_unescaped(&ascii).unwrap_or(ascii.clone()),
                 text,

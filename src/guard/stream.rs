@@ -3563,33 +3563,17 @@ mod tests {
         ];
         // JSON with every character but ASCII as `\uXXXX`.
         let ascii = |json: String| {
-            let mut out = String::new();
-            for c in json.chars() {
-                match c.is_ascii() {
-                    true => out.push(c),
-                    false => {
-                        for unit in c.encode_utf16(&mut [0; 2]) {
-                            out.push_str(&format!("\\u{unit:04x}"));
-                        }
-                    }
-                }
-            }
-            out
+            let escaped = |c: char| match c.is_ascii() {
+                true => c.to_string(),
+                false => crate::testing::unicode_escaped(c),
+            };
+            json.chars().map(escaped).collect::<String>()
         };
         let mut random = Lcg(11);
         for round in 0..300 {
             let len = 1 + random.below(40);
             let text: String = (0..len).map(|_| *random.pick(&alphabet)).collect();
-            let mut pieces = Vec::new();
-            let mut rest = text.as_str();
-            while !rest.is_empty() {
-                let mut cut = (1 + random.below(6)).min(rest.len());
-                while !rest.is_char_boundary(cut) {
-                    cut += 1;
-                }
-                pieces.push(&rest[..cut]);
-                rest = &rest[cut..];
-            }
+            let pieces = random.pieces(&text, 6);
             // Escaped in every event, in none, or in some.
             let escaping = random.below(3);
             let write = |value: Value, random: &mut Lcg| match escaping == 0
@@ -3755,16 +3739,7 @@ mod tests {
                 " ".to_owned()
             };
             let arguments = format!("{{\"code\": \"{before}{middle}{after}\"}}");
-            let mut pieces = Vec::new();
-            let mut rest = arguments.as_str();
-            while !rest.is_empty() {
-                let mut cut = (1 + random.below(12)).min(rest.len());
-                while !rest.is_char_boundary(cut) {
-                    cut += 1;
-                }
-                pieces.push(&rest[..cut]);
-                rest = &rest[cut..];
-            }
+            let pieces = random.pieces(&arguments, 12);
             let mut guard = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
             let chunk = |delta: Value, finish: Value| {
                 let data = json!({"id": "c", "object": "chat.completion.chunk",
