@@ -3467,6 +3467,109 @@ async fn a_chunk_with_text_and_the_role_or_finish_keeps_them() {
     proxy.stop().await;
 }
 
+/// Some OpenAI-compatible servers put the usage so far on every chunk
+/// (vLLM's `stream_options.continuous_usage_stats`). A re-framed text
+/// chunk carries the latest usage of the chunks whose text it completes,
+/// so the counts the client reads keep rising with the text, in holdback
+/// and in a redacting buffer; the finish keeps its own. The `"usage":
+/// null` of OpenAI's own chunks stays on a chunk re-framed with its role.
+#[tokio::test]
+async fn running_usage_on_every_chunk_goes_on_with_the_text() {
+    use fairgate::config::StreamMode;
+    let usage = |n: u64| json!({"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n});
+    let chunk = |delta: Value, finish: Value, usage: Value| {
+        let chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1,
+            "model": "m", "choices": [{"index": 0, "delta": delta, "logprobs": null,
+            "finish_reason": finish}], "usage": usage});
+        format!("data: {chunk}\n\n")
+    };
+    let words = [
+        "Start ", "with ", "a ", "budget, ", "then ", "pay ", "with ", "4111 ", "1111 ", "1111 ",
+        "1111 ", "and ", "save ", "the ", "rest.",
+    ];
+    let stream = |running: bool| {
+        let of = |n: u64| if running { usage(n) } else { Value::Null };
+        // The role alone first, or with the first word (which re-frames it).
+        let mut raw = match running {
+            true => chunk(
+                json!({"role": "assistant", "content": ""}),
+                Value::Null,
+                of(0),
+            ),
+            false => String::new(),
+        };
+        for (at, word) in words.iter().enumerate() {
+            let delta = match (running, at) {
+                (false, 0) => json!({"role": "assistant", "content": word}),
+                _ => json!({"content": word}),
+            };
+            raw += &chunk(delta, Value::Null, of(at as u64 + 1));
+        }
+        let last = words.len() as u64;
+        raw += &chunk(json!({}), json!("stop"), usage(last));
+        raw + "data: [DONE]\n\n"
+    };
+    let redacted = "Start with a budget, then pay with [REDACTED:card] and save the rest.";
+    for mode in [StreamMode::Holdback, StreamMode::Buffer] {
+        let (_mock, proxy) = start_with(|c| c.guard.stream_mode = mode).await;
+        let question = chat("How do I save?", true);
+        let body = relay_stream(&proxy, "/v1/chat/completions", stream(true), &question).await;
+        let (text, finishes, done) = openai_stream_text(&body);
+        assert_eq!(text, redacted, "{mode:?}: {body}");
+        assert_eq!(finishes, ["stop"], "{mode:?}: {body}");
+        assert!(done, "{mode:?}");
+        let chunks = chunks_of(&body);
+        let texts: Vec<&Value> = chunks
+            .iter()
+            .filter(|c| {
+                c["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .is_some_and(|t| !t.is_empty())
+            })
+            .collect();
+        assert!(!texts.is_empty(), "{mode:?}: {body}");
+        let counts: Vec<u64> = texts
+            .iter()
+            .map(|c| {
+                c["usage"]["completion_tokens"]
+                    .as_u64()
+                    .unwrap_or_else(|| panic!("{mode:?}: {c}"))
+            })
+            .collect();
+        assert!(counts.is_sorted(), "{mode:?}: {counts:?}");
+        // The last text chunk completes every word: the last word's count.
+        assert_eq!(
+            counts.last(),
+            Some(&(words.len() as u64)),
+            "{mode:?}: {body}"
+        );
+        let finish = chunks
+            .iter()
+            .find(|c| c["choices"][0]["finish_reason"] == "stop");
+        assert_eq!(
+            finish.unwrap()["usage"],
+            usage(words.len() as u64),
+            "{mode:?}"
+        );
+
+        // OpenAI's chunks, `"usage": null` but the last: each keeps it.
+        let body = relay_stream(&proxy, "/v1/chat/completions", stream(false), &question).await;
+        let chunks = chunks_of(&body);
+        let (last, rest) = chunks.split_last().unwrap();
+        assert!(
+            rest.iter().all(|c| c.get("usage") == Some(&Value::Null)),
+            "{mode:?}: {body}"
+        );
+        assert_eq!(
+            rest[0]["choices"][0]["delta"]["role"], "assistant",
+            "{mode:?}"
+        );
+        assert_eq!(last["usage"], usage(words.len() as u64), "{mode:?}");
+        assert_eq!(openai_stream_text(&body).0, redacted, "{mode:?}");
+        proxy.stop().await;
+    }
+}
+
 /// A JSON answer labelled as a stream is read as a stream, where its lines
 /// are of no field a reader of SSE reads, and so nothing: they do not go
 /// out. Relayed, they reached an SDK that asked for no stream, and reads

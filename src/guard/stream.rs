@@ -21,7 +21,9 @@
 //!   it**. The text is re-framed: the client gets well-formed deltas that
 //!   need not line up with the upstream's (a chat completion chunk, or a
 //!   Responses API text delta, carries the `logprobs` entries of the
-//!   upstream chunks whose text it completes, but for redacted text). An
+//!   upstream chunks whose text it completes, but for redacted text; a
+//!   chat chunk, the running `usage` of the last of them, when the
+//!   upstream puts one on every chunk, see `RunningUsage`). An
 //!   OpenAI text chunk is the upstream's first one with only its text
 //!   changed, when that one is plain (see `plain_text`); else it is
 //!   rebuilt from it (with the `role` of the chunk that began the text,
@@ -1339,6 +1341,23 @@ pub struct Guard {
     logprobs_sent: usize,
     /// The entries of the chunk being read, until its text is in `acc`.
     pending_logprobs: Option<Vec<Value>>,
+    /// Text chunks that carry a `usage` of their own, as some
+    /// OpenAI-compatible servers send on every chunk.
+    running_usage: Option<Box<RunningUsage>>,
+}
+
+/// The running `usage` that some OpenAI-compatible servers put on every
+/// chunk (vLLM's `stream_options.continuous_usage_stats`), the counts so
+/// far. A re-framed text chunk carries the latest of the chunks whose
+/// text it completes, or else the latest that went out before it.
+#[derive(Default)]
+struct RunningUsage {
+    /// The usage of the chunk being read, until its text is in `acc`.
+    reading: Option<String>,
+    /// Each text chunk's not yet shown, by where its text ends in `acc`.
+    pending: std::collections::VecDeque<(usize, String)>,
+    /// The latest that went out.
+    shown: Option<Value>,
 }
 
 impl Guard {
@@ -1408,6 +1427,7 @@ impl Guard {
             logprobs: Vec::new(),
             logprobs_sent: 0,
             pending_logprobs: None,
+            running_usage: None,
         }
     }
 
@@ -1978,9 +1998,14 @@ impl Guard {
             Dialect::OpenAi => self.classify_openai(&fields, data),
             Dialect::Anthropic => self.classify_anthropic(&fields, data),
         };
-        // A shape's events carry its logprobs in their fixed bytes, which
-        // are not read again: an event that has some leaves no shape.
-        if self.pending_logprobs.is_some() {
+        // A shape's events carry their logprobs and usage in their fixed
+        // bytes, which are not read again: an event that has some leaves
+        // no shape.
+        let usage = self
+            .running_usage
+            .as_ref()
+            .is_some_and(|r| r.reading.is_some());
+        if self.pending_logprobs.is_some() || usage {
             self.shape = None;
         }
         kind
@@ -2085,6 +2110,13 @@ impl Guard {
                     Some(Value::Array(entries)) => Some(entries),
                     _ => None,
                 });
+        }
+        // A finish's usage goes with the finish ([`split_finish`]).
+        if matches!(kind, Kind::Text { .. })
+            && !choice.finished
+            && let Some(usage) = event.usage
+        {
+            self.running_usage.get_or_insert_default().reading = Some(usage.to_owned());
         }
         if self.template.is_none() {
             let plain = match text {
@@ -2833,6 +2865,27 @@ impl Guard {
         if let Some(entries) = self.pending_logprobs.take() {
             self.logprobs.push((start..self.acc.len(), entries));
         }
+        if let Some(running) = self.running_usage.as_deref_mut()
+            && let Some(usage) = running.reading.take()
+        {
+            running.pending.push_back((self.acc.len(), usage));
+        }
+    }
+
+    /// The running usage a re-framed chunk whose text ends at `to` carries
+    /// (see [`RunningUsage`]), when the stream's text chunks have one.
+    fn take_usage(&mut self, to: usize) -> Option<Value> {
+        let running = self.running_usage.as_deref_mut()?;
+        let mut latest = None;
+        while let Some((end, _)) = running.pending.front()
+            && *end <= to
+        {
+            latest = running.pending.pop_front().map(|(_, usage)| usage);
+        }
+        if let Some(value) = latest.and_then(|usage| serde_json::from_str(&usage).ok()) {
+            running.shown = Some(value);
+        }
+        running.shown.clone()
     }
 
     /// The logprobs entries of the chunks whose text ends by `to` and were
@@ -2865,8 +2918,7 @@ impl Guard {
         if text.is_empty() {
             return Vec::new();
         }
-        let logprobs = self.take_logprobs(safe);
-        vec![self.text_frame_with(&text, self.block, logprobs)]
+        vec![self.text_frame_with(&text, self.block, safe)]
     }
 
     /// `acc[from..to]` with the redact hits inside it replaced.
@@ -2891,20 +2943,30 @@ impl Guard {
         out
     }
 
-    /// A re-framed chat completion chunk of `text` that carries `logprobs`
-    /// entries, when the stream has them, and the message's `role`, when
-    /// the chunk that began the text gave it and none went out yet; else as
+    /// A re-framed chat completion chunk of `text`, which ends at `to` in
+    /// `acc`, that carries the `logprobs` entries of the chunks it
+    /// completes, when the stream has them, their running `usage`, when
+    /// they have one, and the message's `role`, when the chunk that began
+    /// the text gave it and none went out yet; else as
     /// [`Guard::text_frame`].
-    fn text_frame_with(&mut self, text: &str, block: u64, logprobs: Vec<Value>) -> Bytes {
+    fn text_frame_with(&mut self, text: &str, block: u64, to: usize) -> Bytes {
+        let logprobs = self.take_logprobs(to);
         if self.setup.endpoint == Endpoint::Responses {
             return self.responses_text_frame(text, block, logprobs);
         }
+        let usage = self.take_usage(to);
         // Only a chat completion's chunk gives one.
         let role = self.role.take();
-        if role.is_none() && (self.logprobs.is_empty() || self.dialect != Dialect::OpenAi) {
+        if role.is_none()
+            && usage.is_none()
+            && (self.logprobs.is_empty() || self.dialect != Dialect::OpenAi)
+        {
             return self.text_frame(text, block);
         }
         let mut chunk = self.openai_chunk(text, Value::Null);
+        if let Some(usage) = usage {
+            chunk["usage"] = usage;
+        }
         if let Some(choice) = chunk.pointer_mut("/choices/0") {
             if let Some(role) = role
                 && let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut)
@@ -2967,7 +3029,11 @@ impl Guard {
                 *logprobs = Value::Null;
             }
         }
-        if let Some(object) = chunk.as_object_mut() {
+        // The template's belongs to its own text; a `null` one (every
+        // chunk's but the last, when the client asked for usage) stays.
+        if let Some(object) = chunk.as_object_mut()
+            && object.get("usage").is_some_and(|usage| !usage.is_null())
+        {
             object.remove("usage");
         }
         chunk
@@ -3110,9 +3176,8 @@ impl Guard {
                     if !sent_blocks.contains(&block) {
                         sent_blocks.push(block);
                         let (from, to) = self.block_range(&held, block);
-                        let logprobs = self.take_logprobs(to);
                         let text = self.redacted(from, to);
-                        frames.push(self.text_frame_with(&text, block, logprobs));
+                        frames.push(self.text_frame_with(&text, block, to));
                     }
                     // A finish that came with text goes on after it.
                     if self.dialect == Dialect::OpenAi
