@@ -763,6 +763,146 @@ async fn a_stream_the_upstream_breaks_off_ends_with_an_error_event() {
     proxy.stop().await;
 }
 
+/// An upstream that reports an error mid-stream (OpenAI's chunk with an
+/// `error`, the `error` event of the Responses and Messages APIs) ends
+/// its stream there. The text held back goes out first, checked as at an
+/// end, so the client's SDK shows what came before it raises; the error
+/// goes out as the upstream wrote it (numbered on, in the Responses API),
+/// nothing after it does, and the stream is counted as the upstream's
+/// failure. When the held text is blocked, the stream ends blocked
+/// instead: nothing of the phrase goes out.
+#[tokio::test]
+async fn an_error_event_of_the_upstream_ends_the_stream_after_its_text() {
+    use fairgate::config::StreamMode;
+    let pieces = |texts: &[&str]| texts.iter().map(|t| t.to_string()).collect::<Vec<_>>();
+    // The events up to the one that holds `last`, whole, then `error`,
+    // then the rest.
+    let with_error = |raw: &str, last: &str, error: &str| {
+        let at = raw.find(last).unwrap();
+        let end = at + raw[at..].find("\n\n").unwrap() + 2;
+        format!("{}{error}{}", &raw[..end], &raw[end..])
+    };
+    let apis = [
+        (
+            "/v1/chat/completions",
+            "data: {\"error\":{\"message\":\"Overloaded\",\"type\":\"server_error\",\"param\":null,\"code\":null}}\n\n",
+        ),
+        (
+            "/v1/responses",
+            "event: error\ndata: {\"type\":\"error\",\"sequence_number\":90,\"code\":\"server_error\",\"message\":\"Overloaded\",\"param\":null}\n\n",
+        ),
+        (
+            "/v1/messages",
+            "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n",
+        ),
+    ];
+    let stream = |path: &str, texts: &[String]| match path {
+        "/v1/chat/completions" => support::openai_stream(texts, false),
+        "/v1/responses" => support::responses_stream(texts),
+        _ => support::anthropic_stream(texts),
+    };
+    let request = json!({"model": "m", "max_tokens": 64, "stream": true, "input": "hello",
+        "messages": [{"role": "user", "content": "hello"}]});
+    let text_of = |path: &str, events: &[(Option<String>, Value)]| -> String {
+        events
+            .iter()
+            .filter_map(|(_, data)| {
+                let text = match path {
+                    "/v1/chat/completions" => data.pointer("/choices/0/delta/content"),
+                    "/v1/responses" => data.get("delta"),
+                    _ => data.pointer("/delta/text"),
+                };
+                text?.as_str()
+            })
+            .collect()
+    };
+    let texts = pieces(&["Start with ", "a budget, ", "then save", " and more."]);
+    for mode in [StreamMode::Holdback, StreamMode::Buffer] {
+        let (_mock, proxy) = support::start_with(|c| c.guard.stream_mode = mode).await;
+        for (path, error) in apis {
+            let raw = with_error(&stream(path, &texts), "then save", error);
+            let response = proxy.post(path, json!({"raw_sse": raw}), &request).await;
+            let body = response.text().await.unwrap();
+            let events = sse_events(&body);
+            assert_eq!(
+                text_of(path, &events),
+                "Start with a budget, then save",
+                "{mode:?} {path}: {body}"
+            );
+            assert!(!body.contains("and more"), "{mode:?} {path}: {body}");
+            let (name, last) = events.last().unwrap();
+            match path {
+                "/v1/chat/completions" => {
+                    assert_eq!(last["error"]["type"], "server_error", "{mode:?}: {body}");
+                    assert!(!body.contains("[DONE]"), "{mode:?}: {body}");
+                }
+                "/v1/responses" => {
+                    assert_eq!(name.as_deref(), Some("error"), "{mode:?}: {body}");
+                    assert_eq!(last["code"], "server_error");
+                    let before = &events[events.len() - 2].1;
+                    let number = before["sequence_number"].as_u64().unwrap() + 1;
+                    assert_eq!(last["sequence_number"], number, "{mode:?}: {body}");
+                }
+                _ => {
+                    assert_eq!(name.as_deref(), Some("error"), "{mode:?}: {body}");
+                    assert_eq!(
+                        last["error"]["type"], "overloaded_error",
+                        "{mode:?}: {body}"
+                    );
+                }
+            }
+            assert_eq!(last.to_string().matches("Overloaded").count(), 1);
+        }
+        let metrics = proxy.metrics().await;
+        for route in ["chat_completions", "responses", "messages"] {
+            let series =
+                format!(r#"fairgate_stream_errors_total{{kind="upstream",route="{route}"}}"#);
+            assert_eq!(
+                support::metric(&metrics, &series),
+                Some(1.0),
+                "{mode:?}: {metrics}"
+            );
+        }
+        proxy.stop().await;
+    }
+    // A phrase the error cuts short is still checked: blocked, the stream
+    // ends as a blocked one does, and the error does not follow.
+    let (_mock, proxy) = support::start().await;
+    let texts = pieces(&[
+        "Fine words first. ",
+        "Then: borrow money to invest in crypto.",
+        " More.",
+    ]);
+    for (path, error) in apis {
+        let raw = with_error(&stream(path, &texts), "crypto", error);
+        let body = proxy
+            .post(path, json!({"raw_sse": raw}), &request)
+            .await
+            .text()
+            .await
+            .unwrap();
+        let events = sse_events(body.trim_end().trim_end_matches("data: [DONE]"));
+        assert!(!text_of(path, &events).contains("borrow"), "{path}: {body}");
+        assert!(!body.contains("Overloaded"), "{path}: {body}");
+        let (name, last) = events.last().unwrap();
+        match path {
+            "/v1/chat/completions" => {
+                assert_eq!(
+                    last["choices"][0]["finish_reason"], "content_filter",
+                    "{body}"
+                );
+                assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+            }
+            "/v1/responses" => assert_eq!(name.as_deref(), Some("response.incomplete"), "{body}"),
+            _ => {
+                assert_eq!(name.as_deref(), Some("message_stop"), "{body}");
+                let delta = &events[events.len() - 2].1;
+                assert_eq!(delta["delta"]["stop_reason"], "refusal", "{body}");
+            }
+        }
+    }
+    proxy.stop().await;
+}
 /// The events of an SSE body: each one's name, if any, and its JSON data.
 fn sse_events(body: &str) -> Vec<(Option<String>, Value)> {
     body.split("\n\n")

@@ -100,7 +100,13 @@
 //! before the answer's final event (its connection lost, or its deadline
 //! passed), gets the held text checked as at an end, then the API's error
 //! event (`upstream_error`), and the error is counted: the client's SDK
-//! raises, rather than take a cut answer for whole. A fault of the
+//! raises, rather than take a cut answer for whole. The upstream's own
+//! error event (an OpenAI chunk with an `error`, the Responses and
+//! Messages APIs' `error` event) ends the stream the same way, in
+//! holdback and buffer modes: the held text, checked as at an end, goes
+//! out before it (the SDK shows it, then raises at the error), the error
+//! as the upstream wrote it, and nothing after it; blocked, the stream
+//! ends as a blocked one does. A fault of the
 //! guard's own (a panic) ends the stream with the same event
 //! (`internal_error`), the held text dropped.
 //!
@@ -1174,6 +1180,8 @@ enum Kind {
     Choices,
     Other,
     Malformed,
+    /// The upstream's error event, which ends its stream.
+    Error,
 }
 
 impl Kind {
@@ -1566,6 +1574,7 @@ impl Guard {
                 frames.extend(self.by_mode(delta, Kind::Text { text, block }));
                 frames
             }
+            Kind::Error if self.setup.mode != StreamMode::Monitor => self.upstream_error(event),
             kind => self.by_mode(event, kind),
         });
         let mut frames = self.outgoing(frames);
@@ -1617,12 +1626,19 @@ impl Guard {
 
     /// The upstream ended (or failed) without a final event.
     pub fn on_end(&mut self) -> Vec<Bytes> {
+        let frames = self.end_frames();
+        self.outgoing(frames)
+    }
+
+    /// The frames that end the stream: what is held, checked as at an
+    /// end, or the block's ending.
+    fn end_frames(&mut self) -> Vec<Bytes> {
         if self.finished {
             return Vec::new();
         }
         let held = self.finish_held_text();
         if self.finished {
-            return self.outgoing(held);
+            return held;
         }
         let (mut frames, blocked) = self.end_other_choices();
         frames.splice(0..0, held);
@@ -1640,7 +1656,21 @@ impl Guard {
             StreamMode::Buffer => self.replay_or_block(),
             StreamMode::Holdback => self.check(true),
         });
-        self.outgoing(frames)
+        frames
+    }
+
+    /// The upstream's error event, which ends its stream: what is held is
+    /// checked as at an end and goes out before it (the client's SDK
+    /// raises at the error, having shown what came before), or, when a
+    /// rule blocks it, the block's ending goes out instead.
+    #[cold]
+    fn upstream_error(&mut self, event: SseEvent) -> Vec<Bytes> {
+        let mut frames = self.end_frames();
+        if !self.blocked {
+            self.upstream_failed = true;
+            frames.push(event.raw);
+        }
+        frames
     }
 
     /// The frames as the client gets them. Responses API events are
@@ -2052,6 +2082,9 @@ impl Guard {
         if self.setup.endpoint == Endpoint::Responses {
             return self.classify_responses(event, data);
         }
+        if event.error {
+            return Kind::Error;
+        }
         let choice = &event.choice;
         // Only the stream's own guard sees such chunks: the others get
         // their choice's part of one.
@@ -2245,6 +2278,7 @@ impl Guard {
                 Kind::BlockEnd
             }
             Some("response.completed" | "response.incomplete" | "response.failed") => Kind::Final,
+            Some("error") => Kind::Error,
             Some("response.created" | "response.in_progress" | "response.queued") => {
                 self.response_event = Some(data.to_owned());
                 Kind::Other
@@ -2366,6 +2400,7 @@ impl Guard {
             Some("content_block_stop") => Kind::BlockEnd,
             Some("message_delta") => Kind::Final,
             Some("message_stop") => Kind::Done,
+            Some("error") => Kind::Error,
             _ => Kind::Other,
         }
     }
@@ -2527,9 +2562,11 @@ impl Guard {
                 self.finished = true;
                 frames
             }
-            // Chunks of other choices, or of several, never come here
-            // (see `on_event`).
-            Kind::Choice(_) | Kind::Choices | Kind::Other => self.after_held(event.raw),
+            // Chunks of other choices, or of several, and errors never
+            // come here (see `on_event`).
+            Kind::Choice(_) | Kind::Choices | Kind::Other | Kind::Error => {
+                self.after_held(event.raw)
+            }
         }
     }
 
@@ -3900,6 +3937,7 @@ mod tests {
             Kind::Choice(index) => format!("choice {index}"),
             Kind::Choices => "choices".to_owned(),
             Kind::Other => "other".into(),
+            Kind::Error => "error".into(),
             Kind::Malformed => "malformed".into(),
         }
     }

@@ -127,6 +127,7 @@ class Upstream(BaseHTTPRequestHandler):
     # The text of the last background response, which a client can stream
     # again (`GET /v1/responses/resp_1?stream=true&starting_after=N`).
     background = None
+    before_error = None
 
     def do_GET(self):
         Upstream.requests.append((self.path, None))
@@ -233,6 +234,12 @@ class Upstream(BaseHTTPRequestHandler):
                 # Asked to break off: half the events, then the connection
                 # closes without the body's end.
                 frames = list(frames)
+                if "fails midway" in last_words(body):
+                    # Half the events, then the API's error event, then
+                    # the rest, which the SDKs never read.
+                    half = len(frames) // 2
+                    Upstream.before_error = frames_text(frames[:half])
+                    frames = frames[:half] + [error_event(self.path)] + frames[half:]
                 cut = "break off" in last_words(body)
                 for frame in frames[:len(frames) // 2] if cut else frames:
                     data = frame.encode()
@@ -467,6 +474,34 @@ def realtime_session(ws):
         elif kind == "conversation.item.delete":
             ws.send(json.dumps({"type": "conversation.item.deleted", "event_id": f"event_{n}",
                                 "item_id": event["item_id"]}))
+
+
+def frames_text(frames):
+    """The text the events of `frames` carry, in any API."""
+    text = ""
+    for frame in frames:
+        data = json.loads(frame.split("data: ", 1)[1])
+        delta = data.get("delta")
+        if data.get("choices"):
+            text += data["choices"][0]["delta"].get("content") or ""
+        elif isinstance(delta, dict):
+            text += delta.get("text") or ""
+        elif data.get("type") == "response.output_text.delta":
+            text += delta
+    return text
+
+
+def error_event(path):
+    """The error event that each API sends mid-stream, overloaded."""
+    if path.startswith("/v1/messages"):
+        error = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+        return f"event: error\ndata: {json.dumps(error)}\n\n"
+    if path.startswith("/v1/responses"):
+        error = {"type": "error", "sequence_number": 99, "code": "server_error", "message": "Overloaded",
+                 "param": None}
+        return f"event: error\ndata: {json.dumps(error)}\n\n"
+    error = {"error": {"message": "Overloaded", "type": "server_error", "param": None, "code": None}}
+    return f"data: {json.dumps(error)}\n\n"
 
 
 def openai_stream(text, gemini=False):
@@ -1200,6 +1235,34 @@ routes:
                 final = stream.get_final_response()
             assert text == LATEX and final.output_text == LATEX, (text, final.output_text)
 
+        def a_stream_that_fails_midway_shows_its_text_then_raises():
+            # The text before the upstream's error event reaches the SDK
+            # whole, then the SDK raises (the Responses API's stream yields
+            # the error event, last).
+            asked = [{"role": "user", "content": "fails midway, please"}]
+            got = []
+            try:
+                for c in oa.chat.completions.create(model="gpt-4o-mini", stream=True, messages=asked):
+                    got.append(c.choices[0].delta.content or "" if c.choices else "")
+                raise AssertionError("the chat stream did not raise")
+            except openai.APIError as error:
+                assert "Overloaded" in str(error), error
+            assert "".join(got) == Upstream.before_error != "", (got, Upstream.before_error)
+            got = []
+            try:
+                with an.messages.stream(model="claude-x", max_tokens=50, messages=asked) as stream:
+                    for piece in stream.text_stream:
+                        got.append(piece)
+                raise AssertionError("the messages stream did not raise")
+            except anthropic.APIError as error:
+                assert "Overloaded" in str(error), error
+            assert "".join(got) == Upstream.before_error != "", (got, Upstream.before_error)
+            stream = oa.responses.create(model="gpt-4o-mini", input="fails midway, please", stream=True)
+            events = list(stream)
+            text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+            assert events[-1].type == "error" and events[-1].message == "Overloaded", events[-1]
+            assert text == Upstream.before_error != "", (text, Upstream.before_error)
+
         def openai_blocked_response_stream():
             with oa.responses.stream(model="gpt-4o-mini", input="something risky") as stream:
                 events = list(stream)
@@ -1409,6 +1472,8 @@ routes:
         check("openai response stream", openai_response_stream)
         check("openai and anthropic streams of LaTeX, a backslash a delta, reach the SDKs as written",
               backslashes_stream_as_written)
+        check("a stream whose upstream fails midway shows its text, then the SDKs raise (or yield the error event)",
+              a_stream_that_fails_midway_shows_its_text_then_raises)
         check("openai blocked response stream ends incomplete for content_filter", openai_blocked_response_stream)
         check("openai background response stream resumed after the last event got goes on where it was",
               openai_resumed_response_stream)

@@ -78,6 +78,9 @@ pub struct Event<'a> {
     /// Where the strings lie that are members of the objects read, but
     /// not read themselves (ids, model names, padding), in order.
     pub skipped: Vec<Range<usize>>,
+    /// Whether it has an `error` object: an OpenAI chunk that reports an
+    /// error mid-stream, an Anthropic `error` event.
+    pub error: bool,
 }
 
 /// A delta object: Anthropic's `type`, `text`, `partial_json` (a tool's
@@ -155,6 +158,7 @@ impl<'a> Event<'a> {
                 "output_index",
                 "content_index",
                 "summary_index",
+                "error",
             ];
             let mut inner_usage = None;
             reader.object(keys, |reader, key| {
@@ -192,6 +196,7 @@ impl<'a> Event<'a> {
                     9 => event.output_index = reader.index()?,
                     10 => event.content_index = reader.index()?,
                     11 => event.summary_index = reader.index()?,
+                    12 => event.error = reader.object_text()?.is_some(),
                     _ => {
                         if reader.is_object()? {
                             reader.object(["usage"], |reader, _| {
