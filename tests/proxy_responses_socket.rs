@@ -387,3 +387,87 @@ async fn a_response_that_goes_back_to_a_part_it_left_ends_in_error() {
     assert_eq!(text_of(&events), SAFE.concat());
     proxy.stop().await;
 }
+
+/// A mock of the Responses API's WebSocket mode that, as the API does,
+/// takes one response at a time on a connection: each `response.create`
+/// answered with the next scripted chunks' events, 10 ms apart, and one
+/// that comes while a response is under way refused with the API's
+/// `response_already_in_flight` error.
+async fn paced_upstream(scripts: Vec<Vec<String>>) -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
+    let scripts = Arc::new(Mutex::new(VecDeque::from(scripts)));
+    let received = Arc::new(Mutex::new(Vec::new()));
+    let kept = received.clone();
+    let addr = support::serve_each(move |stream| {
+        let (scripts, received) = (scripts.clone(), received.clone());
+        async move {
+            let Ok(ws) = tokio_tungstenite::accept_async(stream).await else {
+                return;
+            };
+            let (sink, mut from_client) = ws.split();
+            let sink = Arc::new(tokio::sync::Mutex::new(sink));
+            let busy = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            while let Some(Ok(Message::Text(text))) = from_client.next().await {
+                received.lock().unwrap().push(text.as_str().to_owned());
+                let request: Value = serde_json::from_str(text.as_str()).unwrap_or_default();
+                if request["type"] != "response.create" {
+                    continue;
+                }
+                if busy.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                    let error = json!({"type": "error", "status": 400, "error": {
+                        "type": "invalid_request_error", "code": "response_already_in_flight",
+                        "message": "A response is already in progress.", "param": null}});
+                    let _ = sink
+                        .lock()
+                        .await
+                        .send(Message::text(error.to_string()))
+                        .await;
+                    continue;
+                }
+                let chunks = scripts.lock().unwrap().pop_front().unwrap_or_default();
+                let (sink, busy) = (sink.clone(), busy.clone());
+                tokio::spawn(async move {
+                    for data in events_of(&support::responses_stream(&chunks)) {
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                        if sink.lock().await.send(Message::text(data)).await.is_err() {
+                            return;
+                        }
+                    }
+                    busy.store(false, std::sync::atomic::Ordering::SeqCst);
+                });
+            }
+        }
+    })
+    .await;
+    (addr, kept)
+}
+
+/// A response the guard blocks still runs upstream, which takes no other
+/// request on its lane until it ends. The client, told the response
+/// ended, asks again at once: its request waits in fairgate until the
+/// upstream ends the blocked one, then goes up, and is answered, not
+/// refused as in flight.
+#[tokio::test]
+async fn a_request_after_a_blocked_response_waits_for_the_upstream_to_end_it() {
+    let safe: Vec<String> = SAFE.iter().map(|s| s.to_string()).collect();
+    let (addr, received) = paced_upstream(vec![risky(), safe]).await;
+    let proxy = start_proxy(config(&format!("http://{addr}"), Path::new("rules"))).await;
+    let mut ws = connect(&proxy).await;
+    ws.send(create("Any tips?", None)).await.unwrap();
+    let events = one_response(&mut ws).await;
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "response.incomplete", "{last}");
+    // The upstream is still sending the blocked response's events.
+    assert_eq!(received.lock().unwrap().len(), 1);
+    ws.send(create("And then?", None)).await.unwrap();
+    let events = one_response(&mut ws).await;
+    assert_eq!(events[0]["type"], "response.created", "{:?}", events[0]);
+    assert_eq!(
+        events.last().unwrap()["type"],
+        "response.completed",
+        "{events:?}"
+    );
+    assert_eq!(text_of(&events), SAFE.concat());
+    assert_eq!(received.lock().unwrap().len(), 2);
+    support::hang_up(ws).await;
+    proxy.stop().await;
+}

@@ -28,7 +28,11 @@
 //! `sequence_number`s follow the events sent; a block ends the response as
 //! a blocked stream ends (its `response.incomplete`, reason
 //! `content_filter`), and what the upstream sends of it after that is
-//! dropped. An event the guard writes itself carries the lane's
+//! dropped. The mode has no cancel: the blocked response runs on
+//! upstream, which takes no other on its lane until it ends, so a
+//! `response.create` the client sends on the lane meanwhile (it had the
+//! response's end) waits, and goes up once the upstream's last event of
+//! the blocked one comes. An event the guard writes itself carries the lane's
 //! `stream_id`. An `error` that refuses a request before any response
 //! of it and a steer's acknowledgements (`response.steer.*`) pass as
 //! they came, as do closes (a binary message is read as a text one is,
@@ -155,6 +159,11 @@ struct Lane {
     guard: EventGuard,
     /// Records the response once it ends; taken then.
     record: Option<Box<dyn FnOnce(StreamOutcome) + std::marker::Send>>,
+    /// The requests the client sent on the lane once the guard had ended
+    /// the response (blocked it) for the client, while it still runs
+    /// upstream, which takes no other on the lane until it ends: sent
+    /// then, in order.
+    waiting: Vec<Message>,
 }
 
 impl Lane {
@@ -193,7 +202,8 @@ impl Relay for Session {
             },
             None => text.clone(),
         };
-        if head.kind.as_deref() == Some("response.create") {
+        let create = head.kind.as_deref() == Some("response.create");
+        if create {
             if model.is_some() {
                 self.model.clone_from(&model);
             }
@@ -206,11 +216,21 @@ impl Relay for Session {
                 started,
                 prefill,
             };
-            self.asked.insert(lane, asked);
+            self.asked.insert(lane.clone(), asked);
         } else {
             self.steered.add(scan);
         }
-        vec![Send::Upstream(Message::Text(forwarded))]
+        let forwarded = Message::Text(forwarded);
+        // The client had the end of the lane's response; the upstream
+        // has not ended it yet.
+        if let Some(open) = self.lanes.get_mut(&lane)
+            && create
+            && open.guard.finished()
+        {
+            open.waiting.push(forwarded);
+            return Vec::new();
+        }
+        vec![Send::Upstream(forwarded)]
     }
 
     fn upstream_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
@@ -253,12 +273,15 @@ impl Relay for Session {
         if lane.guard.finished() || last {
             lane.record();
         }
-        if last {
-            self.lanes.remove(key);
-        }
-        sent.into_iter()
-            .map(|data| Send::Client(Message::Text(on_lane(data, key))))
-            .collect()
+        let waiting = match last {
+            true => self.lanes.remove(key).map(|lane| lane.waiting),
+            false => None,
+        };
+        let sent = sent
+            .into_iter()
+            .map(|data| Send::Client(Message::Text(on_lane(data, key))));
+        let waiting = waiting.into_iter().flatten().map(Send::Upstream);
+        sent.chain(waiting).collect()
     }
 
     fn ending(&mut self, end: StreamEnd) {
@@ -299,6 +322,7 @@ impl Session {
         let lane = Lane {
             guard: EventGuard::new(setup),
             record: Some(Box::new(record)),
+            waiting: Vec::new(),
         };
         self.lanes.insert(key.to_owned(), lane);
     }
