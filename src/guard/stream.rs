@@ -5122,25 +5122,6 @@ mod tests {
             .collect()
     }
 
-    /// `text` cut into pieces of 1 to `longest` bytes.
-    fn random_cuts<'a>(
-        rng: &mut crate::testing::Lcg,
-        text: &'a str,
-        longest: usize,
-    ) -> Vec<&'a str> {
-        let mut pieces = Vec::new();
-        let mut rest = text;
-        while !rest.is_empty() {
-            let mut cut = (1 + rng.below(longest)).min(rest.len());
-            while !rest.is_char_boundary(cut) {
-                cut += 1;
-            }
-            pieces.push(&rest[..cut]);
-            rest = &rest[cut..];
-        }
-        pieces
-    }
-
     /// `text` as a client should get it: every redaction applied.
     fn redacted_by_rules(text: &str) -> String {
         let hits = RULES.scan(Scope::Response, text);
@@ -5395,7 +5376,7 @@ mod tests {
                     // Long enough, at times, to go out before its end.
                     let most = *rng.pick(&[6, 16]);
                     let text = random_text(&mut rng, most);
-                    for piece in random_cuts(&mut rng, &text, 12) {
+                    for piece in rng.pieces(&text, 12) {
                         events.push((
                             "response.function_call_arguments.delta",
                             with(&at, json!({"delta": piece})),
@@ -5420,7 +5401,7 @@ mod tests {
                         "response.reasoning_summary_part.added",
                         with(&at, json!({"part": part("")})),
                     ));
-                    for piece in random_cuts(&mut rng, &text, 9) {
+                    for piece in rng.pieces(&text, 9) {
                         events.push((
                             "response.reasoning_summary_text.delta",
                             with(&at, json!({"delta": piece})),
@@ -5448,7 +5429,7 @@ mod tests {
                 for part in 0..1 + rng.below(2) {
                     let text = random_text(&mut rng, 20);
                     let at = with(&at, json!({"content_index": part}));
-                    let mut pieces = random_cuts(&mut rng, &text, 9);
+                    let mut pieces = rng.pieces(&text, 9);
                     // Some servers may start the part with text in it.
                     let first = match rng.below(3) {
                         0 => pieces.remove(0),
@@ -5566,7 +5547,7 @@ mod tests {
                 let index = u64::from(reasoning.is_some());
                 if let Some(reasoning) = &reasoning {
                     events.push(event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}})));
-                    for piece in random_cuts(&mut rng, reasoning, 9) {
+                    for piece in rng.pieces(reasoning, 9) {
                         events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": piece}})));
                     }
                     events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "c2ln"}})));
@@ -5575,7 +5556,7 @@ mod tests {
                         json!({"type": "content_block_stop", "index": 0}),
                     ));
                 }
-                let mut pieces = random_cuts(&mut rng, &text, 9);
+                let mut pieces = rng.pieces(&text, 9);
                 // Some servers may start the block with text in it.
                 let first = match rng.below(3) {
                     0 => pieces.remove(0),
@@ -5591,7 +5572,7 @@ mod tests {
                 ));
                 if let Some(call) = &call {
                     events.push(event("content_block_start", json!({"type": "content_block_start", "index": index + 1, "content_block": {"type": "tool_use", "input": {}}})));
-                    for piece in random_cuts(&mut rng, call, 12) {
+                    for piece in rng.pieces(call, 12) {
                         events.push(event("content_block_delta", json!({"type": "content_block_delta", "index": index + 1, "delta": {"type": "input_json_delta", "partial_json": piece}})));
                     }
                     events.push(event(
@@ -5616,18 +5597,18 @@ mod tests {
                     Value::Null,
                 ));
                 if let Some(reasoning) = &reasoning {
-                    for piece in random_cuts(&mut rng, reasoning, 9) {
+                    for piece in rng.pieces(reasoning, 9) {
                         events.push(chunk(
                             json!({"content": null, "reasoning_content": piece}),
                             Value::Null,
                         ));
                     }
                 }
-                for piece in random_cuts(&mut rng, &text, 9) {
+                for piece in rng.pieces(&text, 9) {
                     events.push(chunk(json!({"content": piece}), Value::Null));
                 }
                 if let Some(call) = &call {
-                    for piece in random_cuts(&mut rng, call, 12) {
+                    for piece in rng.pieces(call, 12) {
                         events.push(chunk(
                             json!({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}),
                             Value::Null,
@@ -5742,7 +5723,7 @@ mod tests {
                 cut += 1;
             }
             let (prefill, answer) = text.split_at(cut);
-            let pieces = random_cuts(&mut rng, answer, 9);
+            let pieces = rng.pieces(answer, 9);
             let endpoint = *rng.pick(&[Endpoint::Messages, Endpoint::ChatCompletions]);
             let mut events = match endpoint {
                 Endpoint::Messages => anthropic_text_events(&pieces),
@@ -5858,7 +5839,7 @@ mod tests {
                 Value::Null,
             )];
             let mut sounds = Vec::new();
-            for piece in random_cuts(&mut rng, &text, 9) {
+            for piece in rng.pieces(&text, 9) {
                 if rng.below(2) == 0 {
                     let sound = format!("QUJD{}", sounds.len());
                     events.push(chunk(json!({"audio": {"data": sound}}), Value::Null));
@@ -5913,8 +5894,7 @@ mod tests {
         for round in 0..200 {
             let n = 2 + rng.below(2);
             let texts: Vec<String> = (0..n).map(|_| random_text(&mut rng, 12)).collect();
-            let mut pieces: Vec<Vec<&str>> =
-                texts.iter().map(|t| random_cuts(&mut rng, t, 9)).collect();
+            let mut pieces: Vec<Vec<&str>> = texts.iter().map(|t| rng.pieces(t, 9)).collect();
             pieces.iter_mut().for_each(|p| p.reverse());
             let chunk = |index: usize, delta: Value, finish: Value| {
                 (
@@ -6283,7 +6263,7 @@ mod tests {
                 true => json!({"content": null, "reasoning_content": piece}),
                 false => json!({"content": piece}),
             };
-            let mut events: Vec<(Option<&str>, Value)> = random_cuts(&mut rng, &text, 12)
+            let mut events: Vec<(Option<&str>, Value)> = rng.pieces(&text, 12)
                 .into_iter()
                 .map(|piece| (None, json!({"choices": [{"index": 0, "delta": delta(piece), "finish_reason": null}]})))
                 .collect();
@@ -6384,7 +6364,7 @@ mod tests {
         let stop = "Then put all your savings in";
         for (under_way, end) in [(key.as_str(), " for now. "), (stop, "to Dogecoin. ")] {
             let text = format!("{advice}{under_way}");
-            let pieces: Vec<&str> = random_cuts(&mut crate::testing::Lcg(3), &text, 7);
+            let pieces: Vec<&str> = crate::testing::Lcg(3).pieces(&text, 7);
             let (mut guard, mut frames) = stream(&pieces);
             let released = released_text(&frames);
             let start = under_way.find(['s', 'p']).unwrap();
