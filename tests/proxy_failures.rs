@@ -713,18 +713,7 @@ async fn a_stream_the_upstream_breaks_off_ends_with_an_error_event() {
                 .expect("no hang")
                 .expect("a stream ended, not cut");
             let events = sse_events(&body);
-            let text: String = events
-                .iter()
-                .filter_map(|(_, data)| {
-                    let text = match *path {
-                        "/v1/chat/completions" => data.pointer("/choices/0/delta/content"),
-                        "/v1/responses" => data.get("delta"),
-                        _ => data.pointer("/delta/text"),
-                    };
-                    text?.as_str()
-                })
-                .collect();
-            assert_eq!(text, said, "{path}: {body}");
+            assert_eq!(streamed_text(path, &events), said, "{path}: {body}");
             let (name, last) = events.last().unwrap();
             let error = match *path {
                 "/v1/chat/completions" => last.get("error").map(|error| {
@@ -803,19 +792,6 @@ async fn an_error_event_of_the_upstream_ends_the_stream_after_its_text() {
     };
     let request = json!({"model": "m", "max_tokens": 64, "stream": true, "input": "hello",
         "messages": [{"role": "user", "content": "hello"}]});
-    let text_of = |path: &str, events: &[(Option<String>, Value)]| -> String {
-        events
-            .iter()
-            .filter_map(|(_, data)| {
-                let text = match path {
-                    "/v1/chat/completions" => data.pointer("/choices/0/delta/content"),
-                    "/v1/responses" => data.get("delta"),
-                    _ => data.pointer("/delta/text"),
-                };
-                text?.as_str()
-            })
-            .collect()
-    };
     let texts = pieces(&["Start with ", "a budget, ", "then save", " and more."]);
     for mode in [StreamMode::Holdback, StreamMode::Buffer] {
         let (_mock, proxy) = support::start_with(|c| c.guard.stream_mode = mode).await;
@@ -825,7 +801,7 @@ async fn an_error_event_of_the_upstream_ends_the_stream_after_its_text() {
             let body = response.text().await.unwrap();
             let events = sse_events(&body);
             assert_eq!(
-                text_of(path, &events),
+                streamed_text(path, &events),
                 "Start with a budget, then save",
                 "{mode:?} {path}: {body}"
             );
@@ -882,7 +858,10 @@ async fn an_error_event_of_the_upstream_ends_the_stream_after_its_text() {
             .await
             .unwrap();
         let events = sse_events(body.trim_end().trim_end_matches("data: [DONE]"));
-        assert!(!text_of(path, &events).contains("borrow"), "{path}: {body}");
+        assert!(
+            !streamed_text(path, &events).contains("borrow"),
+            "{path}: {body}"
+        );
         assert!(!body.contains("Overloaded"), "{path}: {body}");
         let (name, last) = events.last().unwrap();
         match path {
@@ -903,6 +882,21 @@ async fn an_error_event_of_the_upstream_ends_the_stream_after_its_text() {
     }
     proxy.stop().await;
 }
+/// The text deltas of the [`sse_events`] of a stream from `path`, joined.
+fn streamed_text(path: &str, events: &[(Option<String>, Value)]) -> String {
+    events
+        .iter()
+        .filter_map(|(_, data)| {
+            let text = match path {
+                "/v1/chat/completions" => data.pointer("/choices/0/delta/content"),
+                "/v1/responses" => data.get("delta"),
+                _ => data.pointer("/delta/text"),
+            };
+            text?.as_str()
+        })
+        .collect()
+}
+
 /// The events of an SSE body: each one's name, if any, and its JSON data.
 fn sse_events(body: &str) -> Vec<(Option<String>, Value)> {
     body.split("\n\n")
