@@ -950,6 +950,29 @@ async fn a_response_cut_off_by_the_close_is_recorded() {
     proxy.stop().await;
 }
 
+/// What the client said that no response answered before the session
+/// closed is recorded too: its prompt, no response, status 499 (the
+/// client went first), and counted so.
+#[tokio::test]
+async fn what_the_close_leaves_unanswered_is_recorded() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, user_item("Should I buy gold now?", "evt_1")).await;
+    upstream_took(&upstream, 1).await;
+    support::hang_up(ws).await;
+    let results = proxy.wait_for_results(1).await;
+    assert_eq!(results.len(), 1, "{results:?}");
+    let record = &results[0]["exchange"];
+    assert_eq!(record["status"], 499, "{record}");
+    assert_eq!(record["texts"]["prompt"][0], "Should I buy gold now?");
+    assert_eq!(record["texts"]["response"], json!([]), "{record}");
+    let series = r#"fairgate_requests_total{model="other",route="realtime",upstream="openai",verdict="client_closed"}"#;
+    let metrics = proxy.metrics().await;
+    assert_eq!(support::metric(&metrics, series), Some(1.0), "{metrics}");
+    proxy.stop().await;
+}
+
 /// The beta API's events (`response.text.delta`,
 /// `response.audio_transcript.delta`, `conversation.item.created`) are
 /// read as the GA API's are.

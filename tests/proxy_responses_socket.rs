@@ -60,6 +60,8 @@ impl Upstream {
                     let _ = ws.send(Message::text(error.to_string())).await;
                     continue;
                 }
+                // Taken, and never answered.
+                Some("response.create") if request["input"] == "No answer." => continue,
                 Some("response.create") => {}
                 // A steer is taken, and a successor answers it.
                 Some("response.steer") => {
@@ -480,5 +482,100 @@ async fn a_request_after_a_blocked_response_waits_for_the_upstream_to_end_it() {
     // (The second's own "ended" may not be noted yet.)
     assert_eq!(kinds[..3], [r#""Any tips?""#, "ended", r#""And then?""#]);
     support::hang_up(ws).await;
+    proxy.stop().await;
+}
+
+/// Two requests on one lane, the second sent before the first's response
+/// began: the upstream answers the first and refuses the second as in
+/// flight. Each record holds its own request's prompt.
+#[tokio::test]
+async fn a_request_refused_as_in_flight_is_recorded_apart_from_the_response() {
+    let safe: Vec<String> = SAFE.iter().map(|s| s.to_string()).collect();
+    let (addr, _) = paced_upstream(vec![safe]).await;
+    let proxy = start_proxy(config(&format!("http://{addr}"), Path::new("rules"))).await;
+    let mut ws = connect(&proxy).await;
+    // In one write: the second reaches fairgate before the first's
+    // response begins.
+    ws.feed(create("Any tips?", None)).await.unwrap();
+    ws.feed(create("And then?", None)).await.unwrap();
+    ws.flush().await.unwrap();
+    // The refusal comes before the response's end, or amid its events.
+    let mut events = one_response(&mut ws).await;
+    let refusal = events.pop().unwrap();
+    assert_eq!(
+        refusal["error"]["code"], "response_already_in_flight",
+        "{refusal}"
+    );
+    events.extend(one_response(&mut ws).await);
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    assert_eq!(text_of(&events), SAFE.concat());
+
+    let results = proxy.wait_for_results(2).await;
+    let prompt_of = |status: u16| {
+        let result = results.iter().find(|r| r["exchange"]["status"] == status);
+        let result = result.unwrap_or_else(|| panic!("a {status}: {results:#?}"));
+        result["exchange"]["texts"]["prompt"].to_string()
+    };
+    assert!(prompt_of(101).contains("Any tips?"), "{results:#?}");
+    eprintln!(
+        "RESULTS {:#}",
+        serde_json::to_string(
+            &results
+                .iter()
+                .map(|r| (&r["exchange"]["status"], &r["exchange"]["texts"]["prompt"]))
+                .collect::<Vec<_>>()
+        )
+        .unwrap()
+    );
+    assert!(prompt_of(400).contains("And then?"), "{results:#?}");
+    support::hang_up(ws).await;
+    proxy.stop().await;
+}
+
+/// A session that ends while requests wait for their responses records
+/// each of them, with no response and status 499 (the client went
+/// first): one the upstream took and never answered, and one that waited
+/// in fairgate behind a blocked response the upstream had not ended.
+#[tokio::test]
+async fn requests_the_session_ends_before_their_answer_are_recorded() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = start_proxy(config(&format!("http://{addr}"), Path::new("rules"))).await;
+    let mut ws = connect(&proxy).await;
+    let unanswered = json!({"type": "response.create", "model": "gpt-5", "input": "No answer."});
+    ws.send(Message::text(unanswered.to_string()))
+        .await
+        .unwrap();
+    while upstream.received().is_empty() {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    support::hang_up(ws).await;
+
+    let (addr, _) = paced_upstream(vec![risky()]).await;
+    let held = start_proxy(config(&format!("http://{addr}"), Path::new("rules"))).await;
+    let mut ws = connect(&held).await;
+    ws.send(create("Any tips?", None)).await.unwrap();
+    let events = one_response(&mut ws).await;
+    assert_eq!(events.last().unwrap()["type"], "response.incomplete");
+    ws.send(create("And then?", None)).await.unwrap();
+    support::hang_up(ws).await;
+
+    for (proxy, prompt, records) in [(&proxy, "No answer.", 1), (&held, "And then?", 2)] {
+        let results = proxy.wait_for_results(records).await;
+        let result = results
+            .iter()
+            .find(|r| {
+                r["exchange"]["texts"]["prompt"]
+                    .to_string()
+                    .contains(prompt)
+            })
+            .unwrap_or_else(|| panic!("a record of {prompt:?}: {results:#?}"));
+        assert_eq!(result["exchange"]["status"], 499, "{result:#}");
+        assert_eq!(
+            result["exchange"]["texts"]["response"],
+            json!([]),
+            "{result:#}"
+        );
+    }
+    held.stop().await;
     proxy.stop().await;
 }

@@ -64,7 +64,9 @@
 //! Each response is an exchange record (route `realtime`, with the
 //! prompt the client sent since the response before it), as is each
 //! blocked client event; a response the session's end cuts off is
-//! recorded with what had come of it.
+//! recorded with what had come of it, and what the client said that no
+//! response answered, with no response and status 499 when the client
+//! went first, 502 when the upstream did.
 //!
 //! A session held elsewhere (a browser's, with a key from
 //! `/v1/realtime/client_secrets`; a WebRTC or SIP call) is seen only as it
@@ -313,7 +315,10 @@ pub(super) async fn relay(mut session: impl Relay, client: Upgraded, upstream: U
                         Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Vec::new(),
                     }
                 }
-                _ => break,
+                _ => {
+                    session.ending(StreamEnd::ClientClosed);
+                    break;
+                }
             },
             message = from_upstream.next() => match message {
                 Some(Ok(message)) => {
@@ -364,14 +369,21 @@ pub(super) struct Turn {
     pub(super) context: Vec<String>,
     pub(super) hits: Vec<Hit>,
     pub(super) relevance: Vec<f64>,
+    /// When its first text was read.
+    pub(super) since: Option<Instant>,
 }
 
 impl Turn {
     pub(super) fn add(&mut self, scan: guard::RequestScan) {
+        self.since.get_or_insert_with(Instant::now);
         self.prompt.extend(scan.texts.prompt);
         self.context.extend(scan.texts.context);
         self.hits.extend(scan.verdict.hits);
         self.relevance.extend(scan.relevance);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.prompt.is_empty() && self.context.is_empty()
     }
 }
 
@@ -414,6 +426,33 @@ impl SessionRecords {
     pub(super) fn next_id(&mut self) -> String {
         self.made += 1;
         format!("{}.{}", self.request_id, self.made)
+    }
+
+    /// Records what the client said in `turn`, asked of `model` on
+    /// `route` at `started`, which got no response: with `status`, and
+    /// counted among the requests as `counted`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn unanswered(
+        &mut self,
+        state: &State,
+        route: &'static str,
+        turn: Turn,
+        model: Option<String>,
+        started: Instant,
+        status: u16,
+        counted: &str,
+    ) {
+        let verdict = risk::assess(&state.config.risk, turn.hits, &turn.relevance);
+        let label = state.config.metrics.model_label(model.as_deref());
+        state
+            .metrics
+            .requests
+            .with_label_values(&[route, &self.upstream, label, counted])
+            .inc();
+        let request_id = self.next_id();
+        let mut draft = self.draft(route, request_id, started, model, turn.prompt);
+        draft.context = turn.context;
+        draft.finish_unanswered(state, &verdict, status, Some(started.elapsed()));
     }
 
     /// The draft of record `request_id`, of an exchange on `route` that
@@ -1170,6 +1209,24 @@ impl Drop for Session {
             let request_id = self.records.next_id();
             self.record(answer, request_id, scanned, None, end);
         }
+        let turn = std::mem::take(&mut self.turn);
+        if let Some(since) = turn.since.filter(|_| !turn.is_empty()) {
+            let (status, counted) = unanswered_status(end);
+            let model = self.handshake.model.clone();
+            let state = &self.state;
+            self.records
+                .unanswered(state, ROUTE, turn, model, since, status, counted);
+        }
+    }
+}
+
+/// The status of a record of what a session's end left unanswered, and
+/// how it is counted: 499 when the client went first (as nginx logs a
+/// request its client closed), 502 when the upstream did.
+pub(super) fn unanswered_status(end: StreamEnd) -> (u16, &'static str) {
+    match end {
+        StreamEnd::ClientClosed => (499, "client_closed"),
+        _ => (502, "upstream_error"),
     }
 }
 

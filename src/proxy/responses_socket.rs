@@ -43,11 +43,14 @@
 //!
 //! Each response is an exchange record (route `responses`), with the
 //! prompt of the `response.create` that asked for it (a successor's:
-//! the steering input sent since); so is each blocked event. A response
-//! the session's end cuts off is recorded with what had come of it.
+//! the steering input sent since); so is each blocked event, and each
+//! request the upstream refuses. A response the session's end cuts off
+//! is recorded with what had come of it; a request it leaves unanswered
+//! (sent up, or waiting to be), with no response and status 499 when the
+//! client went first, 502 when the upstream did.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -57,7 +60,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
-use super::realtime::{Relay, Send, SessionRecords, Turn, content_filter_error};
+use super::realtime::{Relay, Send, SessionRecords, Turn, content_filter_error, unanswered_status};
 use super::{RecordDraft, State, respond};
 use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint, RequestBody};
@@ -134,9 +137,9 @@ struct Session {
     handshake: Handshake,
     /// The responses under way, by lane (`""`: the connection's own).
     lanes: HashMap<String, Lane>,
-    /// What the client asked on each lane, for the response that answers
-    /// it.
-    asked: HashMap<String, Asked>,
+    /// What the client asked on each lane, oldest first, each for the
+    /// response that answers it.
+    asked: HashMap<String, VecDeque<Asked>>,
     /// The steering input sent since the last response opened: a steer
     /// names no lane.
     steered: Turn,
@@ -216,7 +219,7 @@ impl Relay for Session {
                 started,
                 prefill,
             };
-            self.asked.insert(lane.clone(), asked);
+            self.asked.entry(lane.clone()).or_default().push_back(asked);
         } else {
             self.steered.add(scan);
         }
@@ -252,10 +255,14 @@ impl Relay for Session {
             || (kind == "error" && (!open || code == Some("response_already_in_flight")));
         if aside {
             if kind == "error" {
-                // The latest request on the lane gets no response.
+                // A request on the lane gets no response: the one that
+                // came while another was in flight, or the next one.
                 let status = head.status.as_ref().and_then(Value::as_u64);
                 let status = status.and_then(|s| u16::try_from(s).ok()).unwrap_or(400);
-                self.refused(key, status);
+                let latest = code == Some("response_already_in_flight");
+                if let Some(asked) = self.take_asked(key, latest) {
+                    self.unanswered(asked, status, "upstream_error");
+                }
             }
             return vec![Send::Client(Message::Text(text))];
         }
@@ -294,7 +301,7 @@ impl Session {
     /// a response none asked for, the steering sent since).
     fn open(&mut self, key: &str) {
         let steered = std::mem::take(&mut self.steered);
-        let asked = self.asked.remove(key).unwrap_or_else(|| Asked {
+        let asked = self.take_asked(key, false).unwrap_or_else(|| Asked {
             turn: steered,
             model: self.model.clone(),
             started: Instant::now(),
@@ -327,34 +334,27 @@ impl Session {
         self.lanes.insert(key.to_owned(), lane);
     }
 
-    /// Records the request asked on lane `key` as the upstream refused
-    /// it, with `status`.
-    fn refused(&mut self, key: &str, status: u16) {
-        let Some(asked) = self.asked.remove(key) else {
-            return;
+    /// The oldest request waiting for its response on lane `key`, or
+    /// the `latest`.
+    fn take_asked(&mut self, key: &str, latest: bool) -> Option<Asked> {
+        let waiting = self.asked.get_mut(key)?;
+        let asked = match latest {
+            true => waiting.pop_back(),
+            false => waiting.pop_front(),
         };
-        let Turn {
-            prompt,
-            context,
-            hits,
-            relevance,
-        } = asked.turn;
-        let verdict = crate::risk::assess(&self.state.config.risk, hits, &relevance);
-        let model = self
-            .state
-            .config
-            .metrics
-            .model_label(asked.model.as_deref());
-        let (route, upstream) = (Endpoint::Responses.route(), &self.handshake.upstream);
-        self.state
-            .metrics
-            .requests
-            .with_label_values(&[route, upstream, model, "upstream_error"])
-            .inc();
-        let request_id = self.records.next_id();
-        let mut draft = self.draft(request_id, asked.started, asked.model, prompt);
-        draft.context = context;
-        draft.finish_unanswered(&self.state, &verdict, status, Some(asked.started.elapsed()));
+        if waiting.is_empty() {
+            self.asked.remove(key);
+        }
+        asked
+    }
+
+    /// Records a request that got no response, with `status`, and counts
+    /// it as `counted`.
+    fn unanswered(&mut self, asked: Asked, status: u16, counted: &str) {
+        let route = Endpoint::Responses.route();
+        let (turn, model, started) = (asked.turn, asked.model, asked.started);
+        self.records
+            .unanswered(&self.state, route, turn, model, started, status, counted);
     }
 
     /// Answers a blocked client event, and records it.
@@ -410,14 +410,23 @@ impl Session {
 
 /// The session ended, however it did: the responses still under way are
 /// recorded with what came of them (ended as the upstream's failure when
-/// it went first).
+/// it went first), and the requests no response answered with no
+/// response: status 499 when the client went first (as nginx logs a
+/// request its client closed), 502 when the upstream did.
 impl Drop for Session {
     fn drop(&mut self) {
+        let end = self.ended.unwrap_or(StreamEnd::ClientClosed);
         for lane in self.lanes.values_mut() {
-            if self.ended != Some(StreamEnd::ClientClosed) {
+            if end != StreamEnd::ClientClosed {
                 lane.guard.on_end();
             }
             lane.record();
+        }
+        let (status, counted) = unanswered_status(end);
+        let mut unanswered: Vec<Asked> = self.asked.drain().flat_map(|(_, asked)| asked).collect();
+        unanswered.sort_by_key(|asked| asked.started);
+        for asked in unanswered {
+            self.unanswered(asked, status, counted);
         }
     }
 }
