@@ -882,6 +882,67 @@ async fn an_error_event_of_the_upstream_ends_the_stream_after_its_text() {
     }
     proxy.stop().await;
 }
+
+/// A blocked phrase in the last event before the upstream breaks the
+/// stream off, or ends it with an error event: none of it goes out, the
+/// stream ends as a blocked one does (no error event after), and its
+/// record says so, as the client saw it.
+#[tokio::test]
+async fn a_phrase_just_before_the_upstreams_failure_ends_the_stream_blocked() {
+    let (_mock, proxy) = support::start().await;
+    let texts: Vec<String> = ["Fine words first. ", "Then: this fund is sure to double"]
+        .map(String::from)
+        .to_vec();
+    let error = "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n";
+    let request = json!({"model": "m", "max_tokens": 64, "stream": true, "input": "hello",
+        "messages": [{"role": "user", "content": "hello"}]});
+    let mut ids = Vec::new();
+    for path in ["/v1/chat/completions", "/v1/responses", "/v1/messages"] {
+        let raw = match path {
+            "/v1/chat/completions" => support::openai_stream(&texts, false),
+            "/v1/responses" => support::responses_stream(&texts),
+            _ => support::anthropic_stream(&texts),
+        };
+        // Up to the event that holds the phrase's last word.
+        let at = raw.find("sure to double").unwrap();
+        let cut = &raw[..at + raw[at..].find("\n\n").unwrap() + 2];
+        let failures = [
+            json!({"raw_sse": cut, "cut": true}),
+            json!({"raw_sse": format!("{cut}{error}")}),
+        ];
+        for script in failures {
+            let response = proxy.post(path, script, &request).await;
+            ids.push(support::request_id(&response));
+            let body = response.text().await.unwrap();
+            let events = sse_events(body.trim_end().trim_end_matches("data: [DONE]"));
+            let said = streamed_text(path, &events);
+            assert!(!said.contains("sure to"), "{path}: {body}");
+            assert!(
+                !body.contains("Overloaded") && !body.contains("broke off"),
+                "{body}"
+            );
+            let (name, last) = events.last().unwrap();
+            match path {
+                "/v1/chat/completions" => {
+                    assert_eq!(
+                        last["choices"][0]["finish_reason"], "content_filter",
+                        "{body}"
+                    );
+                }
+                "/v1/responses" => assert_eq!(name.as_deref(), Some("response.incomplete")),
+                _ => assert_eq!(name.as_deref(), Some("message_stop"), "{body}"),
+            }
+        }
+    }
+    let rows = proxy.wait_for_results(ids.len()).await;
+    for id in &ids {
+        let record = &support::row_of(&rows, id)["exchange"];
+        assert_eq!(record["verdict"], "block", "{record:#}");
+        assert_eq!(record["stream_end"], "blocked", "{record:#}");
+    }
+    proxy.stop().await;
+}
+
 /// The text deltas of the [`sse_events`] of a stream from `path`, joined.
 fn streamed_text(path: &str, events: &[(Option<String>, Value)]) -> String {
     events
