@@ -636,6 +636,14 @@ impl EventGuard {
         self.guard.finished
     }
 
+    /// A fault of fairgate's own ends the response: the API's error event
+    /// to send. What the guard held is dropped; the outcome says `Fault`.
+    pub fn fault_ending(&mut self) -> Vec<ByteString> {
+        let began = Instant::now();
+        let frame = self.guard.fault_ending();
+        self.sent(vec![frame], began)
+    }
+
     pub fn outcome(&self) -> StreamOutcome {
         self.guard.outcome(self.first_byte, self.guard_time)
     }

@@ -66,7 +66,13 @@
 //! blocked client event; a response the session's end cuts off is
 //! recorded with what had come of it, and what the client said that no
 //! response answered, with no response and status 499 when the client
-//! went first, 502 when the upstream did.
+//! went first, 502 when the upstream did. A fault of fairgate's own (a
+//! panic) while the session takes an event ends the session, not the
+//! proxy: the client gets an `error` event (`internal_error`), the held
+//! events are dropped with the session, both sides are closed, and the
+//! fault is counted (`fairgate_faults_total{stage="session"}`) and its
+//! responses recorded as it ended them (`fault`; what was unanswered,
+//! status 500).
 //!
 //! A session held elsewhere (a browser's, with a key from
 //! `/v1/realtime/client_secrets`; a WebRTC or SIP call) is seen only as it
@@ -248,11 +254,10 @@ fn judge(
     Ok(redacted)
 }
 
-type Socket = WebSocketStream<TokioIo<Upgraded>>;
-
 /// Guards a session whose handshake both sides completed, until either
 /// side closes.
 pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upstream: Upgraded) {
+    let (client, upstream) = (TokioIo::new(client), TokioIo::new(upstream));
     relay(Session::new(state, handshake), client, upstream).await;
 }
 
@@ -266,6 +271,10 @@ pub(super) trait Relay {
     fn upstream_event(&mut self, text: Utf8Bytes) -> Vec<Send>;
     /// How the session ends, as the first side to close or fail tells.
     fn ending(&mut self, end: StreamEnd);
+    /// The messages that end the session after a fault of fairgate's own
+    /// (a panic) while it took an event: the client is told, and the
+    /// session ends as [`StreamEnd::Fault`].
+    fn fault(&mut self) -> Vec<Send>;
 }
 
 /// A binary message read as an event, as the SDKs read it: their
@@ -280,18 +289,24 @@ fn as_text(bytes: Bytes) -> Utf8Bytes {
 
 /// Relays a WebSocket session between `client` and `upstream`, each
 /// message through `session`, until either side closes (the other has a
-/// while to answer the close) or fails.
-pub(super) async fn relay(mut session: impl Relay, client: Upgraded, upstream: Upgraded) {
+/// while to answer the close) or fails. A fault while the session takes
+/// a message ends the session: what [`Relay::fault`] gives goes out, then
+/// both sides are closed (the session is dropped outside the unwind, so
+/// that its records are written).
+pub(super) async fn relay<C, U>(mut session: impl Relay, client: C, upstream: U)
+where
+    C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    U: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     // No extension was let through the handshake (see `tunnel`), so
     // frames come uncompressed; messages as large as the API takes.
     let config = WebSocketConfig::default()
         .max_message_size(Some(64 << 20))
         .max_frame_size(Some(16 << 20));
-    let client = Socket::from_raw_socket(TokioIo::new(client), Role::Server, Some(config)).await;
-    let upstream =
-        Socket::from_raw_socket(TokioIo::new(upstream), Role::Client, Some(config)).await;
-    let (mut to_client, mut from_client) = client.split();
-    let (mut to_upstream, mut from_upstream) = upstream.split();
+    let client = WebSocketStream::from_raw_socket(client, Role::Server, Some(config));
+    let upstream = WebSocketStream::from_raw_socket(upstream, Role::Client, Some(config));
+    let (mut to_client, mut from_client) = client.await.split();
+    let (mut to_upstream, mut from_upstream) = upstream.await.split();
     let mut closing: Option<tokio::time::Instant> = None;
     loop {
         // After a close, the other side has a while to answer it.
@@ -301,44 +316,36 @@ pub(super) async fn relay(mut session: impl Relay, client: Upgraded, upstream: U
                 None => std::future::pending().await,
             }
         };
-        let sends = tokio::select! {
+        let (message, side) = tokio::select! {
             message = from_client.next() => match message {
-                Some(Ok(message)) => {
-                    if matches!(message, Message::Close(_)) {
-                        closing.get_or_insert_with(close_deadline);
-                        session.ending(StreamEnd::ClientClosed);
-                    }
-                    match message {
-                        Message::Text(text) => session.client_event(text),
-                        Message::Binary(bytes) => session.client_event(as_text(bytes)),
-                        Message::Close(_) => vec![Send::Upstream(message)],
-                        Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Vec::new(),
-                    }
-                }
+                Some(Ok(message)) => (message, Side::Client),
                 _ => {
                     session.ending(StreamEnd::ClientClosed);
                     break;
                 }
             },
             message = from_upstream.next() => match message {
-                Some(Ok(message)) => {
-                    if matches!(message, Message::Close(_)) {
-                        closing.get_or_insert_with(close_deadline);
-                        session.ending(StreamEnd::UpstreamFailed);
-                    }
-                    match message {
-                        Message::Text(text) => session.upstream_event(text),
-                        Message::Binary(bytes) => session.upstream_event(as_text(bytes)),
-                        Message::Close(_) => vec![Send::Client(message)],
-                        Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => Vec::new(),
-                    }
-                }
+                Some(Ok(message)) => (message, Side::Upstream),
                 _ => {
                     session.ending(StreamEnd::UpstreamFailed);
                     break;
                 }
             },
             () = closed => break,
+        };
+        if matches!(message, Message::Close(_)) {
+            closing.get_or_insert_with(close_deadline);
+            session.ending(match side {
+                Side::Client => StreamEnd::ClientClosed,
+                Side::Upstream => StreamEnd::UpstreamFailed,
+            });
+        }
+        let taken = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            take(&mut session, message, side)
+        }));
+        let (sends, faulted) = match taken {
+            Ok(sends) => (sends, false),
+            Err(_) => (session.fault(), true),
         };
         for send in sends {
             // A side that went away ends the session at its next read.
@@ -347,8 +354,38 @@ pub(super) async fn relay(mut session: impl Relay, client: Upgraded, upstream: U
                 Send::Upstream(message) => to_upstream.send(message).await,
             };
         }
+        if faulted {
+            break;
+        }
     }
     let _ = tokio::join!(to_client.close(), to_upstream.close());
+}
+
+/// The side of a session a message came from.
+#[derive(Clone, Copy)]
+enum Side {
+    Client,
+    Upstream,
+}
+
+/// What `session` sends for `message` from `side`: a close goes to the
+/// other side as it came.
+fn take(session: &mut impl Relay, message: Message, side: Side) -> Vec<Send> {
+    let text = match message {
+        Message::Text(text) => text,
+        Message::Binary(bytes) => as_text(bytes),
+        Message::Close(_) => {
+            return vec![match side {
+                Side::Client => Send::Upstream(message),
+                Side::Upstream => Send::Client(message),
+            }];
+        }
+        Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => return Vec::new(),
+    };
+    match side {
+        Side::Client => session.client_event(text),
+        Side::Upstream => session.upstream_event(text),
+    }
 }
 
 fn close_deadline() -> tokio::time::Instant {
@@ -1191,6 +1228,25 @@ impl Relay for Session {
     fn ending(&mut self, end: StreamEnd) {
         self.ended.get_or_insert(end);
     }
+
+    /// The held events are dropped with the session: none of them went
+    /// out unchecked.
+    fn fault(&mut self) -> Vec<Send> {
+        self.ended = Some(session_fault(&self.state, &self.handshake.request_id));
+        let mut body = respond::failure_body(Dialect::OpenAi, Failure::Fault, None);
+        vec![self.error_event(body["error"].take(), None)]
+    }
+}
+
+/// Notes a fault of fairgate's own in session `request_id`: counted and
+/// logged; the session ends as that.
+pub(super) fn session_fault(state: &State, request_id: &str) -> StreamEnd {
+    state.metrics.faults.with_label_values(&["session"]).inc();
+    tracing::error!(
+        request_id,
+        "a fault while guarding a session: ended it with an error event"
+    );
+    StreamEnd::Fault
 }
 
 /// The session ended, however it did (a close from either side, or a
@@ -1199,6 +1255,11 @@ impl Relay for Session {
 /// dropped.
 impl Drop for Session {
     fn drop(&mut self) {
+        // Dropped by a fault's unwind: a second one would abort the
+        // process.
+        if std::thread::panicking() {
+            return;
+        }
         let end = self.ended.unwrap_or(StreamEnd::ClientClosed);
         let open: Vec<String> = self.answers.keys().cloned().collect();
         for response in open {
@@ -1222,10 +1283,12 @@ impl Drop for Session {
 
 /// The status of a record of what a session's end left unanswered, and
 /// how it is counted: 499 when the client went first (as nginx logs a
-/// request its client closed), 502 when the upstream did.
+/// request its client closed), 500 when a fault of fairgate's ended it,
+/// 502 when the upstream went first.
 pub(super) fn unanswered_status(end: StreamEnd) -> (u16, &'static str) {
     match end {
         StreamEnd::ClientClosed => (499, "client_closed"),
+        StreamEnd::Fault => (500, "error"),
         _ => (502, "upstream_error"),
     }
 }
@@ -1334,6 +1397,61 @@ fn replace_repeats(value: &mut Value, redactions: &[(String, String)]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A session that passes the client's events up, and faults (panics)
+    /// at one that says `"boom"`.
+    struct Faulty {
+        dropped: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl Relay for Faulty {
+        fn client_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
+            assert_ne!(text.as_str(), "boom", "a fault");
+            vec![Send::Upstream(Message::Text(text))]
+        }
+        fn upstream_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
+            vec![Send::Client(Message::Text(text))]
+        }
+        fn ending(&mut self, _: StreamEnd) {}
+        fn fault(&mut self) -> Vec<Send> {
+            vec![Send::Client(Message::text("faulted"))]
+        }
+    }
+
+    impl Drop for Faulty {
+        fn drop(&mut self) {
+            assert!(!std::thread::panicking(), "dropped outside the unwind");
+            self.dropped
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// A fault while the session takes an event ends the session, not the
+    /// process: the client gets what `fault` gives, then both sides a
+    /// close, and the session is dropped outside the unwind (its records
+    /// written).
+    #[tokio::test]
+    async fn a_fault_in_a_session_ends_it_with_its_own_ending() {
+        let (client, proxy_client) = tokio::io::duplex(1 << 16);
+        let (proxy_upstream, upstream) = tokio::io::duplex(1 << 16);
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let session = Faulty {
+            dropped: dropped.clone(),
+        };
+        let relayed = tokio::spawn(relay(session, proxy_client, proxy_upstream));
+        let mut client = WebSocketStream::from_raw_socket(client, Role::Client, None).await;
+        let mut upstream = WebSocketStream::from_raw_socket(upstream, Role::Server, None).await;
+        client.send(Message::text("hello")).await.unwrap();
+        let got = upstream.next().await.unwrap().unwrap();
+        assert_eq!(got, Message::text("hello"));
+        client.send(Message::text("boom")).await.unwrap();
+        let got = client.next().await.unwrap().unwrap();
+        assert_eq!(got, Message::text("faulted"));
+        assert!(matches!(client.next().await, Some(Ok(Message::Close(_)))));
+        assert!(matches!(upstream.next().await, Some(Ok(Message::Close(_)))));
+        relayed.await.unwrap();
+        assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
+    }
 
     #[test]
     fn realtime_paths_and_models_are_read() {

@@ -48,6 +48,14 @@
 //! is recorded with what had come of it; a request it leaves unanswered
 //! (sent up, or waiting to be), with no response and status 499 when the
 //! client went first, 502 when the upstream did.
+//!
+//! A fault of fairgate's own (a panic) while the session takes an event
+//! ends the session, not the proxy: each response under way ends on its
+//! lane with the API's `error` event (`internal_error`), as a stream
+//! whose guard faults does (the socket's own `error` event, status 500,
+//! when none is), then both sides are closed; counted in
+//! `fairgate_faults_total{stage="session"}`, and what it cut off recorded
+//! (unanswered requests with status 500).
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
@@ -56,12 +64,14 @@ use std::time::Instant;
 
 use bytestring::ByteString;
 use hyper::upgrade::Upgraded;
+use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
 use super::realtime::{Relay, Send, SessionRecords, Turn, content_filter_error, unanswered_status};
-use super::{RecordDraft, State, respond};
+use super::respond::{self, Failure};
+use super::{RecordDraft, State};
 use crate::config::StreamMode;
 use crate::exchange::{Dialect, Endpoint, RequestBody};
 use crate::guard::stream::{EventGuard, StreamOutcome, StreamSetup};
@@ -99,6 +109,7 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
         records,
         ended: None,
     };
+    let (client, upstream) = (TokioIo::new(client), TokioIo::new(upstream));
     super::realtime::relay(session, client, upstream).await;
 }
 
@@ -294,6 +305,28 @@ impl Relay for Session {
     fn ending(&mut self, end: StreamEnd) {
         self.ended.get_or_insert(end);
     }
+
+    /// Each response under way ends for the client with the API's error
+    /// event, as a stream whose guard faults does; with none, the session's
+    /// own error event tells the client.
+    fn fault(&mut self) -> Vec<Send> {
+        self.ended = Some(super::realtime::session_fault(
+            &self.state,
+            &self.handshake.request_id,
+        ));
+        let mut sends = Vec::new();
+        for (key, lane) in &mut self.lanes {
+            if !lane.guard.finished() {
+                let ending = lane.guard.fault_ending().into_iter();
+                sends.extend(ending.map(|data| Send::Client(Message::Text(on_lane(data, key)))));
+            }
+        }
+        if sends.is_empty() {
+            let mut body = respond::failure_body(Dialect::OpenAi, Failure::Fault, None);
+            sends.push(error_event(500, body["error"].take(), None));
+        }
+        sends
+    }
 }
 
 impl Session {
@@ -415,6 +448,11 @@ impl Session {
 /// request its client closed), 502 when the upstream did.
 impl Drop for Session {
     fn drop(&mut self) {
+        // Dropped by a fault's unwind: a second one would abort the
+        // process.
+        if std::thread::panicking() {
+            return;
+        }
         let end = self.ended.unwrap_or(StreamEnd::ClientClosed);
         for lane in self.lanes.values_mut() {
             if end != StreamEnd::ClientClosed {
@@ -454,5 +492,86 @@ fn on_lane(data: ByteString, key: &str) -> Utf8Bytes {
     match Utf8Bytes::try_from(data.into_bytes()) {
         Ok(text) => text,
         Err(_) => unreachable!("an event's data is UTF-8"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::record::QueueItem;
+
+    /// A fault in a session ends each response under way on its lane
+    /// with the API's error event (`internal_error`), as a stream whose
+    /// guard faults ends; the response is recorded as ended by the
+    /// fault, and a request still waiting for its response with status
+    /// 500. The fault is counted.
+    #[tokio::test]
+    async fn a_fault_ends_each_response_under_way_and_is_recorded() {
+        let state = Arc::new(State::new(Config::default()).unwrap());
+        let mut records = state.queue.take_receiver().unwrap();
+        let handshake = Handshake {
+            request_id: "fg-socket".to_owned(),
+            upstream: "openai".to_owned(),
+            client: ClientMeta::default(),
+            mode: StreamMode::Holdback,
+        };
+        let records_of = SessionRecords::new("fg-socket", "openai", &ClientMeta::default());
+        let mut session = Session {
+            state: state.clone(),
+            handshake,
+            lanes: HashMap::new(),
+            asked: HashMap::new(),
+            steered: Turn::default(),
+            model: None,
+            records: records_of,
+            ended: None,
+        };
+        let create = |text: &str, lane: &str| {
+            let event = json!({"type": "response.create", "model": "gpt-5", "input": text,
+                "stream_id": lane});
+            Utf8Bytes::from(event.to_string())
+        };
+        let sent = session.client_event(create("Tips?", "a"));
+        assert!(matches!(sent[..], [Send::Upstream(_)]));
+        session.client_event(create("More tips?", "b"));
+        for event in [
+            json!({"type": "response.created", "stream_id": "a", "sequence_number": 0,
+                "response": {"id": "resp_a", "status": "in_progress", "output": []}}),
+            json!({"type": "response.output_text.delta", "stream_id": "a", "item_id": "m",
+                "output_index": 0, "content_index": 0, "delta": "Save a little", "sequence_number": 1}),
+        ] {
+            session.upstream_event(Utf8Bytes::from(event.to_string()));
+        }
+
+        let sent = session.fault();
+        let [Send::Client(Message::Text(ending))] = &sent[..] else {
+            panic!("one event for the client");
+        };
+        let ending: Value = serde_json::from_str(ending.as_str()).unwrap();
+        assert_eq!(ending["type"], "error", "{ending}");
+        assert_eq!(ending["code"], "internal_error", "{ending}");
+        assert_eq!(ending["stream_id"], "a", "{ending}");
+        drop(session);
+
+        let mut got = Vec::new();
+        while let Ok(QueueItem::Exchange(record)) = records.try_recv() {
+            got.push((
+                record.texts.prompt.clone(),
+                record.status,
+                record.stream_end,
+            ));
+        }
+        got.sort_by_key(|(_, status, _)| *status);
+        let prompt = |text: &str| vec![text.to_owned()];
+        assert_eq!(
+            got,
+            [
+                (prompt("Tips?"), 101, Some(StreamEnd::Fault)),
+                (prompt("More tips?"), 500, None),
+            ]
+        );
+        let faults = state.metrics.faults.with_label_values(&["session"]);
+        assert_eq!(faults.get(), 1);
     }
 }

@@ -42,7 +42,7 @@ pub struct Metrics {
     /// malformed, fault), as their records say.
     pub stream_ends: IntCounterVec,
     /// `fairgate_faults_total{stage}`: faults (panics) of fairgate's own,
-    /// while answering a request or while guarding a stream.
+    /// while answering a request, guarding a stream or a WebSocket session.
     pub faults: IntCounterVec,
     /// `fairgate_error_answers_total{code}`: requests fairgate answered
     /// with an error of its own (not a block, not the upstream's answer).
@@ -223,7 +223,7 @@ impl Metrics {
         );
         let faults = counter(
             "fairgate_faults_total",
-            "Faults (panics) of fairgate's own, answered with an error: while handling a request (request) or guarding a stream (stream).",
+            "Faults (panics) of fairgate's own, answered with an error: while handling a request (request), guarding a stream (stream) or a WebSocket session (session).",
             &["stage"],
         );
         let error_answers = counter(
