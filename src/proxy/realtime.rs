@@ -1426,6 +1426,58 @@ mod tests {
         }
     }
 
+    /// A Realtime session's fault tells the client with the API's `error`
+    /// event (`internal_error`) and sends nothing of the response it held;
+    /// the response is recorded as the fault ended it, and counted.
+    #[tokio::test]
+    async fn a_realtime_fault_tells_the_client_and_records_the_held_response() {
+        use crate::config::Config;
+        use crate::record::QueueItem;
+        let state = Arc::new(State::new(Config::default()).unwrap());
+        let mut records = state.queue.take_receiver().unwrap();
+        let handshake = Handshake {
+            request_id: "fg-realtime".to_owned(),
+            upstream: "openai".to_owned(),
+            model: Some("gpt-realtime".to_owned()),
+            client: ClientMeta::default(),
+            monitor: false,
+        };
+        let mut session = Session::new(state.clone(), handshake);
+        let item = json!({"type": "conversation.item.create", "item": {"type": "message",
+            "role": "user", "content": [{"type": "input_text", "text": "Tips?"}]}});
+        let sent = session.client_event(Utf8Bytes::from(item.to_string()));
+        assert!(matches!(sent[..], [Send::Upstream(_)]));
+        for event in [
+            json!({"type": "response.created", "response": {"id": "resp_1", "status": "in_progress",
+                "output": []}}),
+            json!({"type": "response.output_text.delta", "response_id": "resp_1",
+                "item_id": "item_1", "output_index": 0, "content_index": 0,
+                "delta": "Save a little"}),
+        ] {
+            let sent = session.upstream_event(Utf8Bytes::from(event.to_string()));
+            assert!(sent.is_empty(), "held");
+        }
+
+        let sent = session.fault();
+        let [Send::Client(Message::Text(error))] = &sent[..] else {
+            panic!("one event for the client");
+        };
+        let error: Value = serde_json::from_str(error.as_str()).unwrap();
+        assert_eq!(error["type"], "error", "{error}");
+        assert_eq!(error["error"]["code"], "internal_error", "{error}");
+        drop(session);
+
+        let Ok(QueueItem::Exchange(record)) = records.try_recv() else {
+            panic!("a record of the held response");
+        };
+        assert_eq!(record.stream_end, Some(StreamEnd::Fault));
+        assert_eq!(record.texts.prompt, ["Tips?"]);
+        assert_eq!(record.texts.response, ["Save a little"]);
+        assert!(records.try_recv().is_err(), "one record");
+        let faults = state.metrics.faults.with_label_values(&["session"]);
+        assert_eq!(faults.get(), 1);
+    }
+
     /// A fault while the session takes an event ends the session, not the
     /// process: the client gets what `fault` gives, then both sides a
     /// close, and the session is dropped outside the unwind (its records
