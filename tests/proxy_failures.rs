@@ -863,22 +863,7 @@ async fn an_error_event_of_the_upstream_ends_the_stream_after_its_text() {
             "{path}: {body}"
         );
         assert!(!body.contains("Overloaded"), "{path}: {body}");
-        let (name, last) = events.last().unwrap();
-        match path {
-            "/v1/chat/completions" => {
-                assert_eq!(
-                    last["choices"][0]["finish_reason"], "content_filter",
-                    "{body}"
-                );
-                assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
-            }
-            "/v1/responses" => assert_eq!(name.as_deref(), Some("response.incomplete"), "{body}"),
-            _ => {
-                assert_eq!(name.as_deref(), Some("message_stop"), "{body}");
-                let delta = &events[events.len() - 2].1;
-                assert_eq!(delta["delta"]["stop_reason"], "refusal", "{body}");
-            }
-        }
+        assert_ends_blocked(path, &events, &body);
     }
     proxy.stop().await;
 }
@@ -921,17 +906,7 @@ async fn a_phrase_just_before_the_upstreams_failure_ends_the_stream_blocked() {
                 !body.contains("Overloaded") && !body.contains("broke off"),
                 "{body}"
             );
-            let (name, last) = events.last().unwrap();
-            match path {
-                "/v1/chat/completions" => {
-                    assert_eq!(
-                        last["choices"][0]["finish_reason"], "content_filter",
-                        "{body}"
-                    );
-                }
-                "/v1/responses" => assert_eq!(name.as_deref(), Some("response.incomplete")),
-                _ => assert_eq!(name.as_deref(), Some("message_stop"), "{body}"),
-            }
+            assert_ends_blocked(path, &events, &body);
         }
     }
     let rows = proxy.wait_for_results(ids.len()).await;
@@ -941,6 +916,27 @@ async fn a_phrase_just_before_the_upstreams_failure_ends_the_stream_blocked() {
         assert_eq!(record["stream_end"], "blocked", "{record:#}");
     }
     proxy.stop().await;
+}
+
+/// Asserts that the [`sse_events`] of a stream from `path` (its body
+/// `body`) end as a blocked stream ends in its API.
+fn assert_ends_blocked(path: &str, events: &[(Option<String>, Value)], body: &str) {
+    let (name, last) = events.last().unwrap();
+    match path {
+        "/v1/chat/completions" => {
+            assert_eq!(
+                last["choices"][0]["finish_reason"], "content_filter",
+                "{body}"
+            );
+            assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+        }
+        "/v1/responses" => assert_eq!(name.as_deref(), Some("response.incomplete"), "{body}"),
+        _ => {
+            assert_eq!(name.as_deref(), Some("message_stop"), "{body}");
+            let delta = &events[events.len() - 2].1;
+            assert_eq!(delta["delta"]["stop_reason"], "refusal", "{body}");
+        }
+    }
 }
 
 /// The text deltas of the [`sse_events`] of a stream from `path`, joined.

@@ -517,16 +517,6 @@ async fn a_request_refused_as_in_flight_is_recorded_apart_from_the_response() {
         result["exchange"]["texts"]["prompt"].to_string()
     };
     assert!(prompt_of(101).contains("Any tips?"), "{results:#?}");
-    eprintln!(
-        "RESULTS {:#}",
-        serde_json::to_string(
-            &results
-                .iter()
-                .map(|r| (&r["exchange"]["status"], &r["exchange"]["texts"]["prompt"]))
-                .collect::<Vec<_>>()
-        )
-        .unwrap()
-    );
     assert!(prompt_of(400).contains("And then?"), "{results:#?}");
     support::hang_up(ws).await;
     proxy.stop().await;
