@@ -225,6 +225,9 @@ async fn responses_on_a_socket_pass_or_end_incomplete_for_content_filter() {
     proxy.stop().await;
 }
 
+/// A blocked prompt is answered with the API's error event on its lane
+/// and never goes up; nor does an event that is not JSON, or whose lane
+/// is not a string; a redacted one goes up redacted.
 #[tokio::test]
 async fn a_blocked_prompt_is_an_error_event_that_never_goes_upstream() {
     let (addr, upstream) = Upstream::start().await;
@@ -243,6 +246,14 @@ async fn a_blocked_prompt_is_an_error_event_that_never_goes_upstream() {
     ws.send(Message::text("{not json")).await.unwrap();
     let error: Value = serde_json::from_str(&next_text(&mut ws).await).unwrap();
     assert_eq!(error["error"]["code"], "invalid_json", "{error}");
+    // So is one whose lane is not a string: its answer could not be told.
+    let mut mistyped: Value =
+        serde_json::from_str(create("Tips?", None).to_text().unwrap()).unwrap();
+    mistyped["stream_id"] = json!(5);
+    ws.send(Message::text(mistyped.to_string())).await.unwrap();
+    let error: Value = serde_json::from_str(&next_text(&mut ws).await).unwrap();
+    assert_eq!(error["error"]["code"], "invalid_type", "{error}");
+    assert_eq!(error["status"], 400, "{error}");
     // A redaction rewrites the event that goes up.
     ws.send(create("Write to jane.doe@example.com about it.", None))
         .await

@@ -11,9 +11,10 @@
 //! with the API's `error` event: `status: 400`, an error of type
 //! `invalid_request_error` and `code: "content_filter"` with fairgate's
 //! rule ids beside it, on the event's lane (its `stream_id`). A redaction
-//! rewrites the event. An event that is not JSON, or gives a key the guard
-//! reads twice, is not sent on: the client gets an `error` event
-//! (`invalid_json`, `ambiguous_json`).
+//! rewrites the event. An event that is not JSON, gives a key the guard
+//! reads twice, or a `type` or `stream_id` that is not a string, is not
+//! sent on: the client gets an `error` event (`invalid_json`,
+//! `ambiguous_json`, `invalid_type`).
 //!
 //! **What the upstream answers.** A response opens on its lane (the
 //! `stream_id` of its events, or the connection's own) with the first
@@ -137,6 +138,27 @@ struct Head<'a> {
     status: Option<Value>,
 }
 
+/// What the session reads of a client's event: its type and its lane.
+#[derive(Deserialize)]
+struct ClientHead<'a> {
+    #[serde(rename = "type", borrow, default)]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    stream_id: Option<Cow<'a, str>>,
+}
+
+/// The error of a client event whose `type` or `stream_id` is not a
+/// string: the session could not tell its lane, nor the upstream's
+/// answer to it.
+fn mistyped(error: &serde_json::Error) -> Value {
+    json!({
+        "message": format!("The event's `type` and `stream_id` must be strings: {error}."),
+        "type": "invalid_request_error",
+        "param": null,
+        "code": "invalid_type",
+    })
+}
+
 #[derive(Deserialize, Default)]
 struct ErrorHead<'a> {
     #[serde(borrow, default)]
@@ -199,7 +221,10 @@ impl Relay for Session {
                 return vec![error_event(400, body["error"].take(), None)];
             }
         };
-        let head: Head = serde_json::from_str(text.as_str()).unwrap_or_default();
+        let head: ClientHead = match serde_json::from_str(text.as_str()) {
+            Ok(head) => head,
+            Err(error) => return vec![error_event(400, mistyped(&error), None)],
+        };
         let lane = head.stream_id.as_deref().unwrap_or_default().to_owned();
         let model = read.model.as_deref().map(str::to_owned);
         let rules = self.state.rules.snapshot();
