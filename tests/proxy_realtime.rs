@@ -21,7 +21,8 @@ type Client = support::WsClient;
 
 /// A mock of the Realtime API: `session.created` first; each
 /// `response.create` answered with the next scripted response (its events
-/// as written), each `conversation.item.delete` with
+/// as written, up to a `"wait"` in it, the rest once the client sends
+/// `test.resume`), each `conversation.item.delete` with
 /// `conversation.item.deleted`, each `conversation.item.retrieve` with the
 /// item as the response made it. Every text message it takes is kept.
 #[derive(Clone, Default)]
@@ -33,6 +34,9 @@ struct Upstream {
     items: Arc<Mutex<std::collections::HashMap<String, Value>>>,
     /// Whether it takes compression whether it was offered or not.
     compress: Arc<std::sync::atomic::AtomicBool>,
+    /// What a script has still to send after its `"wait"`: sent when the
+    /// client sends a `test.resume` event.
+    paused: Arc<Mutex<Vec<String>>>,
 }
 
 impl Upstream {
@@ -110,9 +114,15 @@ impl Upstream {
                         .to_string(),
                     ]
                 }
+                Some("test.resume") => std::mem::take(&mut *self.paused.lock().unwrap()),
                 _ => Vec::new(),
             };
-            for reply in replies {
+            let mut replies = replies.into_iter();
+            while let Some(reply) = replies.next() {
+                if reply == "wait" {
+                    *self.paused.lock().unwrap() = replies.collect();
+                    break;
+                }
                 // A script's event written `binary:...` goes as a binary
                 // message.
                 let message = match reply.strip_prefix("binary:") {
@@ -299,6 +309,25 @@ fn types_of(events: &[Value]) -> Vec<&str> {
     events.iter().map(|e| e["type"].as_str().unwrap()).collect()
 }
 
+/// The text of the text deltas among `events`, joined.
+fn said_in(events: &[Value]) -> String {
+    events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .filter_map(|e| e["delta"].as_str())
+        .collect()
+}
+
+/// `events` with a `"wait"` before the first whose type is `before`.
+fn waiting_before(mut events: Vec<String>, before: &str) -> Vec<String> {
+    let at = events
+        .iter()
+        .position(|e| e.contains(&format!(r#""type":"{before}""#)))
+        .unwrap();
+    events.insert(at, "wait".to_owned());
+    events
+}
+
 /// Closes the session, then stops the proxy (which would wait for an
 /// open session).
 async fn close(ws: Client, proxy: support::Proxy) {
@@ -478,9 +507,11 @@ async fn a_redacted_client_event_goes_upstream_redacted() {
     close(ws, proxy).await;
 }
 
-/// However the upstream splits the answer into deltas, none of its text
-/// reaches the client; the response ends as the API ends a filtered one,
-/// its item is deleted upstream, and the session goes on.
+/// However the upstream splits the answer into deltas, none of its
+/// blocked text reaches the client (only what went before the phrase,
+/// which no rule matched, may have); the response ends as the API ends a
+/// filtered one, its item is deleted upstream (the client hears of it
+/// when it had some of its text), and the session goes on.
 #[tokio::test]
 async fn a_blocked_answer_reaches_the_client_only_as_content_filter() {
     let (addr, upstream) = Upstream::start().await;
@@ -499,19 +530,36 @@ async fn a_blocked_answer_reaches_the_client_only_as_content_filter() {
     for (i, _) in splits.iter().enumerate() {
         send(&mut ws, user_item("Where should my money go?", "evt_1")).await;
         send(&mut ws, json!({"type": "response.create"}).to_string()).await;
-        let texts = until(&mut ws, "rate_limits.updated").await;
+        let mut texts = until(&mut ws, "rate_limits.updated").await;
+        let said = said_in(&parsed(&texts));
+        // Told of the item, the client hears of its deletion.
+        if !said.is_empty()
+            && !texts
+                .iter()
+                .any(|t| t.contains("conversation.item.deleted"))
+        {
+            texts.extend(until(&mut ws, "conversation.item.deleted").await);
+        }
         for text in &texts {
             assert!(!text.contains("Dogecoin"), "round {i}: {text}");
             assert!(!text.contains("all your"), "round {i}: {text}");
         }
+        assert!(answer.starts_with(&said), "round {i}: {said:?}");
         let events = parsed(&texts);
         let types = types_of(&events);
-        assert_eq!(
-            types,
-            ["response.created", "response.done", "rate_limits.updated"],
-            "round {i}"
-        );
-        let done = &events[1]["response"];
+        assert_eq!(types[0], "response.created", "round {i}");
+        let at = types.iter().position(|t| *t == "response.done").unwrap();
+        match splits[i].len() {
+            // One delta, the phrase in it: nothing of it goes.
+            1 => assert_eq!(
+                types,
+                ["response.created", "response.done", "rate_limits.updated"],
+                "round {i}"
+            ),
+            // What came before the phrase went as it came.
+            _ => assert_eq!(said, "Sure. ", "round {i}: {types:?}"),
+        }
+        let done = &events[at]["response"];
         assert_eq!(done["id"], format!("resp_{i}"));
         assert_eq!(done["status"], "incomplete");
         assert_eq!(done["status_details"]["type"], "incomplete");
@@ -520,7 +568,7 @@ async fn a_blocked_answer_reaches_the_client_only_as_content_filter() {
         assert!(rules.contains("fin.invest_everything"), "{rules}");
         assert_eq!(done["output"], json!([]));
         assert_eq!(done["usage"]["total_tokens"], 42);
-        // The item is deleted upstream; its acknowledgement is not relayed.
+        // The item is deleted upstream.
         let received = upstream_took(&upstream, 3 * (i + 1)).await;
         let delete = &received[3 * i + 2];
         assert_eq!(delete["type"], "conversation.item.delete", "{received:?}");
@@ -843,8 +891,9 @@ async fn a_response_past_the_hold_limit_is_cancelled() {
     let mut config = config(&format!("http://{addr}"), Path::new("rules"));
     config.guard.max_response_bytes = 4_000;
     let proxy = start_proxy(config).await;
+    // Audio, held whole.
     let long: Vec<&str> = std::iter::repeat_n("Saving a little each month adds up. ", 60).collect();
-    upstream.script(response("resp_1", "item_1", &long, false));
+    upstream.script(response("resp_1", "item_1", &long, true));
     let mut ws = connect(&proxy).await;
     send(&mut ws, json!({"type": "response.create"}).to_string()).await;
     let texts = until(&mut ws, "response.done").await;
@@ -937,9 +986,6 @@ async fn a_response_cut_off_by_the_close_is_recorded() {
     send(&mut ws, json!({"type": "response.create"}).to_string()).await;
     upstream_took(&upstream, 2).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // Held, so none of it reached the client.
-    let early = tokio::time::timeout(Duration::from_millis(100), ws.next()).await;
-    assert!(early.is_err(), "{early:?}");
     support::hang_up(ws).await;
     let results = proxy.wait_for_results(1).await;
     assert_eq!(results.len(), 1, "{results:?}");
@@ -948,6 +994,122 @@ async fn a_response_cut_off_by_the_close_is_recorded() {
     assert_eq!(record["texts"]["response"][0], "Budgets help you plan.");
     assert_eq!(record["texts"]["prompt"][0], "What is a budget for?");
     proxy.stop().await;
+}
+
+/// A text answer goes out as it comes, as a stream does in `holdback`:
+/// its deltas reach the client while the upstream still holds the rest
+/// of the response, once no rule can match in them, and the response as
+/// a whole reaches it as it came, every event in its order.
+#[tokio::test]
+async fn a_text_answer_goes_out_as_it_comes() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let deltas = [
+        "Start with ",
+        "a budget, ",
+        "then build ",
+        "an emergency fund. ",
+        "Then save.",
+    ];
+    let script = response("resp_1", "item_1", &deltas, false);
+    upstream.script(waiting_before(script.clone(), "response.output_text.done"));
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    // Before the upstream sends the response's end.
+    let mut texts = until(&mut ws, "response.output_text.delta").await;
+    send(&mut ws, json!({"type": "test.resume"}).to_string()).await;
+    texts.extend(until(&mut ws, "rate_limits.updated").await);
+    assert_eq!(texts, script);
+    close(ws, proxy).await;
+}
+
+/// A text answer that goes on to a blocked phrase: what came before it
+/// went out as it came; the phrase never does, and the response ends as
+/// a filtered one. The client, which had the item, hears of its deletion.
+#[tokio::test]
+async fn a_text_answer_blocked_midway_ends_after_what_went_before() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let safe = "Start with a budget, then build an emergency fund. ";
+    let deltas = [
+        "Start with a budget, ",
+        "then build an emergency fund. ",
+        "Or put all your savings ",
+        "into Dogecoin.",
+    ];
+    let script = response("resp_1", "item_1", &deltas, false);
+    let at = script.iter().position(|e| e.contains("Or put")).unwrap();
+    let mut script = script;
+    script.insert(at, "wait".to_owned());
+    upstream.script(script);
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    let mut texts = until(&mut ws, "response.output_text.delta").await;
+    assert_eq!(said_in(&parsed(&texts)), deltas[0]);
+    send(&mut ws, json!({"type": "test.resume"}).to_string()).await;
+    texts.extend(until(&mut ws, "conversation.item.deleted").await);
+    let events = parsed(&texts);
+    let said = said_in(&events);
+    assert!(safe.starts_with(&said), "{texts:?}");
+    assert!(
+        texts
+            .iter()
+            .all(|t| !t.contains("Dogecoin") && !t.contains("all your"))
+    );
+    let done = events
+        .iter()
+        .find(|e| e["type"] == "response.done")
+        .unwrap();
+    let details = &done["response"]["status_details"];
+    assert_eq!(details["reason"], "content_filter", "{details}");
+    let results = proxy.wait_for_results(1).await;
+    assert_eq!(results[0]["exchange"]["stream_end"], "blocked");
+    close(ws, proxy).await;
+}
+
+/// A redaction in a text answer of which some went out early rewrites
+/// the rest: the deltas the client gets join to the redacted text, which
+/// every event that repeats it carries.
+#[tokio::test]
+async fn a_redaction_after_early_text_rewrites_the_rest() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let safe = "Here is a plan: save a little each week. ";
+    let deltas = [
+        "Here is a plan: ",
+        "save a little each week. ",
+        "Then write to jane.",
+        "doe@example.com for help.",
+    ];
+    let script = response("resp_1", "item_1", &deltas, false);
+    let at = script
+        .iter()
+        .position(|e| e.contains("Then write"))
+        .unwrap();
+    let mut script = script;
+    script.insert(at, "wait".to_owned());
+    upstream.script(script);
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    let early = until(&mut ws, "response.output_text.delta").await;
+    assert_eq!(said_in(&parsed(&early)), deltas[0]);
+    send(&mut ws, json!({"type": "test.resume"}).to_string()).await;
+    let mut texts = early;
+    texts.extend(until(&mut ws, "rate_limits.updated").await);
+    assert!(texts.iter().all(|t| !t.contains("jane.doe")), "{texts:?}");
+    let events = parsed(&texts);
+    let said = said_in(&events);
+    assert!(
+        said.starts_with(safe) && said.ends_with(" for help."),
+        "{said}"
+    );
+    assert_ne!(said, deltas.concat());
+    let done = events
+        .iter()
+        .find(|e| e["type"] == "response.output_text.done")
+        .unwrap();
+    assert_eq!(done["text"], said.as_str());
+    close(ws, proxy).await;
 }
 
 /// What the client said that no response answered before the session

@@ -217,7 +217,7 @@ const MARGIN: usize = 256;
 
 /// The most unreleased text in which holdback looks for matches under way,
 /// in bytes; past it, text is held `hold` bytes back instead.
-const OPEN_SEARCH_MOST: usize = 16 << 10;
+pub(crate) const OPEN_SEARCH_MOST: usize = 16 << 10;
 
 /// Holdback checks the text once this many bytes have arrived since the
 /// last check (and at the end of each block and of the stream), so that
@@ -3580,7 +3580,7 @@ fn hold(rules: &RuleSet) -> usize {
 /// search give up, or the unreleased text grow past [`OPEN_SEARCH_MOST`],
 /// [`hold`] bytes of the normalized window (which starts at `from`) before
 /// its end, which is as safe for every match up to that long.
-fn safe_end(
+pub(crate) fn safe_end(
     rules: &RuleSet,
     text: &str,
     released: usize,

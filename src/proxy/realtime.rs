@@ -41,11 +41,30 @@
 //! then deleted from the conversation upstream
 //! (`conversation.item.delete`), so that no later response reads them,
 //! and the acknowledgements of the deletions are not relayed.
+//!
+//! **Text goes out as it comes.** A response whose output so far is
+//! text only (no audio, transcript, call or hosted tool's output), in a
+//! session whose client has sent no audio, is released as a stream is in
+//! `holdback` ([`Session::stream_early`]): its held events go out in
+//! order through the last text delta in which no match may be under way
+//! (`guard::stream::safe_end` on the part's text so far), the events
+//! that carry no text (its `response.created`, an item or a part added
+//! empty) with them, as long as neither the part's text nor the prompt it
+//! answers has a hit. A hit, or anything but text, ends that: the rest is
+//! held to the `response.done` and decided whole, as above. A block then
+//! ends the response for the client after the text that went before it,
+//! and the client, which had the item, hears of its deletion; a
+//! redaction rewrites what is still held, from where the text sent ends
+//! (the text sent was scanned clean, and no match reaches back into it).
+//! A client that sends audio gets every response whole at its end: the
+//! transcript of what a response answers may come after it began, and a
+//! block there stops it.
+//!
 //! *Guarantees*: nothing a rule blocks reaches the client, whatever the
-//! deltas. *Cost*: a response reaches the client once the model has
-//! finished it, as a stream does in `buffer` mode; audio could not go
-//! sooner in any mode, since a piece of audio may say words its
-//! transcript has not sent yet. A response that ends `cancelled` (the
+//! deltas. *Cost*: a text response reaches the client as a stream does in
+//! `holdback`; any other once the model has finished it, as a stream does
+//! in `buffer` mode; audio could not go sooner in any mode, since a piece
+//! of audio may say words its transcript has not sent yet. A response that ends `cancelled` (the
 //! user spoke over it, or the client cancelled it) goes out without its
 //! audio: held, none of it was heard, and played now it would talk over
 //! the user. A route in `monitor` mode passes every event on as it
@@ -100,9 +119,11 @@ use super::respond::{self, Failure};
 use super::{Ending, ProxyBody, ReadRequest, RecordDraft, State};
 use crate::config::Upgrades;
 use crate::exchange::{self, Dialect};
+use crate::guard::stream::{OPEN_SEARCH_MOST, safe_end};
 use crate::guard::{self, block_message, rule_ids};
 use crate::record::{ClientMeta, StreamEnd, Usage, now_ms};
 use crate::risk::{self, Decision, RiskConfig, Verdict};
+use crate::rules::normalize::Normalized;
 use crate::rules::{Action, Hit, RuleSet, Scope, redact};
 
 /// The route label of Realtime sessions, in metrics and records.
@@ -542,7 +563,8 @@ struct PartKey {
     kind: Kind,
 }
 
-/// An event held back until its response is decided.
+/// An event held back until its response is decided, or its text may go
+/// out early ([`Session::stream_early`]).
 struct Held {
     response: String,
     text: Utf8Bytes,
@@ -552,6 +574,11 @@ struct Held {
     audio: bool,
     /// The part whose delta the event carries.
     part: Option<PartKey>,
+    /// For a delta, the length of its part's text once it is added.
+    end: usize,
+    /// Whether it carries no text of the response (its `response.created`,
+    /// an item or a part added empty), and so may go out early.
+    plain: bool,
 }
 
 /// A response from its `response.created` on.
@@ -569,6 +596,12 @@ struct Answer {
     held_bytes: usize,
     /// fairgate's own time on it.
     spent: Duration,
+    /// Whether its text may still go out as it comes: only text so far,
+    /// and no hit in it.
+    streams: bool,
+    /// How much of each text part's text the client has, once some went
+    /// out early.
+    shown: Vec<(PartKey, usize)>,
 }
 
 /// What the scan of a response found.
@@ -584,6 +617,37 @@ struct Scanned {
 }
 
 impl Answer {
+    /// How much of text part `key`'s text the client has.
+    fn shown(&self, key: &PartKey) -> usize {
+        self.shown
+            .iter()
+            .find(|(k, _)| k == key)
+            .map_or(0, |(_, n)| *n)
+    }
+
+    /// Where the text of part `key` may go out to now: before any match
+    /// that may be under way in it, at a clean point. A hit in it or in
+    /// the prompt it answers, or text the scan reads decoded too (a
+    /// backslash) or reads in parts (past [`OPEN_SEARCH_MOST`]), ends the
+    /// response's streaming: the rest waits for its end, which decides it
+    /// whole.
+    fn safe_end(&mut self, key: &PartKey) -> usize {
+        let shown = self.shown(key);
+        let Some((_, text)) = self.parts.iter().find(|(k, _)| k == key) else {
+            return shown;
+        };
+        if text.len() > OPEN_SEARCH_MOST
+            || text.contains('\\')
+            || !self.turn.hits.is_empty()
+            || !self.rules.scan(Scope::Response, text).is_empty()
+        {
+            self.streams = false;
+            return shown;
+        }
+        let view = Normalized::new(text);
+        safe_end(&self.rules, text, shown, shown, 0, &view, &[])
+    }
+
     /// Scans each text of the response once: each part's joined deltas,
     /// and every text the events repeated that differs from them.
     fn scan(&mut self, risk: &RiskConfig) -> Scanned {
@@ -724,6 +788,10 @@ struct Session {
     redacted: HashMap<String, Vec<(String, String)>>,
     records: SessionRecords,
     own_events: u64,
+    /// Whether the client has sent audio: then no response's text goes
+    /// out before its end, since the transcript of what it answers may
+    /// come after it began, and stop it.
+    heard: bool,
     /// How the session ends, once a side closed it: by the side that
     /// closed first.
     ended: Option<StreamEnd>,
@@ -748,6 +816,7 @@ impl Session {
             redacted: HashMap::new(),
             records,
             own_events: 0,
+            heard: false,
             ended: None,
         }
     }
@@ -762,6 +831,13 @@ impl Session {
                 return vec![self.error_event(body["error"].take(), None)];
             }
         };
+        // The user's audio, whose transcript may come while a response
+        // to it is under way.
+        self.heard |= event
+            .kind
+            .as_deref()
+            .is_some_and(|kind| kind.starts_with("input_audio_buffer."))
+            || text.as_str().contains("\"input_audio\"");
         if event.texts.is_empty() {
             return vec![Send::Upstream(Message::Text(text))];
         }
@@ -892,6 +968,8 @@ impl Session {
                 items: Vec::new(),
                 held_bytes: 0,
                 spent: Duration::ZERO,
+                streams: true,
+                shown: Vec::new(),
             });
         if kind == "response.output_item.added"
             && let Some(item) = head.item.as_ref().and_then(|i| i.id.as_deref())
@@ -899,7 +977,7 @@ impl Session {
             self.items.insert(item.to_owned(), response.clone());
             answer.items.push(item.to_owned());
         }
-        let (mut part, mut done) = (None, None);
+        let (mut part, mut done, mut end, mut plain) = (None, None, 0, false);
         if let Some(delta_kind) = delta_kind(kind) {
             let key = PartKey {
                 item: head.item_id.as_deref().unwrap_or_default().to_owned(),
@@ -907,18 +985,30 @@ impl Session {
                 kind: delta_kind,
             };
             let delta = head.delta.as_deref().unwrap_or_default();
-            match answer.parts.iter_mut().find(|(k, _)| *k == key) {
-                Some((_, joined)) => joined.push_str(delta),
-                None => answer.parts.push((key.clone(), delta.to_owned())),
-            }
+            end = match answer.parts.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, joined)) => {
+                    joined.push_str(delta);
+                    joined.len()
+                }
+                None => {
+                    answer.parts.push((key.clone(), delta.to_owned()));
+                    delta.len()
+                }
+            };
+            // A transcript's words are heard in the audio, a call's
+            // arguments read whole.
+            answer.streams &= delta_kind == Kind::Text;
             part = Some(key);
         } else if !is_audio_delta(kind)
             && let Ok(value) = serde_json::from_str::<Value>(text.as_str())
         {
+            let repeats = answer.repeats.len();
             collect_repeats(&value, &mut answer.repeats);
+            plain = answer.repeats[repeats..].iter().all(|(_, t)| t.is_empty());
             // Read once: the decision takes its status and usage from it.
             done = (kind == "response.done").then_some(value);
         }
+        answer.streams &= plain || part.is_some();
         let created = kind == "response.created";
         let audio = is_audio_delta(kind);
         let monitor = self.handshake.monitor;
@@ -933,15 +1023,85 @@ impl Session {
                 created,
                 audio,
                 part,
+                end,
+                plain,
             });
         }
+        let streams = !monitor && !self.heard && answer.streams;
         answer.spent += started.elapsed();
         if let Some(done) = done {
             sends.extend(self.decide(&response, done));
         } else if !monitor && answer.held_bytes > self.state.config.guard.max_response_bytes {
             sends.extend(self.too_large(&response));
+        } else if streams {
+            sends.extend(self.stream_early(&response));
         }
         sends
+    }
+
+    /// The events of `response` that may go out before its end, as a
+    /// stream's text does in `holdback`: from its first held one, those
+    /// that carry no text, and the deltas of its text parts up to where
+    /// no match may be under way in the part's text ([`Answer::safe_end`]),
+    /// through the last such delta (so nothing goes before some text
+    /// does).
+    fn stream_early(&mut self, response: &str) -> Vec<Send> {
+        let started = Instant::now();
+        let Some(answer) = self.answers.get_mut(response) else {
+            return Vec::new();
+        };
+        let mut safe: Vec<(PartKey, usize)> = Vec::new();
+        let mut last = None;
+        for (at, held) in self.held.iter().enumerate() {
+            if held.response != response || (held.plain && held.part.is_none()) {
+                continue;
+            }
+            let Some(key) = &held.part else {
+                break;
+            };
+            let safe_at = match safe.iter().find(|(k, _)| k == key) {
+                Some((_, at)) => *at,
+                None => {
+                    let at = answer.safe_end(key);
+                    safe.push((key.clone(), at));
+                    at
+                }
+            };
+            if !answer.streams || held.end > safe_at {
+                break;
+            }
+            last = Some(at);
+        }
+        let Some(last) = last else {
+            answer.spent += started.elapsed();
+            return Vec::new();
+        };
+        let mut early = Vec::new();
+        let mut at = 0;
+        self.held.retain_mut(|held| {
+            let goes = at <= last && held.response == response;
+            at += 1;
+            if goes {
+                // Out, it is held no more.
+                answer.held_bytes -= held.text.len();
+                early.push(std::mem::replace(
+                    &mut held.text,
+                    Utf8Bytes::from_static(""),
+                ));
+                if let Some(key) = &held.part {
+                    match answer.shown.iter_mut().find(|(k, _)| k == key) {
+                        Some((_, shown)) => *shown = held.end,
+                        None => answer.shown.push((key.clone(), held.end)),
+                    }
+                }
+            }
+            !goes
+        });
+        answer.spent += started.elapsed();
+        early
+            .into_iter()
+            .map(|text| Send::Client(Message::Text(text)))
+            .collect()
     }
 
     /// A transcript of the user's audio: prompt, scanned as it comes.
@@ -1004,7 +1164,8 @@ impl Session {
                 });
                 // The items go from the conversation before the client
                 // hears of the end, and may ask for another response.
-                let mut sends = self.delete_items(&answer.items);
+                let told = !answer.shown.is_empty();
+                let mut sends = self.delete_items(&answer.items, told);
                 sends.extend(self.replaced(response, held, Some(done), "incomplete", details));
                 (sends, StreamEnd::Blocked)
             }
@@ -1019,7 +1180,7 @@ impl Session {
                         self.redacted.insert(item.clone(), redactions.to_vec());
                     }
                 }
-                let sends = release(held, &answer.parts, redactions)
+                let sends = release(held, &answer.parts, &answer.shown, redactions)
                     .into_iter()
                     .map(|text| Send::Client(Message::Text(text)))
                     .collect();
@@ -1072,12 +1233,19 @@ impl Session {
         sends
     }
 
-    /// Deletes a blocked response's items from the conversation upstream.
-    fn delete_items(&mut self, items: &[String]) -> Vec<Send> {
+    /// Deletes a blocked response's items from the conversation upstream;
+    /// the client hears of it when it was `told` of them (some of the
+    /// response's text went out early).
+    fn delete_items(&mut self, items: &[String], told: bool) -> Vec<Send> {
         items
             .iter()
             .map(|item| {
-                self.deleted.insert(item.clone());
+                if told {
+                    // Of no response now, its acknowledgement passes.
+                    self.items.remove(item);
+                } else {
+                    self.deleted.insert(item.clone());
+                }
                 let event = json!({
                     "type": "conversation.item.delete",
                     "event_id": self.own_event_id(),
@@ -1111,7 +1279,7 @@ impl Session {
             "response_id": response,
         });
         let mut sends = vec![Send::Upstream(Message::text(cancel.to_string()))];
-        sends.extend(self.delete_items(&answer.items));
+        sends.extend(self.delete_items(&answer.items, !answer.shown.is_empty()));
         sends.extend(self.replaced(response, held, None, "failed", details));
         let scanned = answer.scan(&self.state.config.risk);
         let request_id = self.records.next_id();
@@ -1324,13 +1492,15 @@ fn redacted_of<'r>(redactions: &'r [(String, String)], text: &str) -> Option<&'r
 }
 
 /// A response's held events as they go out after `redactions`: a text
-/// part that a redaction rewrote has its first delta carry the part's
-/// redacted text, and its other deltas go; a repeated text is replaced
-/// where an event repeats it. An event that cannot be read again (none
-/// that was read once) goes.
+/// part that a redaction rewrote has its first delta held carry the
+/// part's redacted text (from where the text `shown` early ends: no
+/// redaction reaches back into it), and its other deltas go; a repeated
+/// text is replaced where an event repeats it. An event that cannot be
+/// read again (none that was read once) goes.
 fn release(
     held: Vec<Held>,
     parts: &[(PartKey, String)],
+    shown: &[(PartKey, usize)],
     redactions: &[(String, String)],
 ) -> Vec<Utf8Bytes> {
     if redactions.is_empty() {
@@ -1351,8 +1521,9 @@ fn release(
             if !begun.insert(key.clone()) {
                 continue;
             }
+            let from = shown.iter().find(|(k, _)| k == key).map_or(0, |(_, n)| *n);
             if let Ok(mut event) = serde_json::from_str::<Value>(held.text.as_str()) {
-                event["delta"] = Value::from(redacted);
+                event["delta"] = Value::from(redacted.get(from..).unwrap_or_default());
                 out.push(Utf8Bytes::from(event.to_string()));
             }
             continue;

@@ -1419,11 +1419,16 @@ routes:
                 assert error.type == "error", error
                 assert error.error.code == "content_filter", error
                 assert error.error.event_id == "evt_blocked", error
-                # A blocked answer ends incomplete for content_filter, none of its text sent.
+                # A blocked answer ends incomplete for content_filter: none of
+                # its blocked text sent, only what went before it ("Sure. "),
+                # as it came.
                 connection.conversation.item.create(item=user("Where should my savings go?"))
                 connection.response.create()
                 events = until_done(connection)
-                assert [e.type for e in events] == ["response.created", "response.done"], events
+                assert events[0].type == "response.created", events
+                said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+                assert RISKY.startswith(said) and "savings" not in said, events
+                assert not any("Dogecoin" in str(e) for e in events), events
                 done = events[-1].response
                 assert done.status == "incomplete", done
                 assert done.status_details.reason == "content_filter", done
