@@ -21,7 +21,8 @@
 //! that names it (its `response.created`) to its `response.done` (every
 //! event that names the response, or an item of it, as the
 //! conversation's `conversation.item.*` events do), are held until its
-//! `response.done`; what comes of it after that is dropped. Then its
+//! `response.done` (but for a text answer's, which go as they come:
+//! below); what comes of it after that is dropped. Then its
 //! texts are scanned: each part's text, transcript and function call
 //! arguments (its deltas joined) and every text the `.done` events,
 //! items and `response.done` repeat, with the hits of the prompt it
