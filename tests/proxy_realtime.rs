@@ -1023,6 +1023,33 @@ async fn a_text_answer_goes_out_as_it_comes() {
     close(ws, proxy).await;
 }
 
+/// A client that sends audio gets each answer whole, at its end: the
+/// transcript of what an answer answers may come after it began, and a
+/// block there stops it.
+#[tokio::test]
+async fn a_client_that_sends_audio_gets_each_answer_whole() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let deltas = [
+        "Start with ",
+        "a budget, ",
+        "then build ",
+        "an emergency fund.",
+    ];
+    let script = response("resp_1", "item_1", &deltas, false);
+    upstream.script(waiting_before(script.clone(), "response.output_text.done"));
+    let mut ws = connect(&proxy).await;
+    let audio = json!({"type": "input_audio_buffer.append", "audio": "UklGRiQAAABXQVZF"});
+    send(&mut ws, audio.to_string()).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    upstream_took(&upstream, 2).await;
+    let early = tokio::time::timeout(Duration::from_millis(300), ws.next()).await;
+    assert!(early.is_err(), "held: {early:?}");
+    send(&mut ws, json!({"type": "test.resume"}).to_string()).await;
+    assert_eq!(until(&mut ws, "rate_limits.updated").await, script);
+    close(ws, proxy).await;
+}
+
 /// A text answer that goes on to a blocked phrase: what came before it
 /// went out as it came; the phrase never does, and the response ends as
 /// a filtered one. The client, which had the item, hears of its deletion.
