@@ -318,14 +318,31 @@ fn said_in(events: &[Value]) -> String {
         .collect()
 }
 
-/// `events` with a `"wait"` before the first whose type is `before`.
+/// `events` with a `"wait"` before the first that contains `before`.
 fn waiting_before(mut events: Vec<String>, before: &str) -> Vec<String> {
-    let at = events
-        .iter()
-        .position(|e| e.contains(&format!(r#""type":"{before}""#)))
-        .unwrap();
+    let at = events.iter().position(|e| e.contains(before)).unwrap();
     events.insert(at, "wait".to_owned());
     events
+}
+
+/// Asks for a text answer said in `deltas`, which the upstream sends up
+/// to the delta that holds `pause`, then the rest once told: the session,
+/// and what reached the client meanwhile, up to the first delta (which
+/// must be the first of `deltas`), the upstream told to go on.
+async fn paused_answer(
+    proxy: &support::Proxy,
+    upstream: &Upstream,
+    deltas: &[&str],
+    pause: &str,
+) -> (Client, Vec<String>) {
+    let script = response("resp_1", "item_1", deltas, false);
+    upstream.script(waiting_before(script, pause));
+    let mut ws = connect(proxy).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    let early = until(&mut ws, "response.output_text.delta").await;
+    assert_eq!(said_in(&parsed(&early)), deltas[0], "{early:?}");
+    send(&mut ws, json!({"type": "test.resume"}).to_string()).await;
+    (ws, early)
 }
 
 /// Closes the session, then stops the proxy (which would wait for an
@@ -1011,13 +1028,10 @@ async fn a_text_answer_goes_out_as_it_comes() {
         "an emergency fund. ",
         "Then save.",
     ];
+    // The first delta comes before the upstream sends the response's end.
+    let done = r#""type":"response.output_text.done""#;
+    let (mut ws, mut texts) = paused_answer(&proxy, &upstream, &deltas, done).await;
     let script = response("resp_1", "item_1", &deltas, false);
-    upstream.script(waiting_before(script.clone(), "response.output_text.done"));
-    let mut ws = connect(&proxy).await;
-    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
-    // Before the upstream sends the response's end.
-    let mut texts = until(&mut ws, "response.output_text.delta").await;
-    send(&mut ws, json!({"type": "test.resume"}).to_string()).await;
     texts.extend(until(&mut ws, "rate_limits.updated").await);
     assert_eq!(texts, script);
     close(ws, proxy).await;
@@ -1037,7 +1051,10 @@ async fn a_client_that_sends_audio_gets_each_answer_whole() {
         "an emergency fund.",
     ];
     let script = response("resp_1", "item_1", &deltas, false);
-    upstream.script(waiting_before(script.clone(), "response.output_text.done"));
+    upstream.script(waiting_before(
+        script.clone(),
+        r#""type":"response.output_text.done""#,
+    ));
     let mut ws = connect(&proxy).await;
     let audio = json!({"type": "input_audio_buffer.append", "audio": "UklGRiQAAABXQVZF"});
     send(&mut ws, audio.to_string()).await;
@@ -1064,16 +1081,7 @@ async fn a_text_answer_blocked_midway_ends_after_what_went_before() {
         "Or put all your savings ",
         "into Dogecoin.",
     ];
-    let script = response("resp_1", "item_1", &deltas, false);
-    let at = script.iter().position(|e| e.contains("Or put")).unwrap();
-    let mut script = script;
-    script.insert(at, "wait".to_owned());
-    upstream.script(script);
-    let mut ws = connect(&proxy).await;
-    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
-    let mut texts = until(&mut ws, "response.output_text.delta").await;
-    assert_eq!(said_in(&parsed(&texts)), deltas[0]);
-    send(&mut ws, json!({"type": "test.resume"}).to_string()).await;
+    let (mut ws, mut texts) = paused_answer(&proxy, &upstream, &deltas, "Or put").await;
     texts.extend(until(&mut ws, "conversation.item.deleted").await);
     let events = parsed(&texts);
     let said = said_in(&events);
@@ -1108,20 +1116,7 @@ async fn a_redaction_after_early_text_rewrites_the_rest() {
         "Then write to jane.",
         "doe@example.com for help.",
     ];
-    let script = response("resp_1", "item_1", &deltas, false);
-    let at = script
-        .iter()
-        .position(|e| e.contains("Then write"))
-        .unwrap();
-    let mut script = script;
-    script.insert(at, "wait".to_owned());
-    upstream.script(script);
-    let mut ws = connect(&proxy).await;
-    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
-    let early = until(&mut ws, "response.output_text.delta").await;
-    assert_eq!(said_in(&parsed(&early)), deltas[0]);
-    send(&mut ws, json!({"type": "test.resume"}).to_string()).await;
-    let mut texts = early;
+    let (mut ws, mut texts) = paused_answer(&proxy, &upstream, &deltas, "Then write").await;
     texts.extend(until(&mut ws, "rate_limits.updated").await);
     assert!(texts.iter().all(|t| !t.contains("jane.doe")), "{texts:?}");
     let events = parsed(&texts);
