@@ -1650,6 +1650,116 @@ mod tests {
         assert_eq!(faults.get(), 1);
     }
 
+    /// The events the upstream sends for a text answer said in `deltas`
+    /// (response `resp_1`, item `item_1`), as the GA API sends them.
+    fn text_answer(deltas: &[&str]) -> Vec<Value> {
+        let whole: String = deltas.concat();
+        let at = json!({"response_id": "resp_1", "item_id": "item_1", "output_index": 0,
+            "content_index": 0});
+        let with = |mut fields: Value| {
+            fields
+                .as_object_mut()
+                .unwrap()
+                .extend(at.as_object().unwrap().clone());
+            fields
+        };
+        let item = |status: &str, content: Value| {
+            json!({"id": "item_1", "type": "message", "role": "assistant", "status": status,
+                "content": content})
+        };
+        let mut events = vec![
+            json!({"type": "response.created", "response": {"id": "resp_1",
+                "status": "in_progress", "output": []}}),
+            json!({"type": "response.output_item.added", "response_id": "resp_1",
+                "output_index": 0, "item": item("in_progress", json!([]))}),
+            json!({"type": "conversation.item.added", "item": item("in_progress", json!([]))}),
+            with(json!({"type": "response.content_part.added",
+                "part": {"type": "text", "text": ""}})),
+        ];
+        for delta in deltas {
+            events.push(with(
+                json!({"type": "response.output_text.delta", "delta": delta}),
+            ));
+        }
+        let content = json!([{"type": "output_text", "text": whole}]);
+        events.extend([
+            with(json!({"type": "response.output_text.done", "text": whole})),
+            with(json!({"type": "response.content_part.done",
+                "part": {"type": "text", "text": whole}})),
+            json!({"type": "response.output_item.done", "response_id": "resp_1",
+                "output_index": 0, "item": item("completed", content.clone())}),
+            json!({"type": "response.done", "response": {"id": "resp_1", "status": "completed",
+                "output": [item("completed", content)]}}),
+        ]);
+        events
+    }
+
+    /// However the upstream cuts a text answer into deltas, what reaches
+    /// the client of a blocked one is at most the clean text before the
+    /// phrase, then the filtered end; of a redacted one, deltas that join
+    /// to the redacted text, which the `.done` events repeat; of a clean
+    /// one, every event as it came, in order.
+    #[tokio::test]
+    async fn a_text_answer_cut_any_way_streams_only_what_no_rule_matches() {
+        use crate::config::Config;
+        use crate::testing::Lcg;
+        let state = Arc::new(State::new(Config::default()).unwrap());
+        let clean = "Here is my advice for you today, friend: keep a budget. ";
+        let blocked = format!("{clean}Put all your savings into Dogecoin, it's the future.");
+        let redacted = format!("{clean}Write to jane.doe@example.com for a review.");
+        let clean_answer = format!("{clean}Then build an emergency fund, month by month.");
+        let mut random = Lcg(62);
+        let mut streamed = 0;
+        for round in 0..300 {
+            let answer = [&blocked, &redacted, &clean_answer][round % 3];
+            let deltas = random.pieces(answer, 12);
+            let handshake = Handshake {
+                request_id: format!("fg-{round}"),
+                upstream: "openai".to_owned(),
+                model: None,
+                client: ClientMeta::default(),
+                monitor: false,
+            };
+            let mut session = Session::new(state.clone(), handshake);
+            let (mut sent, mut early) = (Vec::new(), None);
+            for event in text_answer(&deltas) {
+                let last = event["type"] == "response.done";
+                for send in session.upstream_event(Utf8Bytes::from(event.to_string())) {
+                    if let Send::Client(Message::Text(text)) = send {
+                        sent.push(serde_json::from_str::<Value>(text.as_str()).unwrap());
+                    }
+                }
+                if !last {
+                    early = Some(sent.len());
+                }
+            }
+            let said: String = sent
+                .iter()
+                .filter(|e| e["type"] == "response.output_text.delta")
+                .filter_map(|e| e["delta"].as_str())
+                .collect();
+            streamed += usize::from(early.unwrap_or(0) > 0);
+            let done = sent.last().unwrap();
+            assert_eq!(done["type"], "response.done", "{deltas:?}");
+            if answer == &blocked {
+                assert!(clean.starts_with(&said), "{deltas:?}: {said:?}");
+                assert_eq!(done["response"]["status"], "incomplete", "{deltas:?}");
+            } else if answer == &redacted {
+                let expected = format!("{clean}Write to [REDACTED:email] for a review.");
+                assert_eq!(said, expected, "{deltas:?}");
+                let repeated = sent
+                    .iter()
+                    .find(|e| e["type"] == "response.output_text.done");
+                assert_eq!(repeated.unwrap()["text"], expected.as_str(), "{deltas:?}");
+            } else {
+                let sent_as_came: Vec<Value> = text_answer(&deltas);
+                assert_eq!(sent, sent_as_came, "{deltas:?}");
+            }
+        }
+        // Most rounds had some of their text out before the end.
+        assert!(streamed > 250, "{streamed} of 300");
+    }
+
     /// A fault while the session takes an event ends the session, not the
     /// process: the client gets what `fault` gives, then both sides a
     /// close, and the session is dropped outside the unwind (its records
