@@ -217,7 +217,7 @@ const MARGIN: usize = 256;
 
 /// The most unreleased text in which holdback looks for matches under way,
 /// in bytes; past it, text is held `hold` bytes back instead.
-pub(crate) const OPEN_SEARCH_MOST: usize = 16 << 10;
+const OPEN_SEARCH_MOST: usize = 16 << 10;
 
 /// Holdback checks the text once this many bytes have arrived since the
 /// last check (and at the end of each block and of the stream), so that
@@ -3557,7 +3557,7 @@ fn scan_into(rules: &RuleSet, text: &str, from: usize, hits: &mut Vec<Hit>) -> O
 /// than the raw ones). In a long answer that is about `hold` bytes before
 /// the last check rather than `hold` before the release point, which
 /// lies `hold` further back: half the bytes scanned again.
-fn window_start(text: &str, checked: usize, released: usize, hold: usize) -> usize {
+pub(crate) fn window_start(text: &str, checked: usize, released: usize, hold: usize) -> usize {
     let back = checked.saturating_sub(hold).min(released);
     if back == 0 {
         return 0;
@@ -3567,7 +3567,7 @@ fn window_start(text: &str, checked: usize, released: usize, hold: usize) -> usi
 
 /// The longest match of the response rules, and the margin: how far
 /// before the last check a scan window starts.
-fn hold(rules: &RuleSet) -> usize {
+pub(crate) fn hold(rules: &RuleSet) -> usize {
     let limits = rules.match_limits(Scope::Response);
     limits.normalized.max(limits.raw) + MARGIN
 }

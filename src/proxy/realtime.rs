@@ -51,7 +51,8 @@
 //! (`guard::stream::safe_end` on the part's text so far), the events
 //! that carry no text (its `response.created`, an item or a part added
 //! empty) with them, as long as neither the part's text nor the prompt it
-//! answers has a hit. A hit, or anything but text, ends that: the rest is
+//! answers has a hit (the text read from the longest match before what
+//! the client has, as the stream guard reads it). A hit, or anything but text, ends that: the rest is
 //! held to the `response.done` and decided whole, as above. A block then
 //! ends the response for the client after the text that went before it,
 //! and the client, which had the item, hears of its deletion; a
@@ -120,7 +121,7 @@ use super::respond::{self, Failure};
 use super::{Ending, ProxyBody, ReadRequest, RecordDraft, State};
 use crate::config::Upgrades;
 use crate::exchange::{self, Dialect};
-use crate::guard::stream::{OPEN_SEARCH_MOST, safe_end};
+use crate::guard::stream::{hold, safe_end, window_start};
 use crate::guard::{self, block_message, rule_ids};
 use crate::record::{ClientMeta, StreamEnd, Usage, now_ms};
 use crate::risk::{self, Decision, RiskConfig, Verdict};
@@ -627,26 +628,28 @@ impl Answer {
     }
 
     /// Where the text of part `key` may go out to now: before any match
-    /// that may be under way in it, at a clean point. A hit in it or in
-    /// the prompt it answers, or text the scan reads decoded too (a
-    /// backslash) or reads in parts (past [`OPEN_SEARCH_MOST`]), ends the
-    /// response's streaming: the rest waits for its end, which decides it
-    /// whole.
+    /// that may be under way in it, at a clean point. The text is read
+    /// from the longest match before what the client has (a match ending
+    /// in new text begins there or after; one that ended before was found
+    /// when it did). A hit in it or in the prompt it answers, or text the
+    /// scan reads decoded too (a backslash), ends the response's
+    /// streaming: the rest waits for its end, which decides it whole.
     fn safe_end(&mut self, key: &PartKey) -> usize {
         let shown = self.shown(key);
         let Some((_, text)) = self.parts.iter().find(|(k, _)| k == key) else {
             return shown;
         };
-        if text.len() > OPEN_SEARCH_MOST
-            || text.contains('\\')
+        let from = window_start(text, shown, shown, hold(&self.rules));
+        let window = &text[from..];
+        if window.contains('\\')
             || !self.turn.hits.is_empty()
-            || !self.rules.scan(Scope::Response, text).is_empty()
+            || !self.rules.scan(Scope::Response, window).is_empty()
         {
             self.streams = false;
             return shown;
         }
-        let view = Normalized::new(text);
-        safe_end(&self.rules, text, shown, shown, 0, &view, &[])
+        let view = Normalized::new(window);
+        safe_end(&self.rules, text, shown, shown, from, &view, &[])
     }
 
     /// Scans each text of the response once: each part's joined deltas,
