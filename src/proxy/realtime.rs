@@ -52,8 +52,9 @@
 //! that carry no text (its `response.created`, an item or a part added
 //! empty) with them, as long as neither the part's text nor the prompt it
 //! answers has a hit (the text read from the longest match before what
-//! the client has, as the stream guard reads it). A hit, or anything but text, ends that: the rest is
-//! held to the `response.done` and decided whole, as above. A block then
+//! the client has, as the stream guard reads it). A hit, or anything but
+//! text, ends that: the rest is held to the `response.done` and decided
+//! whole, as above. A block then
 //! ends the response for the client after the text that went before it,
 //! and the client, which had the item, hears of its deletion; a
 //! redaction rewrites what is still held, from where the text sent ends
@@ -66,8 +67,9 @@
 //! deltas. *Cost*: a text response reaches the client as a stream does in
 //! `holdback`; any other once the model has finished it, as a stream does
 //! in `buffer` mode; audio could not go sooner in any mode, since a piece
-//! of audio may say words its transcript has not sent yet. A response that ends `cancelled` (the
-//! user spoke over it, or the client cancelled it) goes out without its
+//! of audio may say words its transcript has not sent yet. A response
+//! that ends `cancelled` (the user spoke over it, or the client cancelled
+//! it) goes out without its
 //! audio: held, none of it was heard, and played now it would talk over
 //! the user. A route in `monitor` mode passes every event on as it
 //! comes, and scans and records only. Held events are bounded by
@@ -86,8 +88,8 @@
 //! prompt the client sent since the response before it), as is each
 //! blocked client event; a response the session's end cuts off is
 //! recorded with what had come of it, and what the client said that no
-//! response answered, with no response and status 499 when the client
-//! went first, 502 when the upstream did. A fault of fairgate's own (a
+//! response answered, with no response and the status of
+//! [`unanswered_status`]. A fault of fairgate's own (a
 //! panic) while the session takes an event ends the session, not the
 //! proxy: the client gets an `error` event (`internal_error`), the held
 //! events are dropped with the session, both sides are closed, and the
@@ -618,13 +620,16 @@ struct Scanned {
     redactions: Vec<(String, String)>,
 }
 
+/// How much of text part `key`'s text the client has, by `shown`.
+fn shown_of(shown: &[(PartKey, usize)], key: &PartKey) -> usize {
+    shown.iter().find(|(k, _)| k == key).map_or(0, |(_, n)| *n)
+}
+
 impl Answer {
-    /// How much of text part `key`'s text the client has.
-    fn shown(&self, key: &PartKey) -> usize {
-        self.shown
-            .iter()
-            .find(|(k, _)| k == key)
-            .map_or(0, |(_, n)| *n)
+    /// Whether some of its events went out early: the client has its
+    /// items.
+    fn seen(&self) -> bool {
+        !self.shown.is_empty()
     }
 
     /// Where the text of part `key` may go out to now: before any match
@@ -635,7 +640,7 @@ impl Answer {
     /// scan reads decoded too (a backslash), ends the response's
     /// streaming: the rest waits for its end, which decides it whole.
     fn safe_end(&mut self, key: &PartKey) -> usize {
-        let shown = self.shown(key);
+        let shown = shown_of(&self.shown, key);
         let Some((_, text)) = self.parts.iter().find(|(k, _)| k == key) else {
             return shown;
         };
@@ -1006,9 +1011,14 @@ impl Session {
         } else if !is_audio_delta(kind)
             && let Ok(value) = serde_json::from_str::<Value>(text.as_str())
         {
-            let repeats = answer.repeats.len();
-            collect_repeats(&value, &mut answer.repeats);
-            plain = answer.repeats[repeats..].iter().all(|(_, t)| t.is_empty());
+            let mut repeats = Vec::new();
+            collect_repeats(&value, &mut repeats);
+            plain = repeats.iter().all(|(_, text)| text.is_empty());
+            for (kind, text) in repeats {
+                if !answer.repeats.iter().any(|(_, seen)| *seen == text) {
+                    answer.repeats.push((kind, text));
+                }
+            }
             // Read once: the decision takes its status and usage from it.
             done = (kind == "response.done").then_some(value);
         }
@@ -1168,8 +1178,7 @@ impl Session {
                 });
                 // The items go from the conversation before the client
                 // hears of the end, and may ask for another response.
-                let told = !answer.shown.is_empty();
-                let mut sends = self.delete_items(&answer.items, told);
+                let mut sends = self.delete_items(&answer.items, answer.seen());
                 sends.extend(self.replaced(response, held, Some(done), "incomplete", details));
                 (sends, StreamEnd::Blocked)
             }
@@ -1283,7 +1292,7 @@ impl Session {
             "response_id": response,
         });
         let mut sends = vec![Send::Upstream(Message::text(cancel.to_string()))];
-        sends.extend(self.delete_items(&answer.items, !answer.shown.is_empty()));
+        sends.extend(self.delete_items(&answer.items, answer.seen()));
         sends.extend(self.replaced(response, held, None, "failed", details));
         let scanned = answer.scan(&self.state.config.risk);
         let request_id = self.records.next_id();
@@ -1525,7 +1534,7 @@ fn release(
             if !begun.insert(key.clone()) {
                 continue;
             }
-            let from = shown.iter().find(|(k, _)| k == key).map_or(0, |(_, n)| *n);
+            let from = shown_of(shown, key);
             if let Ok(mut event) = serde_json::from_str::<Value>(held.text.as_str()) {
                 event["delta"] = Value::from(redacted.get(from..).unwrap_or_default());
                 out.push(Utf8Bytes::from(event.to_string()));

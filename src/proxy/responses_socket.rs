@@ -95,21 +95,7 @@ pub struct Handshake {
 
 /// Relays a Responses API socket, each event through the guard.
 pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upstream: Upgraded) {
-    let records = SessionRecords::new(
-        &handshake.request_id,
-        &handshake.upstream,
-        &handshake.client,
-    );
-    let session = Session {
-        state,
-        handshake,
-        lanes: HashMap::new(),
-        asked: HashMap::new(),
-        steered: Turn::default(),
-        model: None,
-        records,
-        ended: None,
-    };
+    let session = Session::new(state, handshake);
     let (client, upstream) = (TokioIo::new(client), TokioIo::new(upstream));
     super::realtime::relay(session, client, upstream).await;
 }
@@ -124,7 +110,7 @@ const LAST_EVENTS: [&str; 4] = [
 
 /// What the session reads of every event: its type, its lane, and an
 /// error's code.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize)]
 struct Head<'a> {
     #[serde(rename = "type", borrow, default)]
     kind: Option<Cow<'a, str>>,
@@ -159,7 +145,7 @@ fn mistyped(error: &serde_json::Error) -> Value {
     })
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize)]
 struct ErrorHead<'a> {
     #[serde(borrow, default)]
     code: Option<Cow<'a, str>>,
@@ -355,6 +341,24 @@ impl Relay for Session {
 }
 
 impl Session {
+    fn new(state: Arc<State>, handshake: Handshake) -> Session {
+        let records = SessionRecords::new(
+            &handshake.request_id,
+            &handshake.upstream,
+            &handshake.client,
+        );
+        Session {
+            state,
+            handshake,
+            lanes: HashMap::new(),
+            asked: HashMap::new(),
+            steered: Turn::default(),
+            model: None,
+            records,
+            ended: None,
+        }
+    }
+
     /// Opens a response on lane `key`, for what was asked on it (or, for
     /// a response none asked for, the steering sent since).
     fn open(&mut self, key: &str) {
@@ -469,8 +473,7 @@ impl Session {
 /// The session ended, however it did: the responses still under way are
 /// recorded with what came of them (ended as the upstream's failure when
 /// it went first), and the requests no response answered with no
-/// response: status 499 when the client went first (as nginx logs a
-/// request its client closed), 502 when the upstream did.
+/// response and the status of [`unanswered_status`].
 impl Drop for Session {
     fn drop(&mut self) {
         // Dropped by a fault's unwind: a second one would abort the
@@ -541,17 +544,7 @@ mod tests {
             client: ClientMeta::default(),
             mode: StreamMode::Holdback,
         };
-        let records_of = SessionRecords::new("fg-socket", "openai", &ClientMeta::default());
-        let mut session = Session {
-            state: state.clone(),
-            handshake,
-            lanes: HashMap::new(),
-            asked: HashMap::new(),
-            steered: Turn::default(),
-            model: None,
-            records: records_of,
-            ended: None,
-        };
+        let mut session = Session::new(state.clone(), handshake);
         let create = |text: &str, lane: &str| {
             let event = json!({"type": "response.create", "model": "gpt-5", "input": text,
                 "stream_id": lane});
