@@ -287,9 +287,10 @@ pub enum OnBlock {
 pub struct GuardConfig {
     pub stream_mode: StreamMode,
     pub on_block: OnBlock,
-    /// Larger request bodies get 413. The default is no less than what
-    /// the APIs themselves take: 32 MB for Anthropic's Messages API, 50 MB
-    /// of images in an OpenAI request.
+    /// Larger request bodies get 413, and a larger message from a
+    /// WebSocket session's client closes the socket with 1009. The default
+    /// is no less than what the APIs themselves take: 32 MB for
+    /// Anthropic's Messages API, 50 MB of images in an OpenAI request.
     pub max_body_bytes: usize,
     /// Larger bodies of a message batch's creation (`POST
     /// /v1/messages/batches`, read whole so that each of its requests is

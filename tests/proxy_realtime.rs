@@ -1157,6 +1157,38 @@ async fn what_the_close_leaves_unanswered_is_recorded() {
     proxy.stop().await;
 }
 
+/// A client event larger than `guard.max_body_bytes` is not read, nor
+/// sent on: the client's socket is closed with 1009 (message too big)
+/// and a reason that gives the limit, the upstream's with a close, and
+/// what the session had asked is recorded as the client ended it.
+#[tokio::test]
+async fn a_client_event_over_the_body_limit_closes_the_socket_with_1009() {
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+    let (addr, upstream) = Upstream::start().await;
+    let mut config = config(&format!("http://{addr}"), Path::new("rules"));
+    config.guard.max_body_bytes = 2_000;
+    let proxy = start_proxy(config).await;
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, user_item("Should I buy gold now?", "evt_1")).await;
+    upstream_took(&upstream, 1).await;
+    let long = "Tell me about budgets. ".repeat(120);
+    send(&mut ws, user_item(&long, "evt_2")).await;
+    let closed = tokio::time::timeout(Duration::from_secs(5), ws.next()).await;
+    let Ok(Some(Ok(Message::Close(Some(frame))))) = closed else {
+        panic!("not a close with a code: {closed:?}");
+    };
+    assert_eq!(frame.code, CloseCode::Size);
+    assert!(frame.reason.contains("the limit is 2000"), "{frame:?}");
+    let results = proxy.wait_for_results(1).await;
+    let record = &results[0]["exchange"];
+    assert_eq!(record["status"], 499, "{record}");
+    assert_eq!(record["texts"]["prompt"][0], "Should I buy gold now?");
+    let received = upstream.received();
+    assert_eq!(received.len(), 1, "{received:?}");
+    assert_eq!(received[0]["event_id"], "evt_1");
+    proxy.stop().await;
+}
+
 /// The beta API's events (`response.text.delta`,
 /// `response.audio_transcript.delta`, `conversation.item.created`) are
 /// read as the GA API's are.

@@ -115,8 +115,10 @@ use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_tungstenite::WebSocketStream;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
-use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
+use tokio_tungstenite::tungstenite::error::{CapacityError, ProtocolError};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message, Utf8Bytes};
 
 use super::batch;
 use super::respond::{self, Failure};
@@ -283,7 +285,8 @@ fn judge(
 /// side closes.
 pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upstream: Upgraded) {
     let (client, upstream) = (TokioIo::new(client), TokioIo::new(upstream));
-    relay(Session::new(state, handshake), client, upstream).await;
+    let limits = Limits::of(&state);
+    relay(Session::new(state, handshake), (client, upstream), limits).await;
 }
 
 /// What a guarded WebSocket session does with each side's events: its
@@ -312,27 +315,55 @@ fn as_text(bytes: Bytes) -> Utf8Bytes {
         .unwrap_or_else(|_| Utf8Bytes::from(String::from_utf8_lossy(&bytes).into_owned()))
 }
 
+/// The largest message each side of a session may send, in bytes.
+#[derive(Clone, Copy)]
+pub(super) struct Limits {
+    /// A client's events are requests: `guard.max_body_bytes`.
+    pub client: usize,
+    /// As large as the API sends.
+    pub upstream: usize,
+}
+
+impl Limits {
+    pub fn of(state: &State) -> Limits {
+        Limits {
+            client: state.config.guard.max_body_bytes,
+            upstream: 64 << 20,
+        }
+    }
+}
+
 /// Relays a WebSocket session between `client` and `upstream`, each
 /// message through `session`, until either side closes (the other has a
-/// while to answer the close) or fails. A fault while the session takes
-/// a message ends the session: what [`Relay::fault`] gives goes out, then
+/// while to answer the close) or fails. A side that sends what cannot be
+/// read (a message over its limit, a broken frame) is closed with the
+/// code that says so (1009, 1002, 1007), the client with 1011 when the
+/// upstream's connection fails. A fault while the session takes a
+/// message ends the session: what [`Relay::fault`] gives goes out, then
 /// both sides are closed (the session is dropped outside the unwind, so
 /// that its records are written).
-pub(super) async fn relay<C, U>(mut session: impl Relay, client: C, upstream: U)
+pub(super) async fn relay<C, U>(mut session: impl Relay, (client, upstream): (C, U), limits: Limits)
 where
     C: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     U: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     // No extension was let through the handshake (see `tunnel`), so
-    // frames come uncompressed; messages as large as the API takes.
-    let config = WebSocketConfig::default()
-        .max_message_size(Some(64 << 20))
-        .max_frame_size(Some(16 << 20));
-    let client = WebSocketStream::from_raw_socket(client, Role::Server, Some(config));
-    let upstream = WebSocketStream::from_raw_socket(upstream, Role::Client, Some(config));
+    // frames come uncompressed.
+    let config = |limit: usize| {
+        Some(
+            WebSocketConfig::default()
+                .max_message_size(Some(limit))
+                .max_frame_size(Some(limit)),
+        )
+    };
+    let client = WebSocketStream::from_raw_socket(client, Role::Server, config(limits.client));
+    let upstream =
+        WebSocketStream::from_raw_socket(upstream, Role::Client, config(limits.upstream));
     let (mut to_client, mut from_client) = client.await.split();
     let (mut to_upstream, mut from_upstream) = upstream.await.split();
     let mut closing: Option<tokio::time::Instant> = None;
+    // The closes a failed read leaves to send: the client's, the upstream's.
+    let mut last_words: (Option<CloseFrame>, Option<CloseFrame>) = (None, None);
     loop {
         // After a close, the other side has a while to answer it.
         let closed = async {
@@ -344,15 +375,19 @@ where
         let (message, side) = tokio::select! {
             message = from_client.next() => match message {
                 Some(Ok(message)) => (message, Side::Client),
-                _ => {
+                failed => {
                     session.ending(StreamEnd::ClientClosed);
+                    last_words.0 = failed.and_then(|read| unreadable(&read.err()?));
                     break;
                 }
             },
             message = from_upstream.next() => match message {
                 Some(Ok(message)) => (message, Side::Upstream),
-                _ => {
+                failed => {
                     session.ending(StreamEnd::UpstreamFailed);
+                    let failed = failed.and_then(|read| read.err());
+                    last_words.1 = failed.as_ref().and_then(unreadable);
+                    last_words.0 = Some(upstream_failed(failed));
                     break;
                 }
             },
@@ -383,7 +418,60 @@ where
             break;
         }
     }
-    let _ = tokio::join!(to_client.close(), to_upstream.close());
+    // A close sent first is the one that goes; `close` sends one only if
+    // none went yet.
+    let (to_client_last, to_upstream_last) = last_words;
+    let client_closed = async {
+        if let Some(frame) = to_client_last {
+            let _ = to_client.send(Message::Close(Some(frame))).await;
+        }
+        to_client.close().await
+    };
+    let upstream_closed = async {
+        if let Some(frame) = to_upstream_last {
+            let _ = to_upstream.send(Message::Close(Some(frame))).await;
+        }
+        to_upstream.close().await
+    };
+    let _ = tokio::join!(client_closed, upstream_closed);
+}
+
+/// The close that tells a side why what it sent could not be read:
+/// `None` when its connection is gone (nothing can reach it).
+fn unreadable(error: &WsError) -> Option<CloseFrame> {
+    let (code, reason) = match error {
+        &WsError::Capacity(CapacityError::MessageTooLong { size, max_size }) => (
+            CloseCode::Size,
+            format!("message too big: {size} bytes, the limit is {max_size}"),
+        ),
+        WsError::Protocol(ProtocolError::ResetWithoutClosingHandshake) => return None,
+        WsError::Protocol(error) => (CloseCode::Protocol, format!("protocol error: {error}")),
+        WsError::Utf8(_) => (CloseCode::Invalid, "a text message is not UTF-8".to_owned()),
+        _ => return None,
+    };
+    Some(CloseFrame {
+        code,
+        reason: reason.into(),
+    })
+}
+
+/// The close that tells the client the upstream's connection failed
+/// (`error`, or it ended without a close).
+fn upstream_failed(error: Option<WsError>) -> CloseFrame {
+    let reason = match error {
+        Some(WsError::Protocol(ProtocolError::ResetWithoutClosingHandshake)) | None => {
+            "the upstream's connection ended without a close"
+        }
+        Some(WsError::Capacity(_)) => "the upstream sent a message too big to read",
+        Some(WsError::Protocol(_) | WsError::Utf8(_)) => {
+            "the upstream broke the WebSocket protocol"
+        }
+        Some(_) => "the upstream's connection failed",
+    };
+    CloseFrame {
+        code: CloseCode::Error,
+        reason: reason.into(),
+    }
 }
 
 /// The side of a session a message came from.
@@ -1784,7 +1872,11 @@ mod tests {
         let session = Faulty {
             dropped: dropped.clone(),
         };
-        let relayed = tokio::spawn(relay(session, proxy_client, proxy_upstream));
+        let limits = Limits {
+            client: 1 << 10,
+            upstream: 1 << 10,
+        };
+        let relayed = tokio::spawn(relay(session, (proxy_client, proxy_upstream), limits));
         let mut client = WebSocketStream::from_raw_socket(client, Role::Client, None).await;
         let mut upstream = WebSocketStream::from_raw_socket(upstream, Role::Server, None).await;
         client.send(Message::text("hello")).await.unwrap();
@@ -1797,6 +1889,77 @@ mod tests {
         assert!(matches!(upstream.next().await, Some(Ok(Message::Close(_)))));
         relayed.await.unwrap();
         assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
+    }
+
+    /// A relay between in-memory sockets, each side's messages limited
+    /// to 1 KB: the client's and the upstream's ends, and the relay's task.
+    async fn relayed_sockets() -> (
+        WebSocketStream<tokio::io::DuplexStream>,
+        WebSocketStream<tokio::io::DuplexStream>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let (client, proxy_client) = tokio::io::duplex(1 << 16);
+        let (proxy_upstream, upstream) = tokio::io::duplex(1 << 16);
+        let session = Faulty {
+            dropped: Arc::default(),
+        };
+        let limits = Limits {
+            client: 1 << 10,
+            upstream: 1 << 10,
+        };
+        let relayed = tokio::spawn(relay(session, (proxy_client, proxy_upstream), limits));
+        let client = WebSocketStream::from_raw_socket(client, Role::Client, None).await;
+        let upstream = WebSocketStream::from_raw_socket(upstream, Role::Server, None).await;
+        (client, upstream, relayed)
+    }
+
+    /// The close frame a socket reads next.
+    async fn close_of(socket: &mut WebSocketStream<tokio::io::DuplexStream>) -> CloseFrame {
+        match socket.next().await {
+            Some(Ok(Message::Close(Some(frame)))) => frame,
+            other => panic!("not a close with a code: {other:?}"),
+        }
+    }
+
+    /// A message over a side's limit is not read: that side is closed
+    /// with 1009 (message too big) and its reason, the other side with
+    /// what it takes (the client, as the upstream failed).
+    #[tokio::test]
+    async fn a_message_over_the_limit_closes_its_side_with_1009() {
+        let (mut client, mut upstream, relayed) = relayed_sockets().await;
+        client.send(Message::text("x".repeat(2_000))).await.unwrap();
+        let frame = close_of(&mut client).await;
+        assert_eq!(frame.code, CloseCode::Size);
+        assert!(frame.reason.contains("limit is 1024"), "{frame:?}");
+        // The upstream had only the close.
+        assert!(matches!(
+            upstream.next().await,
+            Some(Ok(Message::Close(None)))
+        ));
+        relayed.await.unwrap();
+
+        let (mut client, mut upstream, relayed) = relayed_sockets().await;
+        upstream
+            .send(Message::text("y".repeat(2_000)))
+            .await
+            .unwrap();
+        assert_eq!(close_of(&mut upstream).await.code, CloseCode::Size);
+        let frame = close_of(&mut client).await;
+        assert_eq!(frame.code, CloseCode::Error);
+        assert!(frame.reason.contains("too big"), "{frame:?}");
+        relayed.await.unwrap();
+    }
+
+    /// An upstream whose connection ends without a close leaves the
+    /// client a close that says so (1011), not one without a code.
+    #[tokio::test]
+    async fn an_upstream_gone_without_a_close_closes_the_client_with_1011() {
+        let (mut client, upstream, relayed) = relayed_sockets().await;
+        drop(upstream);
+        let frame = close_of(&mut client).await;
+        assert_eq!(frame.code, CloseCode::Error);
+        assert!(frame.reason.contains("without a close"), "{frame:?}");
+        relayed.await.unwrap();
     }
 
     #[test]

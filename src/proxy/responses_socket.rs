@@ -70,7 +70,9 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
-use super::realtime::{Relay, Send, SessionRecords, Turn, content_filter_error, unanswered_status};
+use super::realtime::{
+    Limits, Relay, Send, SessionRecords, Turn, content_filter_error, unanswered_status,
+};
 use super::respond::{self, Failure};
 use super::{RecordDraft, State};
 use crate::config::StreamMode;
@@ -95,9 +97,10 @@ pub struct Handshake {
 
 /// Relays a Responses API socket, each event through the guard.
 pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upstream: Upgraded) {
+    let limits = Limits::of(&state);
     let session = Session::new(state, handshake);
     let (client, upstream) = (TokioIo::new(client), TokioIo::new(upstream));
-    super::realtime::relay(session, client, upstream).await;
+    super::realtime::relay(session, (client, upstream), limits).await;
 }
 
 /// The events that end a response.
