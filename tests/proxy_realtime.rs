@@ -1102,6 +1102,49 @@ async fn a_text_answer_blocked_midway_ends_after_what_went_before() {
     close(ws, proxy).await;
 }
 
+/// A text answer with a flagged word in it goes on out as it comes, as a
+/// stream does: the flag is counted and recorded, the text not held. Once
+/// flags weigh enough to block (a lower `risk.block_threshold`), the same
+/// answer is held from the flag on and ends filtered, the word unsent.
+#[tokio::test]
+async fn a_flagged_text_answer_goes_out_as_it_comes_unless_the_flags_block() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let deltas = [
+        "Skipping it was a mistake. ",
+        "Next month, set aside ",
+        "a little from each paycheck.",
+    ];
+    let done = r#""type":"response.output_text.done""#;
+    let (mut ws, mut texts) = paused_answer(&proxy, &upstream, &deltas, done).await;
+    texts.extend(until(&mut ws, "rate_limits.updated").await);
+    assert_eq!(texts, response("resp_1", "item_1", &deltas, false));
+    let results = proxy.wait_for_results(1).await;
+    let record = &results[0]["exchange"];
+    assert_eq!(record["verdict"], "flag", "{record}");
+    close(ws, proxy).await;
+
+    let (addr, upstream) = Upstream::start().await;
+    let mut config = config(&format!("http://{addr}"), Path::new("rules"));
+    // One flag in a response: 0.2 × 1/3 of the total risk.
+    config.risk.block_threshold = 0.05;
+    let proxy = start_proxy(config).await;
+    let script = response("resp_1", "item_1", &deltas, false);
+    upstream.script(waiting_before(script, done));
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    upstream_took(&upstream, 1).await;
+    let early = tokio::time::timeout(Duration::from_millis(300), ws.next()).await;
+    assert!(early.is_err(), "held: {early:?}");
+    send(&mut ws, json!({"type": "test.resume"}).to_string()).await;
+    let texts = until(&mut ws, "response.done").await;
+    assert!(texts.iter().all(|t| !t.contains("mistake")), "{texts:?}");
+    let events = parsed(&texts);
+    let details = &events.last().unwrap()["response"]["status_details"];
+    assert_eq!(details["reason"], "content_filter", "{details}");
+    close(ws, proxy).await;
+}
+
 /// A redaction in a text answer of which some went out early rewrites
 /// the rest: the deltas the client gets join to the redacted text, which
 /// every event that repeats it carries.

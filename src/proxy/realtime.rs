@@ -51,10 +51,11 @@
 //! (`guard::stream::safe_end` on the part's text so far), the events
 //! that carry no text (its `response.created`, an item or a part added
 //! empty) with them, as long as neither the part's text nor the prompt it
-//! answers has a hit (the text read from the longest match before what
-//! the client has, as the stream guard reads it). A hit, or anything but
-//! text, ends that: the rest is held to the `response.done` and decided
-//! whole, as above. A block then
+//! answers has a hit but flags (the text read from the longest match
+//! before what the client has, as the stream guard reads it), and their
+//! flags do not weigh enough together to block (`risk.block_threshold`).
+//! Any other hit, or anything but text, ends that: the rest is held to
+//! the `response.done` and decided whole, as above. A block then
 //! ends the response for the client after the text that went before it,
 //! and the client, which had the item, hears of its deletion; a
 //! redaction rewrites what is still held, from where the text sent ends
@@ -689,8 +690,12 @@ struct Answer {
     /// fairgate's own time on it.
     spent: Duration,
     /// Whether its text may still go out as it comes: only text so far,
-    /// and no hit in it.
+    /// and no hit in it but flags that do not make it block.
     streams: bool,
+    /// The flags (and logs) found in the text that went out early, one a
+    /// rule:
+    /// weighed with the prompt's hits and the next window's.
+    flagged: Vec<Hit>,
     /// How much of each text part's text the client has, once some went
     /// out early.
     shown: Vec<(PartKey, usize)>,
@@ -706,6 +711,19 @@ struct Scanned {
     context: Vec<String>,
     /// The texts a redaction rewrote, and what it made of each.
     redactions: Vec<(String, String)>,
+}
+
+/// Whether the hits of `turn` (the prompt an answer answers) and `found`
+/// in the answer's text only flag or log, and do not weigh enough
+/// together to block: the text may go on as it comes.
+fn flags_only(risk: &RiskConfig, turn: &Turn, found: &[Hit]) -> bool {
+    let mut hits = turn.hits.iter().chain(found);
+    if hits.any(|hit| hit.action > Action::Flag) {
+        return false;
+    }
+    let hits: Vec<Hit> = turn.hits.iter().chain(found).cloned().collect();
+    hits.is_empty() && turn.relevance.is_empty()
+        || risk::assess(risk, hits, &turn.relevance).decision != Decision::Block
 }
 
 /// How much of text part `key`'s text the client has, by `shown`.
@@ -724,20 +742,25 @@ impl Answer {
     /// that may be under way in it, at a clean point. The text is read
     /// from the longest match before what the client has (a match ending
     /// in new text begins there or after; one that ended before was found
-    /// when it did). A hit in it or in the prompt it answers, or text the
-    /// scan reads decoded too (a backslash), ends the response's
-    /// streaming: the rest waits for its end, which decides it whole.
-    fn safe_end(&mut self, key: &PartKey) -> usize {
+    /// when it did). A hit that does more than flag, in it or in the
+    /// prompt it answers, flags that together weigh enough to block
+    /// (`risk`), or text the scan reads decoded too (a backslash), end
+    /// the response's streaming: the rest waits for its end, which decides
+    /// it whole. Flags alone let it go on, as in a stream.
+    fn safe_end(&mut self, key: &PartKey, risk: &RiskConfig) -> usize {
         let shown = shown_of(&self.shown, key);
         let Some((_, text)) = self.parts.iter().find(|(k, _)| k == key) else {
             return shown;
         };
         let from = window_start(text, shown, shown, hold(&self.rules));
         let window = &text[from..];
-        if window.contains('\\')
-            || !self.turn.hits.is_empty()
-            || !self.rules.scan(Scope::Response, window).is_empty()
-        {
+        let found = self.rules.scan(Scope::Response, window);
+        for hit in found {
+            if !self.flagged.iter().any(|seen| seen.rule == hit.rule) {
+                self.flagged.push(hit);
+            }
+        }
+        if window.contains('\\') || !flags_only(risk, &self.turn, &self.flagged) {
             self.streams = false;
             return shown;
         }
@@ -1066,6 +1089,7 @@ impl Session {
                 held_bytes: 0,
                 spent: Duration::ZERO,
                 streams: true,
+                flagged: Vec::new(),
                 shown: Vec::new(),
             });
         if kind == "response.output_item.added"
@@ -1164,7 +1188,7 @@ impl Session {
             let safe_at = match safe.iter().find(|(k, _)| k == key) {
                 Some((_, at)) => *at,
                 None => {
-                    let at = answer.safe_end(key);
+                    let at = answer.safe_end(key, &self.state.config.risk);
                     safe.push((key.clone(), at));
                     at
                 }
@@ -1798,7 +1822,8 @@ mod tests {
     /// the client of a blocked one is at most the clean text before the
     /// phrase, then the filtered end; of a redacted one, deltas that join
     /// to the redacted text, which the `.done` events repeat; of a clean
-    /// one, every event as it came, in order.
+    /// one, every event as it came, in order, and so of a flagged one, its
+    /// text streaming on past the flag.
     #[tokio::test]
     async fn a_text_answer_cut_any_way_streams_only_what_no_rule_matches() {
         use crate::config::Config;
@@ -1808,10 +1833,15 @@ mod tests {
         let blocked = format!("{clean}Put all your savings into Dogecoin, it's the future.");
         let redacted = format!("{clean}Write to jane.doe@example.com for a review.");
         let clean_answer = format!("{clean}Then build an emergency fund, month by month.");
+        // `mistake` flags (shame language), and no more.
+        let flagged = format!(
+            "{clean}Skipping it was a mistake. Next month, set aside a little from each \
+             paycheck and keep going, step by step, until the emergency fund is there."
+        );
         let mut random = Lcg(62);
-        let mut streamed = 0;
-        for round in 0..300 {
-            let answer = [&blocked, &redacted, &clean_answer][round % 3];
+        let (mut streamed, mut past_the_flag) = (0, 0);
+        for round in 0..400 {
+            let answer = [&blocked, &redacted, &clean_answer, &flagged][round % 4];
             let deltas = random.pieces(answer, 12);
             let handshake = Handshake {
                 request_id: format!("fg-{round}"),
@@ -1833,12 +1863,15 @@ mod tests {
                     early = Some(sent.len());
                 }
             }
-            let said: String = sent
-                .iter()
-                .filter(|e| e["type"] == "response.output_text.delta")
-                .filter_map(|e| e["delta"].as_str())
-                .collect();
-            streamed += usize::from(early.unwrap_or(0) > 0);
+            let said_in = |events: &[Value]| -> String {
+                let deltas = events
+                    .iter()
+                    .filter(|e| e["type"] == "response.output_text.delta");
+                deltas.filter_map(|e| e["delta"].as_str()).collect()
+            };
+            let said = said_in(&sent);
+            let early = early.unwrap_or(0);
+            streamed += usize::from(early > 0);
             let done = sent.last().unwrap();
             assert_eq!(done["type"], "response.done", "{deltas:?}");
             if answer == &blocked {
@@ -1854,10 +1887,13 @@ mod tests {
             } else {
                 let sent_as_came: Vec<Value> = text_answer(&deltas);
                 assert_eq!(sent, sent_as_came, "{deltas:?}");
+                past_the_flag += usize::from(said_in(&sent[..early]).contains("mistake. Next"));
             }
         }
-        // Most rounds had some of their text out before the end.
-        assert!(streamed > 250, "{streamed} of 300");
+        // Most rounds had some of their text out before the end, and most
+        // flagged ones went on past the flag.
+        assert!(streamed > 330, "{streamed} of 400");
+        assert!(past_the_flag > 80, "{past_the_flag} of 100");
     }
 
     /// A fault while the session takes an event ends the session, not the
