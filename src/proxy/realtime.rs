@@ -363,8 +363,9 @@ where
     let (mut to_client, mut from_client) = client.await.split();
     let (mut to_upstream, mut from_upstream) = upstream.await.split();
     let mut closing: Option<tokio::time::Instant> = None;
-    // The closes a failed read leaves to send: the client's, the upstream's.
-    let mut last_words: (Option<CloseFrame>, Option<CloseFrame>) = (None, None);
+    // The closes a failed read leaves to send to each side.
+    let (mut client_close, mut upstream_close): (Option<CloseFrame>, Option<CloseFrame>) =
+        (None, None);
     loop {
         // After a close, the other side has a while to answer it.
         let closed = async {
@@ -378,7 +379,7 @@ where
                 Some(Ok(message)) => (message, Side::Client),
                 failed => {
                     session.ending(StreamEnd::ClientClosed);
-                    last_words.0 = failed.and_then(|read| unreadable(&read.err()?));
+                    client_close = failed.and_then(|read| unreadable(&read.err()?));
                     break;
                 }
             },
@@ -387,8 +388,8 @@ where
                 failed => {
                     session.ending(StreamEnd::UpstreamFailed);
                     let failed = failed.and_then(|read| read.err());
-                    last_words.1 = failed.as_ref().and_then(unreadable);
-                    last_words.0 = Some(upstream_failed(failed));
+                    upstream_close = failed.as_ref().and_then(unreadable);
+                    client_close = Some(upstream_failed(failed));
                     break;
                 }
             },
@@ -421,15 +422,14 @@ where
     }
     // A close sent first is the one that goes; `close` sends one only if
     // none went yet.
-    let (to_client_last, to_upstream_last) = last_words;
     let client_closed = async {
-        if let Some(frame) = to_client_last {
+        if let Some(frame) = client_close {
             let _ = to_client.send(Message::Close(Some(frame))).await;
         }
         to_client.close().await
     };
     let upstream_closed = async {
-        if let Some(frame) = to_upstream_last {
+        if let Some(frame) = upstream_close {
             let _ = to_upstream.send(Message::Close(Some(frame))).await;
         }
         to_upstream.close().await
@@ -693,8 +693,7 @@ struct Answer {
     /// and no hit in it but flags that do not make it block.
     streams: bool,
     /// The flags (and logs) found in the text that went out early, one a
-    /// rule:
-    /// weighed with the prompt's hits and the next window's.
+    /// rule: weighed with the prompt's hits and the next window's.
     flagged: Vec<Hit>,
     /// How much of each text part's text the client has, once some went
     /// out early.
@@ -1902,19 +1901,10 @@ mod tests {
     /// written).
     #[tokio::test]
     async fn a_fault_in_a_session_ends_it_with_its_own_ending() {
-        let (client, proxy_client) = tokio::io::duplex(1 << 16);
-        let (proxy_upstream, upstream) = tokio::io::duplex(1 << 16);
         let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let session = Faulty {
-            dropped: dropped.clone(),
-        };
-        let limits = Limits {
-            client: 1 << 10,
-            upstream: 1 << 10,
-        };
-        let relayed = tokio::spawn(relay(session, (proxy_client, proxy_upstream), limits));
-        let mut client = WebSocketStream::from_raw_socket(client, Role::Client, None).await;
-        let mut upstream = WebSocketStream::from_raw_socket(upstream, Role::Server, None).await;
+        let (client, upstream, relayed) = relayed_sockets(dropped.clone()).await;
+        let mut client = socket(client, Role::Client).await;
+        let mut upstream = socket(upstream, Role::Server).await;
         client.send(Message::text("hello")).await.unwrap();
         let got = upstream.next().await.unwrap().unwrap();
         assert_eq!(got, Message::text("hello"));
@@ -1927,30 +1917,58 @@ mod tests {
         assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
     }
 
-    /// A relay between in-memory sockets, each side's messages limited
-    /// to 1 KB: the client's and the upstream's ends, and the relay's task.
-    async fn relayed_sockets() -> (
-        WebSocketStream<tokio::io::DuplexStream>,
-        WebSocketStream<tokio::io::DuplexStream>,
-        tokio::task::JoinHandle<()>,
-    ) {
+    type Duplex = tokio::io::DuplexStream;
+
+    /// A relay of a [`Faulty`] session (`dropped` set when it is) between
+    /// in-memory sockets, each side's messages limited to 1 KB: the
+    /// client's and the upstream's raw ends, and the relay's task.
+    async fn relayed_sockets(
+        dropped: Arc<std::sync::atomic::AtomicBool>,
+    ) -> (Duplex, Duplex, tokio::task::JoinHandle<()>) {
         let (client, proxy_client) = tokio::io::duplex(1 << 16);
         let (proxy_upstream, upstream) = tokio::io::duplex(1 << 16);
-        let session = Faulty {
-            dropped: Arc::default(),
-        };
         let limits = Limits {
             client: 1 << 10,
             upstream: 1 << 10,
         };
+        let session = Faulty { dropped };
         let relayed = tokio::spawn(relay(session, (proxy_client, proxy_upstream), limits));
-        let client = WebSocketStream::from_raw_socket(client, Role::Client, None).await;
-        let upstream = WebSocketStream::from_raw_socket(upstream, Role::Server, None).await;
         (client, upstream, relayed)
     }
 
+    /// A raw end as a WebSocket of `role`.
+    async fn socket(end: Duplex, role: Role) -> WebSocketStream<Duplex> {
+        WebSocketStream::from_raw_socket(end, role, None).await
+    }
+
+    /// A client that sends a broken frame is closed with 1002, one that
+    /// sends text that is not UTF-8 with 1007; nothing reaches the
+    /// upstream but a close.
+    #[tokio::test]
+    async fn a_broken_frame_closes_its_side_with_1002_and_bad_text_with_1007() {
+        use tokio::io::AsyncWriteExt;
+        // Unmasked, which a client's frame may not be; then masked (by
+        // zeros) but not UTF-8.
+        let frames: [(&[u8], CloseCode); 2] = [
+            (&[0x81, 0x02, b'h', b'i'], CloseCode::Protocol),
+            (&[0x81, 0x82, 0, 0, 0, 0, 0xff, 0xfe], CloseCode::Invalid),
+        ];
+        for (frame, code) in frames {
+            let (mut client, upstream, relayed) = relayed_sockets(Arc::default()).await;
+            client.write_all(frame).await.unwrap();
+            let mut client = socket(client, Role::Client).await;
+            assert_eq!(close_of(&mut client).await.code, code);
+            let mut upstream = socket(upstream, Role::Server).await;
+            assert!(matches!(
+                upstream.next().await,
+                Some(Ok(Message::Close(None)))
+            ));
+            relayed.await.unwrap();
+        }
+    }
+
     /// The close frame a socket reads next.
-    async fn close_of(socket: &mut WebSocketStream<tokio::io::DuplexStream>) -> CloseFrame {
+    async fn close_of(socket: &mut WebSocketStream<Duplex>) -> CloseFrame {
         match socket.next().await {
             Some(Ok(Message::Close(Some(frame)))) => frame,
             other => panic!("not a close with a code: {other:?}"),
@@ -1962,7 +1980,11 @@ mod tests {
     /// what it takes (the client, as the upstream failed).
     #[tokio::test]
     async fn a_message_over_the_limit_closes_its_side_with_1009() {
-        let (mut client, mut upstream, relayed) = relayed_sockets().await;
+        let (client, upstream, relayed) = relayed_sockets(Arc::default()).await;
+        let (mut client, mut upstream) = (
+            socket(client, Role::Client).await,
+            socket(upstream, Role::Server).await,
+        );
         client.send(Message::text("x".repeat(2_000))).await.unwrap();
         let frame = close_of(&mut client).await;
         assert_eq!(frame.code, CloseCode::Size);
@@ -1974,7 +1996,11 @@ mod tests {
         ));
         relayed.await.unwrap();
 
-        let (mut client, mut upstream, relayed) = relayed_sockets().await;
+        let (client, upstream, relayed) = relayed_sockets(Arc::default()).await;
+        let (mut client, mut upstream) = (
+            socket(client, Role::Client).await,
+            socket(upstream, Role::Server).await,
+        );
         upstream
             .send(Message::text("y".repeat(2_000)))
             .await
@@ -1990,7 +2016,8 @@ mod tests {
     /// client a close that says so (1011), not one without a code.
     #[tokio::test]
     async fn an_upstream_gone_without_a_close_closes_the_client_with_1011() {
-        let (mut client, upstream, relayed) = relayed_sockets().await;
+        let (client, upstream, relayed) = relayed_sockets(Arc::default()).await;
+        let mut client = socket(client, Role::Client).await;
         drop(upstream);
         let frame = close_of(&mut client).await;
         assert_eq!(frame.code, CloseCode::Error);
