@@ -1145,6 +1145,27 @@ async fn a_flagged_text_answer_goes_out_as_it_comes_unless_the_flags_block() {
     close(ws, proxy).await;
 }
 
+/// A text answer with backslashes in it (a formula in LaTeX, as models
+/// write them) goes out as it comes too: the guard reads the text with
+/// its JSON escapes decoded as well, as the end's scan does, rather than
+/// holding it from the first backslash to its end.
+#[tokio::test]
+async fn a_text_answer_with_backslashes_goes_out_as_it_comes() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let deltas = [
+        r"By the rule of 72, \( t = 72 / r \) years ",
+        "double a sum. ",
+        "Start early and keep going.",
+    ];
+    let (mut ws, mut texts) = paused_answer(&proxy, &upstream, &deltas, "Start early").await;
+    texts.extend(until(&mut ws, "rate_limits.updated").await);
+    assert_eq!(texts, response("resp_1", "item_1", &deltas, false));
+    let results = proxy.wait_for_results(1).await;
+    assert_eq!(results[0]["exchange"]["verdict"], "allow", "{}", results[0]);
+    close(ws, proxy).await;
+}
+
 /// A redaction in a text answer of which some went out early rewrites
 /// the rest: the deltas the client gets join to the redacted text, which
 /// every event that repeats it carries.

@@ -52,8 +52,10 @@
 //! that carry no text (its `response.created`, an item or a part added
 //! empty) with them, as long as neither the part's text nor the prompt it
 //! answers has a hit but flags (the text read from the longest match
-//! before what the client has, as the stream guard reads it), and their
-//! flags do not weigh enough together to block (`risk.block_threshold`).
+//! before what the client has, as the stream guard reads it; once it has
+//! a backslash, with its JSON escapes decoded too, as the end's scan
+//! reads every text), and their flags do not weigh enough together to
+//! block (`risk.block_threshold`).
 //! Any other hit, or anything but text, ends that: the rest is held to
 //! the `response.done` and decided whole, as above. A block then
 //! ends the response for the client after the text that went before it,
@@ -730,6 +732,40 @@ fn shown_of(shown: &[(PartKey, usize)], key: &PartKey) -> usize {
     shown.iter().find(|(k, _)| k == key).map_or(0, |(_, n)| *n)
 }
 
+/// How far a text part's text may go out now ([`Answer::safe_end`]): in
+/// the text as written and, once it has an escape, in the text decoded.
+#[derive(Clone, Copy)]
+struct SafeEnd {
+    raw: usize,
+    decoded: Option<usize>,
+}
+
+impl SafeEnd {
+    /// Whether the start of `text` that ends at `end` may go out: in both
+    /// views.
+    fn covers(self, text: &str, end: usize) -> bool {
+        end <= self.raw
+            && self
+                .decoded
+                .is_none_or(|safe| decoded_len(&text[..end]) <= safe)
+    }
+}
+
+/// `text` with its JSON escapes decoded ([`guard::unescape_into`]), but
+/// for an escape at its end that more text may still complete; `None`
+/// when it has no escape.
+fn decoded_start(text: &str) -> Option<String> {
+    memchr::memchr(b'\\', text.as_bytes())?;
+    let mut decoded = String::with_capacity(text.len());
+    guard::unescape_into(&mut decoded, text, false);
+    Some(decoded)
+}
+
+/// The length of [`decoded_start`] of `text`.
+fn decoded_len(text: &str) -> usize {
+    decoded_start(text).map_or(text.len(), |decoded| decoded.len())
+}
+
 impl Answer {
     /// Whether some of its events went out early: the client has its
     /// items.
@@ -741,30 +777,60 @@ impl Answer {
     /// that may be under way in it, at a clean point. The text is read
     /// from the longest match before what the client has (a match ending
     /// in new text begins there or after; one that ended before was found
-    /// when it did). A hit that does more than flag, in it or in the
-    /// prompt it answers, flags that together weigh enough to block
-    /// (`risk`), or text the scan reads decoded too (a backslash), end
-    /// the response's streaming: the rest waits for its end, which decides
-    /// it whole. Flags alone let it go on, as in a stream.
-    fn safe_end(&mut self, key: &PartKey, risk: &RiskConfig) -> usize {
+    /// when it did), as written and, once it has a backslash, with its
+    /// JSON escapes decoded too, as [`Answer::scan`] reads it at the end
+    /// (a hit only that view has blocks, a redaction too). A hit that
+    /// does more than flag, in it or in the prompt it answers, or flags
+    /// that together weigh enough to block (`risk`), end the response's
+    /// streaming: the rest waits for its end, which decides it whole.
+    /// Flags alone let it go on, as in a stream.
+    fn safe_end(&mut self, key: &PartKey, risk: &RiskConfig) -> SafeEnd {
         let shown = shown_of(&self.shown, key);
-        let Some((_, text)) = self.parts.iter().find(|(k, _)| k == key) else {
-            return shown;
+        let stop = SafeEnd {
+            raw: shown,
+            decoded: None,
         };
-        let from = window_start(text, shown, shown, hold(&self.rules));
+        let Some((_, text)) = self.parts.iter().find(|(k, _)| k == key) else {
+            return stop;
+        };
+        let hold = hold(&self.rules);
+        let from = window_start(text, shown, shown, hold);
         let window = &text[from..];
-        let found = self.rules.scan(Scope::Response, window);
+        let mut found = self.rules.scan(Scope::Response, window);
+        // The text so far as a parser reads it: an escape it ends in
+        // waits for what completes it.
+        let decoded = decoded_start(text).map(|decoded| {
+            let shown = decoded_len(&text[..shown]);
+            let from = window_start(&decoded, shown, shown, hold);
+            let mut more = self.rules.scan(Scope::Response, &decoded[from..]);
+            more.retain(|hit| !found.iter().any(|h| h.rule == hit.rule));
+            guard::redactions_block(&mut more);
+            found.extend(more);
+            (decoded, shown, from)
+        });
         for hit in found {
             if !self.flagged.iter().any(|seen| seen.rule == hit.rule) {
                 self.flagged.push(hit);
             }
         }
-        if window.contains('\\') || !flags_only(risk, &self.turn, &self.flagged) {
+        if !flags_only(risk, &self.turn, &self.flagged) {
             self.streams = false;
-            return shown;
+            return stop;
         }
         let view = Normalized::new(window);
-        safe_end(&self.rules, text, shown, shown, from, &view, &[])
+        SafeEnd {
+            raw: safe_end(&self.rules, text, shown, shown, from, &view, &[]),
+            decoded: decoded.map(|(decoded, shown, from)| {
+                let view = Normalized::new(&decoded[from..]);
+                safe_end(&self.rules, &decoded, shown, shown, from, &view, &[])
+            }),
+        }
+    }
+
+    /// The text of part `key` so far.
+    fn text_of(&self, key: &PartKey) -> &str {
+        let part = self.parts.iter().find(|(k, _)| k == key);
+        part.map_or("", |(_, text)| text)
     }
 
     /// Scans each text of the response once: each part's joined deltas,
@@ -1175,7 +1241,7 @@ impl Session {
         let Some(answer) = self.answers.get_mut(response) else {
             return Vec::new();
         };
-        let mut safe: Vec<(PartKey, usize)> = Vec::new();
+        let mut safe: Vec<(PartKey, SafeEnd)> = Vec::new();
         let mut last = None;
         for (at, held) in self.held.iter().enumerate() {
             if held.response != response || (held.plain && held.part.is_none()) {
@@ -1192,7 +1258,7 @@ impl Session {
                     at
                 }
             };
-            if !answer.streams || held.end > safe_at {
+            if !answer.streams || !safe_at.covers(answer.text_of(key), held.end) {
                 break;
             }
             last = Some(at);
@@ -1837,11 +1903,36 @@ mod tests {
             "{clean}Skipping it was a mistake. Next month, set aside a little from each \
              paycheck and keep going, step by step, until the emergency fund is there."
         );
+        // A backslash (a formula in LaTeX) in a clean answer, and one that
+        // writes a letter of the blocked phrase as an escape, which the
+        // end's scan reads decoded: the text as written has no match.
+        let formula = format!(
+            "{clean}By the rule of 72, \\( t = 72 / r \\) years double a sum: at 6%, \\( t = 12 \\). \
+             Next month, set aside a little from each paycheck and keep going, step by step."
+        );
+        let escaped = format!("{clean}Put all your sav\\u0069ngs into Dogecoin, it's the future.");
         let mut random = Lcg(62);
-        let (mut streamed, mut past_the_flag) = (0, 0);
-        for round in 0..400 {
-            let answer = [&blocked, &redacted, &clean_answer, &flagged][round % 4];
-            let deltas = random.pieces(answer, 12);
+        let (mut streamed, mut past_the_flag, mut past_the_escape) = (0, 0, 0);
+        for round in 0..600 {
+            let answers = [
+                &blocked,
+                &redacted,
+                &clean_answer,
+                &flagged,
+                &formula,
+                &escaped,
+            ];
+            let answer = answers[round % answers.len()];
+            let deltas = match round {
+                // Past any match in the text as written, not in the text
+                // decoded.
+                5 => vec![
+                    clean,
+                    "Put all your sav\\u0069n",
+                    "gs into Dogecoin, it's the future.",
+                ],
+                _ => random.pieces(answer, 12),
+            };
             let handshake = Handshake {
                 request_id: format!("fg-{round}"),
                 upstream: "openai".to_owned(),
@@ -1873,7 +1964,7 @@ mod tests {
             streamed += usize::from(early > 0);
             let done = sent.last().unwrap();
             assert_eq!(done["type"], "response.done", "{deltas:?}");
-            if answer == &blocked {
+            if answer == &blocked || answer == &escaped {
                 assert!(clean.starts_with(&said), "{deltas:?}: {said:?}");
                 assert_eq!(done["response"]["status"], "incomplete", "{deltas:?}");
             } else if answer == &redacted {
@@ -1886,13 +1977,17 @@ mod tests {
             } else {
                 let sent_as_came: Vec<Value> = text_answer(&deltas);
                 assert_eq!(sent, sent_as_came, "{deltas:?}");
-                past_the_flag += usize::from(said_in(&sent[..early]).contains("mistake. Next"));
+                let early = said_in(&sent[..early]);
+                past_the_flag += usize::from(early.contains("mistake. Next"));
+                past_the_escape += usize::from(early.contains("\\( t = 12"));
             }
         }
         // Most rounds had some of their text out before the end, and most
-        // flagged ones went on past the flag.
-        assert!(streamed > 330, "{streamed} of 400");
+        // flagged ones went on past the flag, the formula's past its
+        // backslashes.
+        assert!(streamed > 495, "{streamed} of 600");
         assert!(past_the_flag > 80, "{past_the_flag} of 100");
+        assert!(past_the_escape > 80, "{past_the_escape} of 100");
     }
 
     /// A fault while the session takes an event ends the session, not the
