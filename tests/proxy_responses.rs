@@ -257,39 +257,53 @@ async fn monitor_mode_passes_a_stream_as_it_came() {
 }
 
 /// A redaction holds in every event that repeats the text: the part's and
-/// the item's ends, and the completed response.
+/// the item's ends, and the completed response; and so do two that
+/// overlap (a phone number whose digits run on into a card number), as
+/// one placeholder, as the whole answer is redacted.
 #[tokio::test]
 async fn a_redaction_holds_in_every_event() {
     let (_mock, proxy) = start().await;
-    let chunks = [
-        "Write to ",
-        "jane.doe@",
-        "example.com for the ",
-        "refund, she answers within a day or two.",
+    let cases = [
+        (
+            &[
+                "Write to ",
+                "jane.doe@",
+                "example.com for the ",
+                "refund, she answers within a day or two.",
+            ][..],
+            "Write to [REDACTED:email] for the refund, she answers within a day or two.",
+            "jane.doe",
+        ),
+        (
+            &["Call +1 1 1 1 1 1 ", "2345 6789 ", "0120 for the refund."][..],
+            "Call [REDACTED:phone] for the refund.",
+            "0120",
+        ),
     ];
-    let redacted = "Write to [REDACTED:email] for the refund, she answers within a day or two.";
-    let response = proxy
-        .post(
-            "/v1/responses",
-            json!({"chunks": chunks}),
-            &request("Who handles refunds?", true),
-        )
-        .await;
-    let body = response.text().await.unwrap();
-    assert!(!body.contains("jane.doe"), "{body}");
-    let events = events(&body);
-    assert_eq!(delta_text(&events), redacted);
-    let find = |name: &str| &events.iter().find(|(n, _)| n == name).unwrap().1;
-    assert_eq!(find("response.output_text.done")["text"], redacted);
-    assert_eq!(find("response.content_part.done")["part"]["text"], redacted);
-    assert_eq!(
-        find("response.output_item.done")["item"]["content"][0]["text"],
-        redacted
-    );
-    assert_eq!(
-        find("response.completed")["response"]["output"][0]["content"][0]["text"],
-        redacted
-    );
+    for (chunks, redacted, secret) in cases {
+        let response = proxy
+            .post(
+                "/v1/responses",
+                json!({"chunks": chunks}),
+                &request("Who handles refunds?", true),
+            )
+            .await;
+        let body = response.text().await.unwrap();
+        assert!(!body.contains(secret), "{body}");
+        let events = events(&body);
+        assert_eq!(delta_text(&events), redacted);
+        let find = |name: &str| &events.iter().find(|(n, _)| n == name).unwrap().1;
+        assert_eq!(find("response.output_text.done")["text"], redacted);
+        assert_eq!(find("response.content_part.done")["part"]["text"], redacted);
+        assert_eq!(
+            find("response.output_item.done")["item"]["content"][0]["text"],
+            redacted
+        );
+        assert_eq!(
+            find("response.completed")["response"]["output"][0]["content"][0]["text"],
+            redacted
+        );
+    }
     proxy.stop().await;
 }
 

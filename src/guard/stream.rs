@@ -198,7 +198,7 @@ use crate::proxy::respond::{self, Failure};
 use crate::record::{StreamEnd, Usage};
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::normalize::{Normalized, clean_point_at_or_before, clean_point_in};
-use crate::rules::{Action, Hit, RuleSet, Scope, redact};
+use crate::rules::{Action, Hit, RuleSet, Scope, redact, redact_spans, redacted_spans};
 
 use event::{Event, Shape, Text};
 
@@ -1776,11 +1776,12 @@ impl Guard {
         for Text { value, token } in texts {
             if self.acc.contains(&*value) || self.held_text.contains(&*value) {
                 let mut edited: Option<String> = None;
-                for hit in self.hits.iter().filter(|h| h.action == Action::Redact) {
-                    let original = &self.acc[hit.start..hit.end];
+                // Matches that overlap go as one, as `redact` takes them.
+                for (span, placeholder) in redacted_spans(&self.hits, 0) {
+                    let original = &self.acc[span];
                     let text = edited.as_deref().unwrap_or(&value);
                     if text.contains(original) {
-                        edited = Some(text.replace(original, &hit.placeholder));
+                        edited = Some(text.replace(original, placeholder));
                     }
                 }
                 edits.extend(edited.map(|text| (token, text)));
@@ -1788,15 +1789,8 @@ impl Guard {
             }
             let hits = self.setup.rules.scan(Scope::Response, &value);
             let blocks = hits.iter().any(|h| h.action == Action::Block);
-            let mut redacts: Vec<&Hit> =
-                hits.iter().filter(|h| h.action == Action::Redact).collect();
-            if !redacts.is_empty() {
-                redacts.sort_by_key(|h| std::cmp::Reverse(h.start));
-                let mut text = value.into_owned();
-                for hit in redacts {
-                    text.replace_range(hit.start..hit.end, &hit.placeholder);
-                }
-                edits.push((token, text));
+            if hits.iter().any(|h| h.action == Action::Redact) {
+                edits.push((token, redact(&value, &hits)));
             }
             self.repeated_hits.extend(hits);
             if blocks {
@@ -2966,26 +2960,12 @@ impl Guard {
         vec![self.text_frame_with(&text, self.block, safe)]
     }
 
-    /// `acc[from..to]` with the redact hits inside it replaced.
+    /// `acc[from..to]` with the redact hits inside it replaced, as
+    /// [`redact`] replaces them: matches that overlap go as one, under the
+    /// first one's placeholder.
     fn redacted(&self, from: usize, to: usize) -> String {
-        let mut out = String::new();
-        let mut at = from;
-        let mut spans: Vec<&Hit> = self
-            .hits
-            .iter()
-            .filter(|h| h.action == Action::Redact && h.start >= from && h.end <= to)
-            .collect();
-        spans.sort_by_key(|h| h.start);
-        for hit in spans {
-            if hit.start < at {
-                continue;
-            }
-            out.push_str(&self.acc[at..hit.start]);
-            out.push_str(&hit.placeholder);
-            at = hit.end;
-        }
-        out.push_str(&self.acc[at..to]);
-        out
+        let inside = self.hits.iter().filter(|h| h.end <= to);
+        redact_spans(&self.acc[from..to], redacted_spans(inside, from))
     }
 
     /// A re-framed chat completion chunk of `text`, which ends at `to` in
@@ -5132,14 +5112,7 @@ mod tests {
 
     /// `text` as a client should get it: every redaction applied.
     fn redacted_by_rules(text: &str) -> String {
-        let hits = RULES.scan(Scope::Response, text);
-        let mut spans: Vec<&Hit> = hits.iter().filter(|h| h.action == Action::Redact).collect();
-        spans.sort_by_key(|h| std::cmp::Reverse(h.start));
-        let mut out = text.to_owned();
-        for hit in spans {
-            out.replace_range(hit.start..hit.end, &hit.placeholder);
-        }
-        out
+        redact(text, &RULES.scan(Scope::Response, text))
     }
 
     /// The frames parsed, each with its event's name and its JSON data
@@ -6232,6 +6205,38 @@ mod tests {
                     "shift {shift}"
                 );
             }
+        }
+    }
+
+    /// Two redactions that overlap (a phone number whose digits run on
+    /// into a card number) go out as one placeholder, as the whole
+    /// answer is redacted: none of the second match's digits reach the
+    /// client, however the text is cut.
+    #[test]
+    fn overlapping_redactions_leave_nothing_of_either_match() {
+        let padding = "Here is my advice for you today, step by step. ".repeat(3);
+        let numbers = "+1 1 1 1 1 1 2345 6789 0120";
+        let text = format!("Call {numbers} now. {padding}");
+        let rules = setup(Endpoint::ChatCompletions, StreamMode::Holdback).rules;
+        let whole = redact(&text, &rules.scan(Scope::Response, &text));
+        assert_eq!(whole, format!("Call [REDACTED:phone] now. {padding}"));
+        let mut random = crate::testing::Lcg(9);
+        for round in 0..50 {
+            let mut guard = Guard::new(setup(Endpoint::ChatCompletions, StreamMode::Holdback));
+            let mut frames = Vec::new();
+            let pieces = match round {
+                0 => text.chars().map(String::from).collect(),
+                _ => random
+                    .pieces(&text, 12)
+                    .into_iter()
+                    .map(String::from)
+                    .collect::<Vec<_>>(),
+            };
+            for piece in &pieces {
+                frames.extend(guard.on_event(openai_delta(piece)));
+            }
+            frames.extend(guard.on_end());
+            assert_eq!(released_text(&frames), whole, "{pieces:?}");
         }
     }
 

@@ -270,23 +270,42 @@ impl RuleSet {
 /// Replaces the span of every `redact` hit with its rule's placeholder.
 /// Overlapping spans are merged and take the placeholder of the first.
 pub fn redact(text: &str, hits: &[Hit]) -> String {
-    let mut spans: Vec<(usize, usize, &str)> = hits
-        .iter()
-        .filter(|h| h.action == Action::Redact && h.end <= text.len())
-        .map(|h| (h.start, h.end, &*h.placeholder))
+    let spans = hits.iter().filter(|h| h.end <= text.len());
+    redact_spans(text, redacted_spans(spans, 0))
+}
+
+/// The spans that the `redact` hits among `hits` replace, less `from`
+/// (those that start before it left out), in order, each with its
+/// placeholder: overlapping ones merged, under the placeholder of the
+/// first.
+pub fn redacted_spans<'h>(
+    hits: impl IntoIterator<Item = &'h Hit>,
+    from: usize,
+) -> Vec<(std::ops::Range<usize>, &'h str)> {
+    let mut spans: Vec<&Hit> = (hits.into_iter())
+        .filter(|h| h.action == Action::Redact && h.start >= from)
         .collect();
-    spans.sort_by_key(|&(s, e, _)| (s, std::cmp::Reverse(e)));
+    spans.sort_by_key(|h| (h.start, std::cmp::Reverse(h.end)));
+    let mut merged: Vec<(std::ops::Range<usize>, &str)> = Vec::new();
+    for hit in spans {
+        let span = hit.start - from..hit.end - from;
+        match merged.last_mut() {
+            Some((last, _)) if span.start < last.end => last.end = last.end.max(span.end),
+            _ => merged.push((span, &hit.placeholder)),
+        }
+    }
+    merged
+}
+
+/// `text` with each of `spans` ([`redacted_spans`]) replaced by its
+/// placeholder.
+pub fn redact_spans(text: &str, spans: Vec<(std::ops::Range<usize>, &str)>) -> String {
     let mut out = String::with_capacity(text.len());
     let mut at = 0;
-    for (start, end, placeholder) in spans {
-        if end <= at {
-            continue;
-        }
-        if start >= at {
-            out.push_str(&text[at..start]);
-            out.push_str(placeholder);
-        }
-        at = end;
+    for (span, placeholder) in spans {
+        out.push_str(&text[at..span.start]);
+        out.push_str(placeholder);
+        at = span.end;
     }
     out.push_str(&text[at..]);
     out
