@@ -619,12 +619,8 @@ async fn redactions_rewrite_text_and_block_audio() {
     send(&mut ws, json!({"type": "response.create"}).to_string()).await;
     let texts = until(&mut ws, "rate_limits.updated").await;
     let events = parsed(&texts);
-    let deltas: Vec<&Value> = events
-        .iter()
-        .filter(|e| e["type"] == "response.output_text.delta")
-        .collect();
-    assert_eq!(deltas.len(), 1, "{texts:?}");
-    let redacted = deltas[0]["delta"].as_str().unwrap();
+    let redacted = said_in(&events);
+    let redacted = redacted.as_str();
     assert!(redacted.starts_with("Write to ") && redacted.ends_with(" for help."));
     assert!(!redacted.contains("jane"), "{redacted}");
     for text in &texts {
@@ -1195,6 +1191,50 @@ async fn a_redaction_after_early_text_rewrites_the_rest() {
         .find(|e| e["type"] == "response.output_text.done")
         .unwrap();
     assert_eq!(done["text"], said.as_str());
+    close(ws, proxy).await;
+}
+
+/// A redaction in a text answer does not hold the rest of it: the text
+/// goes on out as it comes, the match replaced by its placeholder once
+/// it is whole (the deltas that carry it going as one), and the events
+/// that repeat the text at its end carry it redacted.
+#[tokio::test]
+async fn a_redacted_text_answer_streams_on_past_the_redaction() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let deltas = [
+        "Here is a plan: ",
+        "write to jane.",
+        "doe@example.com for help. ",
+        "Then save a little each week.",
+    ];
+    let redacted =
+        "Here is a plan: write to [REDACTED:email] for help. Then save a little each week.";
+    let script = response("resp_1", "item_1", &deltas, false);
+    upstream.script(waiting_before(script, "Then save"));
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    // Before the upstream goes on, the client has the text past the
+    // redaction.
+    let mut texts = Vec::new();
+    while !said_in(&parsed(&texts)).contains("] for help.") {
+        texts.extend(until(&mut ws, "response.output_text.delta").await);
+    }
+    assert!(redacted.starts_with(&said_in(&parsed(&texts))), "{texts:?}");
+    send(&mut ws, json!({"type": "test.resume"}).to_string()).await;
+    texts.extend(until(&mut ws, "rate_limits.updated").await);
+    assert!(texts.iter().all(|t| !t.contains("jane.doe")), "{texts:?}");
+    let events = parsed(&texts);
+    assert_eq!(said_in(&events), redacted);
+    let done = events
+        .iter()
+        .find(|e| e["type"] == "response.output_text.done")
+        .unwrap();
+    assert_eq!(done["text"], redacted);
+    let results = proxy.wait_for_results(1).await;
+    let record = &results[0]["exchange"];
+    assert_eq!(record["verdict"], "redact", "{record}");
+    assert_eq!(record["texts"]["response"][0], redacted, "{record}");
     close(ws, proxy).await;
 }
 

@@ -51,17 +51,21 @@
 //! (`guard::stream::safe_end` on the part's text so far), the events
 //! that carry no text (its `response.created`, an item or a part added
 //! empty) with them, as long as neither the part's text nor the prompt it
-//! answers has a hit but flags (the text read from the longest match
-//! before what the client has, as the stream guard reads it; once it has
-//! a backslash, with its JSON escapes decoded too, as the end's scan
-//! reads every text), and their flags do not weigh enough together to
-//! block (`risk.block_threshold`).
+//! answers has a hit but flags and redactions (the text read from the
+//! longest match before what the client has, as the stream guard reads
+//! it; once it has a backslash, with its JSON escapes decoded too, as the
+//! end's scan reads every text), and these do not weigh enough together
+//! to block (`risk.block_threshold`). A redaction goes out as a stream's
+//! does: once its match is whole, its placeholder in place of it, the
+//! deltas that carry the match going as one (the first of them carrying
+//! their text redacted); the events that repeat the text at its end carry
+//! it redacted ([`release`]).
 //! Any other hit, or anything but text, ends that: the rest is held to
 //! the `response.done` and decided whole, as above. A block then
 //! ends the response for the client after the text that went before it,
 //! and the client, which had the item, hears of its deletion; a
 //! redaction rewrites what is still held, from where the text sent ends
-//! (the text sent was scanned clean, and no match reaches back into it).
+//! (no match reaches back into the text sent).
 //! A client that sends audio gets every response whole at its end: the
 //! transcript of what a response answers may come after it began, and a
 //! block there stops it.
@@ -133,7 +137,7 @@ use crate::guard::{self, block_message, rule_ids};
 use crate::record::{ClientMeta, StreamEnd, Usage, now_ms};
 use crate::risk::{self, Decision, RiskConfig, Verdict};
 use crate::rules::normalize::Normalized;
-use crate::rules::{Action, Hit, RuleSet, Scope, redact};
+use crate::rules::{Action, Hit, RuleSet, Scope, redact, redact_spans, redacted_spans};
 
 /// The route label of Realtime sessions, in metrics and records.
 const ROUTE: &str = "realtime";
@@ -692,14 +696,28 @@ struct Answer {
     /// fairgate's own time on it.
     spent: Duration,
     /// Whether its text may still go out as it comes: only text so far,
-    /// and no hit in it but flags that do not make it block.
+    /// and no hit in it but flags and redactions that do not make it
+    /// block.
     streams: bool,
-    /// The flags (and logs) found in the text that went out early, one a
-    /// rule: weighed with the prompt's hits and the next window's.
+    /// The hits found in the text that went out early (flags, logs,
+    /// redactions), one a rule: weighed with the prompt's hits and the
+    /// next window's.
     flagged: Vec<Hit>,
+    /// The redactions found in each text part's text so far, spans in
+    /// it, as it streams.
+    redacts: Vec<(PartKey, Vec<Hit>)>,
     /// How much of each text part's text the client has, once some went
     /// out early.
-    shown: Vec<(PartKey, usize)>,
+    shown: Vec<(PartKey, Shown)>,
+}
+
+/// What the client has of a text part, once some of it went out early.
+#[derive(Debug, Clone, Copy, Default)]
+struct Shown {
+    /// How far into the part's text as the model wrote it.
+    text: usize,
+    /// How long that is as the client has it, redacted.
+    redacted: usize,
 }
 
 /// What the scan of a response found.
@@ -715,11 +733,11 @@ struct Scanned {
 }
 
 /// Whether the hits of `turn` (the prompt an answer answers) and `found`
-/// in the answer's text only flag or log, and do not weigh enough
-/// together to block: the text may go on as it comes.
-fn flags_only(risk: &RiskConfig, turn: &Turn, found: &[Hit]) -> bool {
+/// in the answer's text only flag, log or redact, and do not weigh
+/// enough together to block: the text may go on as it comes.
+fn streams_on(risk: &RiskConfig, turn: &Turn, found: &[Hit]) -> bool {
     let mut hits = turn.hits.iter().chain(found);
-    if hits.any(|hit| hit.action > Action::Flag) {
+    if hits.any(|hit| hit.action > Action::Redact) {
         return false;
     }
     let hits: Vec<Hit> = turn.hits.iter().chain(found).cloned().collect();
@@ -727,9 +745,10 @@ fn flags_only(risk: &RiskConfig, turn: &Turn, found: &[Hit]) -> bool {
         || risk::assess(risk, hits, &turn.relevance).decision != Decision::Block
 }
 
-/// How much of text part `key`'s text the client has, by `shown`.
-fn shown_of(shown: &[(PartKey, usize)], key: &PartKey) -> usize {
-    shown.iter().find(|(k, _)| k == key).map_or(0, |(_, n)| *n)
+/// What the client has of text part `key`, by `shown`.
+fn shown_of(shown: &[(PartKey, Shown)], key: &PartKey) -> Shown {
+    let found = shown.iter().find(|(k, _)| k == key);
+    found.map_or(Shown::default(), |(_, shown)| *shown)
 }
 
 /// How far a text part's text may go out now ([`Answer::safe_end`]): in
@@ -785,7 +804,7 @@ impl Answer {
     /// streaming: the rest waits for its end, which decides it whole.
     /// Flags alone let it go on, as in a stream.
     fn safe_end(&mut self, key: &PartKey, risk: &RiskConfig) -> SafeEnd {
-        let shown = shown_of(&self.shown, key);
+        let shown = shown_of(&self.shown, key).text;
         let stop = SafeEnd {
             raw: shown,
             decoded: None,
@@ -797,6 +816,26 @@ impl Answer {
         let from = window_start(text, shown, shown, hold);
         let window = &text[from..];
         let mut found = self.rules.scan(Scope::Response, window);
+        let at = match self.redacts.iter().position(|(k, _)| k == key) {
+            Some(at) => at,
+            None => {
+                self.redacts.push((key.clone(), Vec::new()));
+                self.redacts.len() - 1
+            }
+        };
+        let redacts = &mut self.redacts[at].1;
+        for hit in found.iter().filter(|h| h.action == Action::Redact) {
+            let (start, end) = (hit.start + from, hit.end + from);
+            // A match grows as text arrives ("a@b.co", then "a@b.com").
+            match (redacts.iter_mut()).find(|h| h.rule == hit.rule && h.start == start) {
+                Some(known) => known.end = known.end.max(end),
+                None => redacts.push(Hit {
+                    start,
+                    end,
+                    ..hit.clone()
+                }),
+            }
+        }
         // The text so far as a parser reads it: an escape it ends in
         // waits for what completes it.
         let decoded = decoded_start(text).map(|decoded| {
@@ -813,13 +852,14 @@ impl Answer {
                 self.flagged.push(hit);
             }
         }
-        if !flags_only(risk, &self.turn, &self.flagged) {
+        if !streams_on(risk, &self.turn, &self.flagged) {
             self.streams = false;
             return stop;
         }
         let view = Normalized::new(window);
+        let redacts = self.redacts_of(key);
         SafeEnd {
-            raw: safe_end(&self.rules, text, shown, shown, from, &view, &[]),
+            raw: safe_end(&self.rules, text, shown, shown, from, &view, redacts),
             decoded: decoded.map(|(decoded, shown, from)| {
                 let view = Normalized::new(&decoded[from..]);
                 safe_end(&self.rules, &decoded, shown, shown, from, &view, &[])
@@ -831,6 +871,35 @@ impl Answer {
     fn text_of(&self, key: &PartKey) -> &str {
         let part = self.parts.iter().find(|(k, _)| k == key);
         part.map_or("", |(_, text)| text)
+    }
+
+    /// The redactions found so far in the text of part `key`.
+    fn redacts_of(&self, key: &PartKey) -> &[Hit] {
+        let redacts = self.redacts.iter().find(|(k, _)| k == key);
+        redacts.map_or(&[], |(_, redacts)| redacts)
+    }
+
+    /// Whether `at` in the text of part `key` lies inside a redaction.
+    fn inside_redaction(&self, key: &PartKey, at: usize) -> bool {
+        (self.redacts_of(key).iter()).any(|h| h.start < at && at < h.end)
+    }
+
+    /// Part `key`'s text from where the client's ends to `to`, as the
+    /// client gets it: redacted. The client has it to `to` then.
+    fn show(&mut self, key: &PartKey, to: usize) -> String {
+        let shown = shown_of(&self.shown, key);
+        let text = &self.text_of(key)[shown.text..to];
+        let redacts = self.redacts_of(key).iter().filter(|h| h.end <= to);
+        let text = redact_spans(text, redacted_spans(redacts, shown.text));
+        let now = Shown {
+            text: to,
+            redacted: shown.redacted + text.len(),
+        };
+        match self.shown.iter_mut().find(|(k, _)| k == key) {
+            Some((_, shown)) => *shown = now,
+            None => self.shown.push((key.clone(), now)),
+        }
+        text
     }
 
     /// Scans each text of the response once: each part's joined deltas,
@@ -1155,6 +1224,7 @@ impl Session {
                 spent: Duration::ZERO,
                 streams: true,
                 flagged: Vec::new(),
+                redacts: Vec::new(),
                 shown: Vec::new(),
             });
         if kind == "response.output_item.added"
@@ -1235,7 +1305,9 @@ impl Session {
     /// that carry no text, and the deltas of its text parts up to where
     /// no match may be under way in the part's text ([`Answer::safe_end`]),
     /// through the last such delta (so nothing goes before some text
-    /// does).
+    /// does) that does not end inside a redaction. The deltas of a part
+    /// whose text going out now holds a redaction go as one, the first of
+    /// them carrying that text redacted.
     fn stream_early(&mut self, response: &str) -> Vec<Send> {
         let started = Instant::now();
         let Some(answer) = self.answers.get_mut(response) else {
@@ -1261,32 +1333,63 @@ impl Session {
             if !answer.streams || !safe_at.covers(answer.text_of(key), held.end) {
                 break;
             }
-            last = Some(at);
+            // Its text goes with that of the delta that ends the match.
+            if !answer.inside_redaction(key, held.end) {
+                last = Some(at);
+            }
         }
         let Some(last) = last else {
             answer.spent += started.elapsed();
             return Vec::new();
         };
+        // How far each part's text goes out now; when a redaction
+        // rewrites it, that text, until a delta carries it.
+        type Rewritten = Option<Option<String>>;
+        let mut ends: Vec<(PartKey, usize, Rewritten)> = Vec::new();
+        let going = self.held[..=last].iter().filter(|h| h.response == response);
+        for held in going {
+            let Some(key) = &held.part else { continue };
+            match ends.iter_mut().find(|(k, _, _)| k == key) {
+                Some((_, end, _)) => *end = held.end,
+                None => ends.push((key.clone(), held.end, None)),
+            }
+        }
+        for (key, end, rewritten) in &mut ends {
+            let from = shown_of(&answer.shown, key).text;
+            let text = answer.show(key, *end);
+            if text != answer.text_of(key)[from..*end] {
+                *rewritten = Some(Some(text));
+            }
+        }
         let mut early = Vec::new();
         let mut at = 0;
         self.held.retain_mut(|held| {
             let goes = at <= last && held.response == response;
             at += 1;
-            if goes {
-                // Out, it is held no more.
-                answer.held_bytes -= held.text.len();
-                early.push(std::mem::replace(
-                    &mut held.text,
-                    Utf8Bytes::from_static(""),
-                ));
-                if let Some(key) = &held.part {
-                    match answer.shown.iter_mut().find(|(k, _)| k == key) {
-                        Some((_, shown)) => *shown = held.end,
-                        None => answer.shown.push((key.clone(), held.end)),
+            if !goes {
+                return true;
+            }
+            // Out, it is held no more.
+            answer.held_bytes -= held.text.len();
+            let text = std::mem::replace(&mut held.text, Utf8Bytes::from_static(""));
+            let rewritten = (held.part.as_ref())
+                .and_then(|key| ends.iter_mut().find(|(k, _, _)| k == key))
+                .and_then(|(_, _, rewritten)| rewritten.as_mut());
+            match rewritten {
+                None => early.push(text),
+                // The first of the part's deltas carries its text redacted,
+                // the others go.
+                Some(rewritten) => {
+                    let Some(redacted) = rewritten.take() else {
+                        return false;
+                    };
+                    if let Ok(mut event) = serde_json::from_str::<Value>(text.as_str()) {
+                        event["delta"] = Value::from(redacted);
+                        early.push(Utf8Bytes::from(event.to_string()));
                     }
                 }
             }
-            !goes
+            false
         });
         answer.spent += started.elapsed();
         early
@@ -1683,14 +1786,15 @@ fn redacted_of<'r>(redactions: &'r [(String, String)], text: &str) -> Option<&'r
 
 /// A response's held events as they go out after `redactions`: a text
 /// part that a redaction rewrote has its first delta held carry the
-/// part's redacted text (from where the text `shown` early ends: no
-/// redaction reaches back into it), and its other deltas go; a repeated
+/// part's redacted text (from where the text `shown` early ends, as the
+/// client has it: redacted too, and no redaction reaches back past it),
+/// and its other deltas go; a repeated
 /// text is replaced where an event repeats it. An event that cannot be
 /// read again (none that was read once) goes.
 fn release(
     held: Vec<Held>,
     parts: &[(PartKey, String)],
-    shown: &[(PartKey, usize)],
+    shown: &[(PartKey, Shown)],
     redactions: &[(String, String)],
 ) -> Vec<Utf8Bytes> {
     if redactions.is_empty() {
@@ -1711,7 +1815,7 @@ fn release(
             if !begun.insert(key.clone()) {
                 continue;
             }
-            let from = shown_of(shown, key);
+            let from = shown_of(shown, key).redacted;
             if let Ok(mut event) = serde_json::from_str::<Value>(held.text.as_str()) {
                 event["delta"] = Value::from(redacted.get(from..).unwrap_or_default());
                 out.push(Utf8Bytes::from(event.to_string()));
@@ -1886,9 +1990,10 @@ mod tests {
     /// However the upstream cuts a text answer into deltas, what reaches
     /// the client of a blocked one is at most the clean text before the
     /// phrase, then the filtered end; of a redacted one, deltas that join
-    /// to the redacted text, which the `.done` events repeat; of a clean
-    /// one, every event as it came, in order, and so of a flagged one, its
-    /// text streaming on past the flag.
+    /// to the redacted text, which the `.done` events repeat, streaming on
+    /// past the redaction (two that overlap go as one); of a clean one,
+    /// every event as it came, in order, and so of a flagged one, its text
+    /// streaming on past the flag.
     #[tokio::test]
     async fn a_text_answer_cut_any_way_streams_only_what_no_rule_matches() {
         use crate::config::Config;
@@ -1896,7 +2001,10 @@ mod tests {
         let state = Arc::new(State::new(Config::default()).unwrap());
         let clean = "Here is my advice for you today, friend: keep a budget. ";
         let blocked = format!("{clean}Put all your savings into Dogecoin, it's the future.");
-        let redacted = format!("{clean}Write to jane.doe@example.com for a review.");
+        let tail = "Next month, set aside a little from each paycheck and keep going.";
+        let redacted = format!("{clean}Write to jane.doe@example.com for a review. {tail}");
+        // A phone number whose digits run on into a card number.
+        let overlapping = format!("{clean}Call +1 1 1 1 1 1 2345 6789 0120 for a review. {tail}");
         let clean_answer = format!("{clean}Then build an emergency fund, month by month.");
         // `mistake` flags (shame language), and no more.
         let flagged = format!(
@@ -1913,7 +2021,8 @@ mod tests {
         let escaped = format!("{clean}Put all your sav\\u0069ngs into Dogecoin, it's the future.");
         let mut random = Lcg(62);
         let (mut streamed, mut past_the_flag, mut past_the_escape) = (0, 0, 0);
-        for round in 0..600 {
+        let mut past_the_redaction = 0;
+        for round in 0..700 {
             let answers = [
                 &blocked,
                 &redacted,
@@ -1921,6 +2030,7 @@ mod tests {
                 &flagged,
                 &formula,
                 &escaped,
+                &overlapping,
             ];
             let answer = answers[round % answers.len()];
             let deltas = match round {
@@ -1967,9 +2077,14 @@ mod tests {
             if answer == &blocked || answer == &escaped {
                 assert!(clean.starts_with(&said), "{deltas:?}: {said:?}");
                 assert_eq!(done["response"]["status"], "incomplete", "{deltas:?}");
-            } else if answer == &redacted {
-                let expected = format!("{clean}Write to [REDACTED:email] for a review.");
+            } else if answer == &redacted || answer == &overlapping {
+                let expected = match answer == &redacted {
+                    true => format!("{clean}Write to [REDACTED:email] for a review. {tail}"),
+                    false => format!("{clean}Call [REDACTED:phone] for a review. {tail}"),
+                };
                 assert_eq!(said, expected, "{deltas:?}");
+                let early = said_in(&sent[..early]);
+                past_the_redaction += usize::from(early.contains("] for a review. Next"));
                 let repeated = sent
                     .iter()
                     .find(|e| e["type"] == "response.output_text.done");
@@ -1985,7 +2100,8 @@ mod tests {
         // Most rounds had some of their text out before the end, and most
         // flagged ones went on past the flag, the formula's past its
         // backslashes.
-        assert!(streamed > 495, "{streamed} of 600");
+        assert!(streamed > 580, "{streamed} of 700");
+        assert!(past_the_redaction > 160, "{past_the_redaction} of 200");
         assert!(past_the_flag > 80, "{past_the_flag} of 100");
         assert!(past_the_escape > 80, "{past_the_escape} of 100");
     }
