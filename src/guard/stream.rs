@@ -3599,11 +3599,13 @@ pub(crate) fn safe_end(
     let Some(mut safe) = clean_point_in(text, released + 1, at) else {
         return released;
     };
-    // Never split a redaction.
-    for hit in hits {
-        if hit.action == Action::Redact && hit.start < safe && safe < hit.end {
-            safe = hit.start;
-        }
+    // Never split a redaction, nor one that overlaps the one it moved
+    // back to.
+    let splits = |safe: usize, hit: &&Hit| {
+        hit.action == Action::Redact && hit.start < safe && safe < hit.end
+    };
+    while let Some(hit) = hits.iter().find(|hit| splits(safe, hit)) {
+        safe = hit.start;
     }
     safe.max(released)
 }
@@ -6205,6 +6207,30 @@ mod tests {
                     "shift {shift}"
                 );
             }
+        }
+    }
+
+    /// A release point is never inside a redaction, nor inside one that
+    /// overlaps the redaction it moved back to, in whichever order the
+    /// hits were found.
+    #[test]
+    fn a_release_point_splits_no_redaction_that_overlaps_another() {
+        let rules = setup(Endpoint::ChatCompletions, StreamMode::Holdback).rules;
+        let text = "Call me on the phone now, it is fine by me. ";
+        let view = Normalized::new(text);
+        let free = safe_end(&rules, text, 0, 0, 0, &view, &[]);
+        assert!(free > 20, "{free}");
+        let email = rules
+            .scan(Scope::Response, "jane.doe@example.com")
+            .remove(0);
+        let span = |start, end| Hit {
+            start,
+            end,
+            ..email.clone()
+        };
+        let (first, second) = (span(5, 17), span(6, free + 1));
+        for hits in [[first.clone(), second.clone()], [second, first]] {
+            assert_eq!(safe_end(&rules, text, 0, 0, 0, &view, &hits), 5, "{hits:?}");
         }
     }
 
