@@ -1314,6 +1314,8 @@ impl Session {
             return Vec::new();
         };
         let mut safe: Vec<(PartKey, SafeEnd)> = Vec::new();
+        // The parts whose last delta so far ends inside a redaction.
+        let mut inside: Vec<&PartKey> = Vec::new();
         let mut last = None;
         for (at, held) in self.held.iter().enumerate() {
             if held.response != response || (held.plain && held.part.is_none()) {
@@ -1334,7 +1336,11 @@ impl Session {
                 break;
             }
             // Its text goes with that of the delta that ends the match.
-            if !answer.inside_redaction(key, held.end) {
+            inside.retain(|k| *k != key);
+            if answer.inside_redaction(key, held.end) {
+                inside.push(key);
+            }
+            if inside.is_empty() {
                 last = Some(at);
             }
         }
@@ -2104,6 +2110,66 @@ mod tests {
         assert!(past_the_redaction > 160, "{past_the_redaction} of 200");
         assert!(past_the_flag > 80, "{past_the_flag} of 100");
         assert!(past_the_escape > 80, "{past_the_escape} of 100");
+    }
+
+    /// Two text parts whose deltas interleave: a delta of one that ends
+    /// inside a redaction does not go out because a delta of the other
+    /// may, and what the client gets of each joins to its text redacted.
+    #[tokio::test]
+    async fn interleaved_parts_release_no_delta_inside_a_redaction() {
+        use crate::config::Config;
+        let state = Arc::new(State::new(Config::default()).unwrap());
+        let handshake = Handshake {
+            request_id: "fg-parts".to_owned(),
+            upstream: "openai".to_owned(),
+            model: None,
+            client: ClientMeta::default(),
+            monitor: false,
+        };
+        let mut session = Session::new(state, handshake);
+        let delta = |index: u64, delta: &str| {
+            json!({"type": "response.output_text.delta", "response_id": "resp_1",
+                "item_id": "item_1", "output_index": 0, "content_index": index, "delta": delta})
+        };
+        let added = |index: u64| {
+            json!({"type": "response.content_part.added", "response_id": "resp_1",
+                "item_id": "item_1", "output_index": 0, "content_index": index,
+                "part": {"type": "text", "text": ""}})
+        };
+        let events = [
+            json!({"type": "response.created", "response": {"id": "resp_1",
+                "status": "in_progress", "output": []}}),
+            added(0),
+            added(1),
+            delta(0, "Write to jane."),
+            delta(1, "Then save "),
+            // A match may be under way at its end (`guaranteed`).
+            delta(0, "doe@example.com for a guaran"),
+            delta(1, "a little each week. "),
+        ];
+        let mut sent = Vec::new();
+        for event in events {
+            for send in session.upstream_event(Utf8Bytes::from(event.to_string())) {
+                if let Send::Client(Message::Text(text)) = send {
+                    sent.push(serde_json::from_str::<Value>(text.as_str()).unwrap());
+                }
+            }
+        }
+        let said = |index: u64| -> String {
+            let deltas = sent.iter().filter(|e| {
+                e["type"] == "response.output_text.delta" && e["content_index"] == index
+            });
+            deltas.filter_map(|e| e["delta"].as_str()).collect()
+        };
+        assert!(!said(0).contains("jane"), "{sent:?}");
+        assert!(
+            "Write to [REDACTED:email] for a ".starts_with(&said(0)),
+            "{sent:?}"
+        );
+        assert!(
+            "Then save a little each week. ".starts_with(&said(1)),
+            "{sent:?}"
+        );
     }
 
     /// A fault while the session takes an event ends the session, not the
