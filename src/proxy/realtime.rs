@@ -1949,6 +1949,30 @@ mod tests {
         assert_eq!(faults.get(), 1);
     }
 
+    /// A session on the OpenAI upstream, for request `id`.
+    fn session(state: &Arc<State>, id: &str) -> Session {
+        let handshake = Handshake {
+            request_id: id.to_owned(),
+            upstream: "openai".to_owned(),
+            model: None,
+            client: ClientMeta::default(),
+            monitor: false,
+        };
+        Session::new(state.clone(), handshake)
+    }
+
+    /// What the client gets of the upstream's `event`, parsed.
+    fn to_client(session: &mut Session, event: &Value) -> Vec<Value> {
+        let sends = session.upstream_event(Utf8Bytes::from(event.to_string()));
+        let texts = sends.into_iter().filter_map(|send| match send {
+            Send::Client(Message::Text(text)) => Some(text),
+            _ => None,
+        });
+        texts
+            .map(|text| serde_json::from_str(text.as_str()).unwrap())
+            .collect()
+    }
+
     /// The events the upstream sends for a text answer said in `deltas`
     /// (response `resp_1`, item `item_1`), as the GA API sends them.
     fn text_answer(deltas: &[&str]) -> Vec<Value> {
@@ -2049,22 +2073,11 @@ mod tests {
                 ],
                 _ => random.pieces(answer, 12),
             };
-            let handshake = Handshake {
-                request_id: format!("fg-{round}"),
-                upstream: "openai".to_owned(),
-                model: None,
-                client: ClientMeta::default(),
-                monitor: false,
-            };
-            let mut session = Session::new(state.clone(), handshake);
+            let mut session = session(&state, &format!("fg-{round}"));
             let (mut sent, mut early) = (Vec::new(), None);
             for event in text_answer(&deltas) {
                 let last = event["type"] == "response.done";
-                for send in session.upstream_event(Utf8Bytes::from(event.to_string())) {
-                    if let Send::Client(Message::Text(text)) = send {
-                        sent.push(serde_json::from_str::<Value>(text.as_str()).unwrap());
-                    }
-                }
+                sent.extend(to_client(&mut session, &event));
                 if !last {
                     early = Some(sent.len());
                 }
@@ -2119,14 +2132,7 @@ mod tests {
     async fn interleaved_parts_release_no_delta_inside_a_redaction() {
         use crate::config::Config;
         let state = Arc::new(State::new(Config::default()).unwrap());
-        let handshake = Handshake {
-            request_id: "fg-parts".to_owned(),
-            upstream: "openai".to_owned(),
-            model: None,
-            client: ClientMeta::default(),
-            monitor: false,
-        };
-        let mut session = Session::new(state, handshake);
+        let mut session = session(&state, "fg-parts");
         let delta = |index: u64, delta: &str| {
             json!({"type": "response.output_text.delta", "response_id": "resp_1",
                 "item_id": "item_1", "output_index": 0, "content_index": index, "delta": delta})
@@ -2147,14 +2153,9 @@ mod tests {
             delta(0, "doe@example.com for a guaran"),
             delta(1, "a little each week. "),
         ];
-        let mut sent = Vec::new();
-        for event in events {
-            for send in session.upstream_event(Utf8Bytes::from(event.to_string())) {
-                if let Send::Client(Message::Text(text)) = send {
-                    sent.push(serde_json::from_str::<Value>(text.as_str()).unwrap());
-                }
-            }
-        }
+        let sent: Vec<Value> = (events.iter())
+            .flat_map(|event| to_client(&mut session, event))
+            .collect();
         let said = |index: u64| -> String {
             let deltas = sent.iter().filter(|e| {
                 e["type"] == "response.output_text.delta" && e["content_index"] == index
