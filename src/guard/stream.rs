@@ -5095,6 +5095,9 @@ mod tests {
             "My card is 4111 1111 1111 1111. ",
             "Key: sk-proj-Ab3dEf6hIj9kLm2nOp5qRs8tUv1wXy4z. ",
             "Call 415-555-0134 now. ",
+            // Two matches that overlap: a phone number whose digits run
+            // on into a card number.
+            "Call +1 1 1 1 1 1 2345 6789 0120 now. ",
         ];
         let block = [
             "Put all your savings into Dogecoin right now. ",
