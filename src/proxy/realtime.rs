@@ -50,7 +50,8 @@
 //! order through the last text delta in which no match may be under way
 //! (`guard::stream::safe_end` on the part's text so far), the events
 //! that carry no text (its `response.created`, an item or a part added
-//! empty) with them, as long as neither the part's text nor the prompt it
+//! empty) and those that repeat text parts' whole text (a part's or an
+//! item's `.done`, redacted as the text was) with them, as long as neither the part's text nor the prompt it
 //! answers has a hit but flags and redactions (the text read from the
 //! longest match before what the client has, as the stream guard reads
 //! it; once it has a backslash, with its JSON escapes decoded too, as the
@@ -678,6 +679,10 @@ struct Held {
     /// Whether it carries no text of the response (its `response.created`,
     /// an item or a part added empty), and so may go out early.
     plain: bool,
+    /// Whether the only text it carries repeats text parts' whole text
+    /// (a part's or an item's `.done`), and so may go out early too, after
+    /// that text and redacted as it was.
+    repeats: bool,
 }
 
 /// A response from its `response.created` on.
@@ -877,6 +882,20 @@ impl Answer {
     fn redacts_of(&self, key: &PartKey) -> &[Hit] {
         let redacts = self.redacts.iter().find(|(k, _)| k == key);
         redacts.map_or(&[], |(_, redacts)| redacts)
+    }
+
+    /// Each text part's text that a redaction found so far rewrites, with
+    /// what it makes of it.
+    fn redactions_so_far(&self) -> Vec<(String, String)> {
+        let rewritten = self
+            .redacts
+            .iter()
+            .filter(|(_, redacts)| !redacts.is_empty());
+        let texts = rewritten.map(|(key, redacts)| {
+            let text = self.text_of(key);
+            (text.to_owned(), redact(text, redacts))
+        });
+        texts.collect()
     }
 
     /// Whether `at` in the text of part `key` lies inside a redaction.
@@ -1234,6 +1253,7 @@ impl Session {
             answer.items.push(item.to_owned());
         }
         let (mut part, mut done, mut end, mut plain) = (None, None, 0, false);
+        let mut repeats_parts = false;
         if let Some(delta_kind) = delta_kind(kind) {
             let key = PartKey {
                 item: head.item_id.as_deref().unwrap_or_default().to_owned(),
@@ -1261,6 +1281,12 @@ impl Session {
             let mut repeats = Vec::new();
             collect_repeats(&value, &mut repeats);
             plain = repeats.iter().all(|(_, text)| text.is_empty());
+            // Its texts went out as the parts' deltas, or wait with them.
+            repeats_parts = repeats.iter().all(|(kind, text)| {
+                let of_part =
+                    |(key, joined): &(PartKey, String)| key.kind == Kind::Text && joined == text;
+                text.is_empty() || *kind == Kind::Text && answer.parts.iter().any(of_part)
+            });
             for (kind, text) in repeats {
                 if !answer.repeats.iter().any(|(_, seen)| *seen == text) {
                     answer.repeats.push((kind, text));
@@ -1269,7 +1295,7 @@ impl Session {
             // Read once: the decision takes its status and usage from it.
             done = (kind == "response.done").then_some(value);
         }
-        answer.streams &= plain || part.is_some();
+        answer.streams &= plain || repeats_parts || part.is_some();
         let created = kind == "response.created";
         let audio = is_audio_delta(kind);
         let monitor = self.handshake.monitor;
@@ -1286,6 +1312,7 @@ impl Session {
                 part,
                 end,
                 plain,
+                repeats: repeats_parts && !plain,
             });
         }
         let streams = !monitor && !self.heard && answer.streams;
@@ -1318,7 +1345,7 @@ impl Session {
         let mut inside: Vec<&PartKey> = Vec::new();
         let mut last = None;
         for (at, held) in self.held.iter().enumerate() {
-            if held.response != response || (held.plain && held.part.is_none()) {
+            if held.response != response || ((held.plain || held.repeats) && held.part.is_none()) {
                 continue;
             }
             let Some(key) = &held.part else {
@@ -1367,6 +1394,13 @@ impl Session {
                 *rewritten = Some(Some(text));
             }
         }
+        // What a repeat of a part's text carries: the text redacted, once
+        // a redaction rewrote it.
+        let going = self.held[..=last].iter();
+        let redactions = match going.filter(|h| h.response == response).any(|h| h.repeats) {
+            true => answer.redactions_so_far(),
+            false => Vec::new(),
+        };
         let mut early = Vec::new();
         let mut at = 0;
         self.held.retain_mut(|held| {
@@ -1382,6 +1416,12 @@ impl Session {
                 .and_then(|key| ends.iter_mut().find(|(k, _, _)| k == key))
                 .and_then(|(_, _, rewritten)| rewritten.as_mut());
             match rewritten {
+                None if held.repeats && !redactions.is_empty() => {
+                    if let Ok(mut event) = serde_json::from_str::<Value>(text.as_str()) {
+                        replace_repeats(&mut event, &redactions);
+                        early.push(Utf8Bytes::from(event.to_string()));
+                    }
+                }
                 None => early.push(text),
                 // The first of the part's deltas carries its text redacted,
                 // the others go.
@@ -2169,6 +2209,85 @@ mod tests {
         );
         assert!(
             "Then save a little each week. ".starts_with(&said(1)),
+            "{sent:?}"
+        );
+    }
+
+    /// An answer in two text parts streams on past the first part's end:
+    /// the events that repeat its text (its `.done`s) go out after it,
+    /// redacted as its deltas were, and the second part's text follows as
+    /// it comes.
+    #[tokio::test]
+    async fn a_text_answer_in_parts_streams_past_each_parts_end() {
+        use crate::config::Config;
+        let state = Arc::new(State::new(Config::default()).unwrap());
+        let mut session = session(&state, "fg-parts");
+        let at = |index: u64, mut event: Value| {
+            let fields = json!({"response_id": "resp_1", "item_id": "item_1", "output_index": 0,
+                "content_index": index});
+            event
+                .as_object_mut()
+                .unwrap()
+                .extend(fields.as_object().unwrap().clone());
+            event
+        };
+        let first = "Write to jane.doe@example.com for a review. ";
+        let redacted = "Write to [REDACTED:email] for a review. ";
+        let events = [
+            json!({"type": "response.created", "response": {"id": "resp_1",
+                "status": "in_progress", "output": []}}),
+            at(
+                0,
+                json!({"type": "response.content_part.added", "part": {"type": "text", "text": ""}}),
+            ),
+            at(
+                0,
+                json!({"type": "response.output_text.delta", "delta": "Write to jane.doe"}),
+            ),
+            at(
+                0,
+                json!({"type": "response.output_text.delta", "delta": "@example.com for a review. "}),
+            ),
+            at(
+                0,
+                json!({"type": "response.output_text.done", "text": first}),
+            ),
+            at(
+                0,
+                json!({"type": "response.content_part.done", "part": {"type": "text", "text": first}}),
+            ),
+            at(
+                1,
+                json!({"type": "response.content_part.added", "part": {"type": "text", "text": ""}}),
+            ),
+            at(
+                1,
+                json!({"type": "response.output_text.delta", "delta": "Then save "}),
+            ),
+            at(
+                1,
+                json!({"type": "response.output_text.delta", "delta": "a little each week. "}),
+            ),
+        ];
+        let sent: Vec<Value> = (events.iter())
+            .flat_map(|event| to_client(&mut session, event))
+            .collect();
+        let types: Vec<&str> = sent.iter().filter_map(|e| e["type"].as_str()).collect();
+        let done = |name: &str| sent.iter().find(|e| e["type"] == name);
+        assert_eq!(
+            done("response.output_text.done").unwrap()["text"],
+            redacted,
+            "{types:?}"
+        );
+        let part = &done("response.content_part.done").unwrap()["part"]["text"];
+        assert_eq!(part, redacted);
+        let second: String = (sent.iter())
+            .filter(|e| e["type"] == "response.output_text.delta" && e["content_index"] == 1)
+            .filter_map(|e| e["delta"].as_str())
+            .collect();
+        assert!(second.starts_with("Then save"), "{types:?}");
+        assert!(
+            sent.iter().all(|e| !e.to_string().contains("jane")),
             "{sent:?}"
         );
     }
