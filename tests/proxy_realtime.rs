@@ -1162,6 +1162,57 @@ async fn a_text_answer_with_backslashes_goes_out_as_it_comes() {
     close(ws, proxy).await;
 }
 
+/// An answer in two messages streams on past the first one's end: the
+/// events that repeat its text (its part's and item's `.done`) go out
+/// after it, and the second message's text as it comes, while the
+/// upstream still holds the rest; the whole answer reaches the client as
+/// it came.
+#[tokio::test]
+async fn an_answer_in_two_messages_streams_past_the_first_ones_end() {
+    let (addr, upstream) = Upstream::start().await;
+    let proxy = proxy_for(addr).await;
+    let first = response("resp_1", "item_1", &["Start with ", "a budget. "], false);
+    let second = response(
+        "resp_1",
+        "item_2",
+        &["Then build ", "an emergency fund. ", "Month by month."],
+        false,
+    );
+    // The first message up to its item's end, then the second's, then the
+    // response's end with both.
+    let end = first
+        .iter()
+        .position(|e| e.contains("\"response.done\""))
+        .unwrap();
+    let mut script: Vec<String> = first[..end].to_vec();
+    script.extend(second[1..].iter().cloned());
+    let mut done: Value = serde_json::from_str(&first[end]).unwrap();
+    let both = parsed(&second[1..])
+        .into_iter()
+        .find(|e| e["type"] == "response.done")
+        .unwrap();
+    let output = done["response"]["output"].as_array().unwrap()[0].clone();
+    done["response"]["output"] = json!([output, both["response"]["output"][0]]);
+    let at = script
+        .iter()
+        .position(|e| e.contains("\"response.done\""))
+        .unwrap();
+    script[at] = done.to_string();
+    upstream.script(waiting_before(script.clone(), "Month by month."));
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    // Before the upstream goes on, the client has the second message's
+    // first text.
+    let mut texts = Vec::new();
+    while !said_in(&parsed(&texts)).contains("Then build") {
+        texts.extend(until(&mut ws, "response.output_text.delta").await);
+    }
+    send(&mut ws, json!({"type": "test.resume"}).to_string()).await;
+    texts.extend(until(&mut ws, "rate_limits.updated").await);
+    assert_eq!(texts, script);
+    close(ws, proxy).await;
+}
+
 /// A redaction in a text answer of which some went out early rewrites
 /// the rest: the deltas the client gets join to the redacted text, which
 /// every event that repeats it carries.
