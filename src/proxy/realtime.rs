@@ -51,7 +51,9 @@
 //! (`guard::stream::safe_end` on the part's text so far), the events
 //! that carry no text (its `response.created`, an item or a part added
 //! empty) and those that repeat text parts' whole text (a part's or an
-//! item's `.done`, redacted as the text was) with them, as long as neither the part's text nor the prompt it
+//! item's `.done`, redacted as the text was; the part is then done, and
+//! its text goes out to its end, no match being under way at an end that
+//! no text follows) with them, as long as neither the part's text nor the prompt it
 //! answers has a hit but flags and redactions (the text read from the
 //! longest match before what the client has, as the stream guard reads
 //! it; once it has a backslash, with its JSON escapes decoded too, as the
@@ -711,6 +713,9 @@ struct Answer {
     /// The redactions found in each text part's text so far, spans in
     /// it, as it streams.
     redacts: Vec<(PartKey, Vec<Hit>)>,
+    /// The text parts an event has repeated whole: no more of their text
+    /// comes, so no match can be under way at their end.
+    done: Vec<PartKey>,
     /// How much of each text part's text the client has, once some went
     /// out early.
     shown: Vec<(PartKey, Shown)>,
@@ -860,6 +865,12 @@ impl Answer {
         if !streams_on(risk, &self.turn, &self.flagged) {
             self.streams = false;
             return stop;
+        }
+        if self.done.contains(key) {
+            return SafeEnd {
+                raw: text.len(),
+                decoded: decoded.map(|(decoded, _, _)| decoded.len()),
+            };
         }
         let view = Normalized::new(window);
         let redacts = self.redacts_of(key);
@@ -1244,6 +1255,7 @@ impl Session {
                 streams: true,
                 flagged: Vec::new(),
                 redacts: Vec::new(),
+                done: Vec::new(),
                 shown: Vec::new(),
             });
         if kind == "response.output_item.added"
@@ -1272,8 +1284,10 @@ impl Session {
                 }
             };
             // A transcript's words are heard in the audio, a call's
-            // arguments read whole.
-            answer.streams &= delta_kind == Kind::Text;
+            // arguments read whole; and a part's text that goes on after
+            // an event repeated it whole, as the API never sends it, may
+            // end a match that began in what went out: the rest waits.
+            answer.streams &= delta_kind == Kind::Text && !answer.done.contains(&key);
             part = Some(key);
         } else if !is_audio_delta(kind)
             && let Ok(value) = serde_json::from_str::<Value>(text.as_str())
@@ -1287,6 +1301,13 @@ impl Session {
                     |(key, joined): &(PartKey, String)| key.kind == Kind::Text && joined == text;
                 text.is_empty() || *kind == Kind::Text && answer.parts.iter().any(of_part)
             });
+            // The parts whose text it repeats are done: no more of it comes.
+            for (key, joined) in &answer.parts {
+                let repeated = repeats.iter().any(|(_, text)| text == joined);
+                if repeated && !answer.done.contains(key) {
+                    answer.done.push(key.clone());
+                }
+            }
             for (kind, text) in repeats {
                 if !answer.repeats.iter().any(|(_, seen)| *seen == text) {
                     answer.repeats.push((kind, text));
@@ -2288,6 +2309,93 @@ mod tests {
         assert!(second.starts_with("Then save"), "{types:?}");
         assert!(
             sent.iter().all(|e| !e.to_string().contains("jane")),
+            "{sent:?}"
+        );
+    }
+
+    /// A part's text that ends where a match could still begin goes out
+    /// whole once an event repeats it (the part is done: no more of it
+    /// comes), with its `.done`, and the next part streams after it.
+    #[tokio::test]
+    async fn a_done_parts_tail_goes_out_with_its_end() {
+        use crate::config::Config;
+        let state = Arc::new(State::new(Config::default()).unwrap());
+        let mut session = session(&state, "fg-tail");
+        let at = |index: u64, mut event: Value| {
+            let fields = json!({"response_id": "resp_1", "item_id": "item_1", "output_index": 0,
+                "content_index": index});
+            (event.as_object_mut().unwrap()).extend(fields.as_object().unwrap().clone());
+            event
+        };
+        // `Put all your savings` may go on to a phrase a rule blocks.
+        let first = "Do not put all your savings";
+        let events = [
+            json!({"type": "response.created", "response": {"id": "resp_1",
+                "status": "in_progress", "output": []}}),
+            at(
+                0,
+                json!({"type": "response.output_text.delta", "delta": first}),
+            ),
+            at(
+                0,
+                json!({"type": "response.output_text.done", "text": first}),
+            ),
+            at(
+                1,
+                json!({"type": "response.output_text.delta", "delta": "Keep a reserve. "}),
+            ),
+        ];
+        let mut sent = Vec::new();
+        for event in &events[..2] {
+            sent.extend(to_client(&mut session, event));
+        }
+        assert!(
+            sent.iter().all(|e| e["type"] == "response.created"),
+            "{sent:?}"
+        );
+        for event in &events[2..] {
+            sent.extend(to_client(&mut session, event));
+        }
+        let types: Vec<&str> = sent.iter().filter_map(|e| e["type"].as_str()).collect();
+        assert_eq!(
+            types,
+            [
+                "response.created",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.output_text.delta"
+            ]
+        );
+        assert_eq!(sent[1]["delta"], first);
+    }
+
+    /// Text of a part that comes after an event repeated the part whole
+    /// (as the API never sends it) does not go out as a done part's tail
+    /// would: the rest of the response waits for its end.
+    #[tokio::test]
+    async fn text_after_a_parts_done_waits_for_the_end() {
+        use crate::config::Config;
+        let state = Arc::new(State::new(Config::default()).unwrap());
+        let mut session = session(&state, "fg-late");
+        let at = |mut event: Value| {
+            let fields = json!({"response_id": "resp_1", "item_id": "item_1", "output_index": 0,
+                "content_index": 0});
+            (event.as_object_mut().unwrap()).extend(fields.as_object().unwrap().clone());
+            event
+        };
+        let first = "Here is a plan. ";
+        let events = [
+            json!({"type": "response.created", "response": {"id": "resp_1",
+                "status": "in_progress", "output": []}}),
+            at(json!({"type": "response.output_text.delta", "delta": first})),
+            at(json!({"type": "response.output_text.done", "text": first})),
+            at(json!({"type": "response.output_text.delta", "delta": "Put all your savings"})),
+        ];
+        let sent: Vec<Value> = (events.iter())
+            .flat_map(|event| to_client(&mut session, event))
+            .collect();
+        assert!(
+            sent.iter().all(|e| !e.to_string().contains("savings")),
             "{sent:?}"
         );
     }
