@@ -1361,64 +1361,16 @@ impl Session {
         let Some(answer) = self.answers.get_mut(response) else {
             return Vec::new();
         };
-        let mut safe: Vec<(PartKey, SafeEnd)> = Vec::new();
-        // The parts whose last delta so far ends inside a redaction.
-        let mut inside: Vec<&PartKey> = Vec::new();
-        let mut last = None;
-        for (at, held) in self.held.iter().enumerate() {
-            if held.response != response || ((held.plain || held.repeats) && held.part.is_none()) {
-                continue;
-            }
-            let Some(key) = &held.part else {
-                break;
-            };
-            let safe_at = match safe.iter().find(|(k, _)| k == key) {
-                Some((_, at)) => *at,
-                None => {
-                    let at = answer.safe_end(key, &self.state.config.risk);
-                    safe.push((key.clone(), at));
-                    at
-                }
-            };
-            if !answer.streams || !safe_at.covers(answer.text_of(key), held.end) {
-                break;
-            }
-            // Its text goes with that of the delta that ends the match.
-            inside.retain(|k| *k != key);
-            if answer.inside_redaction(key, held.end) {
-                inside.push(key);
-            }
-            if inside.is_empty() {
-                last = Some(at);
-            }
-        }
-        let Some(last) = last else {
+        let risk = &self.state.config.risk;
+        let Some(last) = releasable(answer, &self.held, response, risk) else {
             answer.spent += started.elapsed();
             return Vec::new();
         };
-        // How far each part's text goes out now; when a redaction
-        // rewrites it, that text, until a delta carries it.
-        type Rewritten = Option<Option<String>>;
-        let mut ends: Vec<(PartKey, usize, Rewritten)> = Vec::new();
-        let going = self.held[..=last].iter().filter(|h| h.response == response);
-        for held in going {
-            let Some(key) = &held.part else { continue };
-            match ends.iter_mut().find(|(k, _, _)| k == key) {
-                Some((_, end, _)) => *end = held.end,
-                None => ends.push((key.clone(), held.end, None)),
-            }
-        }
-        for (key, end, rewritten) in &mut ends {
-            let from = shown_of(&answer.shown, key).text;
-            let text = answer.show(key, *end);
-            if text != answer.text_of(key)[from..*end] {
-                *rewritten = Some(Some(text));
-            }
-        }
+        let going = || self.held[..=last].iter().filter(|h| h.response == response);
+        let mut ends = part_ends(answer, going());
         // What a repeat of a part's text carries: the text redacted, once
         // a redaction rewrote it.
-        let going = self.held[..=last].iter();
-        let redactions = match going.filter(|h| h.response == response).any(|h| h.repeats) {
+        let redactions = match going().any(|h| h.repeats) {
             true => answer.redactions_so_far(),
             false => Vec::new(),
         };
@@ -1849,6 +1801,75 @@ fn redacted_of<'r>(redactions: &'r [(String, String)], text: &str) -> Option<&'r
         .iter()
         .find(|(original, _)| original == text)
         .map(|(_, redacted)| redacted.as_str())
+}
+
+/// Where the events of `response` among `held` may go out to now (see
+/// [`Session::stream_early`]): the index of the last delta that may, and
+/// after which no part's text ends inside a redaction.
+fn releasable(
+    answer: &mut Answer,
+    held: &[Held],
+    response: &str,
+    risk: &RiskConfig,
+) -> Option<usize> {
+    let mut safe: Vec<(PartKey, SafeEnd)> = Vec::new();
+    // The parts whose last delta so far ends inside a redaction.
+    let mut inside: Vec<&PartKey> = Vec::new();
+    let mut last = None;
+    for (at, held) in held.iter().enumerate() {
+        if held.response != response || ((held.plain || held.repeats) && held.part.is_none()) {
+            continue;
+        }
+        let Some(key) = &held.part else {
+            break;
+        };
+        let safe_at = match safe.iter().find(|(k, _)| k == key) {
+            Some((_, at)) => *at,
+            None => {
+                let at = answer.safe_end(key, risk);
+                safe.push((key.clone(), at));
+                at
+            }
+        };
+        if !answer.streams || !safe_at.covers(answer.text_of(key), held.end) {
+            break;
+        }
+        // Its text goes with that of the delta that ends the match.
+        inside.retain(|k| *k != key);
+        if answer.inside_redaction(key, held.end) {
+            inside.push(key);
+        }
+        if inside.is_empty() {
+            last = Some(at);
+        }
+    }
+    last
+}
+
+/// What the text parts' deltas among `going` take out: each part's text
+/// to the end of its last one, shown to the client now ([`Answer::show`]),
+/// and that text redacted when a redaction rewrote it, until a delta
+/// carries it.
+fn part_ends<'h>(
+    answer: &mut Answer,
+    going: impl Iterator<Item = &'h Held>,
+) -> Vec<(PartKey, usize, Option<Option<String>>)> {
+    let mut ends: Vec<(PartKey, usize, Option<Option<String>>)> = Vec::new();
+    for held in going {
+        let Some(key) = &held.part else { continue };
+        match ends.iter_mut().find(|(k, _, _)| k == key) {
+            Some((_, end, _)) => *end = held.end,
+            None => ends.push((key.clone(), held.end, None)),
+        }
+    }
+    for (key, end, rewritten) in &mut ends {
+        let from = shown_of(&answer.shown, key).text;
+        let text = answer.show(key, *end);
+        if text != answer.text_of(key)[from..*end] {
+            *rewritten = Some(Some(text));
+        }
+    }
+    ends
 }
 
 /// A response's held events as they go out after `redactions`: a text
