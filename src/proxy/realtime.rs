@@ -2055,6 +2055,14 @@ mod tests {
             .collect()
     }
 
+    /// `event` of part `index` of item `item_1` of response `resp_1`.
+    fn at(index: u64, mut event: Value) -> Value {
+        let fields = json!({"response_id": "resp_1", "item_id": "item_1", "output_index": 0,
+            "content_index": index});
+        (event.as_object_mut().unwrap()).extend(fields.as_object().unwrap().clone());
+        event
+    }
+
     /// The events the upstream sends for a text answer said in `deltas`
     /// (response `resp_1`, item `item_1`), as the GA API sends them.
     fn text_answer(deltas: &[&str]) -> Vec<Value> {
@@ -2264,15 +2272,6 @@ mod tests {
         use crate::config::Config;
         let state = Arc::new(State::new(Config::default()).unwrap());
         let mut session = session(&state, "fg-parts");
-        let at = |index: u64, mut event: Value| {
-            let fields = json!({"response_id": "resp_1", "item_id": "item_1", "output_index": 0,
-                "content_index": index});
-            event
-                .as_object_mut()
-                .unwrap()
-                .extend(fields.as_object().unwrap().clone());
-            event
-        };
         let first = "Write to jane.doe@example.com for a review. ";
         let redacted = "Write to [REDACTED:email] for a review. ";
         let events = [
@@ -2342,12 +2341,6 @@ mod tests {
         use crate::config::Config;
         let state = Arc::new(State::new(Config::default()).unwrap());
         let mut session = session(&state, "fg-tail");
-        let at = |index: u64, mut event: Value| {
-            let fields = json!({"response_id": "resp_1", "item_id": "item_1", "output_index": 0,
-                "content_index": index});
-            (event.as_object_mut().unwrap()).extend(fields.as_object().unwrap().clone());
-            event
-        };
         // `Put all your savings` may go on to a phrase a rule blocks.
         let first = "Do not put all your savings";
         let events = [
@@ -2398,19 +2391,22 @@ mod tests {
         use crate::config::Config;
         let state = Arc::new(State::new(Config::default()).unwrap());
         let mut session = session(&state, "fg-late");
-        let at = |mut event: Value| {
-            let fields = json!({"response_id": "resp_1", "item_id": "item_1", "output_index": 0,
-                "content_index": 0});
-            (event.as_object_mut().unwrap()).extend(fields.as_object().unwrap().clone());
-            event
-        };
         let first = "Here is a plan. ";
         let events = [
             json!({"type": "response.created", "response": {"id": "resp_1",
                 "status": "in_progress", "output": []}}),
-            at(json!({"type": "response.output_text.delta", "delta": first})),
-            at(json!({"type": "response.output_text.done", "text": first})),
-            at(json!({"type": "response.output_text.delta", "delta": "Put all your savings"})),
+            at(
+                0,
+                json!({"type": "response.output_text.delta", "delta": first}),
+            ),
+            at(
+                0,
+                json!({"type": "response.output_text.done", "text": first}),
+            ),
+            at(
+                0,
+                json!({"type": "response.output_text.delta", "delta": "Put all your savings"}),
+            ),
         ];
         let sent: Vec<Value> = (events.iter())
             .flat_map(|event| to_client(&mut session, event))
