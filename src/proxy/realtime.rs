@@ -2063,6 +2063,56 @@ mod tests {
         event
     }
 
+    /// A state on the embedded defaults.
+    fn state() -> Arc<State> {
+        Arc::new(State::new(crate::config::Config::default()).unwrap())
+    }
+
+    /// `resp_1`'s `response.created`.
+    fn created() -> Value {
+        json!({"type": "response.created", "response": {"id": "resp_1",
+            "status": "in_progress", "output": []}})
+    }
+
+    /// Part `index` added, empty.
+    fn part_added(index: u64) -> Value {
+        at(
+            index,
+            json!({"type": "response.content_part.added", "part": {"type": "text", "text": ""}}),
+        )
+    }
+
+    /// A text delta of part `index`.
+    fn delta(index: u64, delta: &str) -> Value {
+        at(
+            index,
+            json!({"type": "response.output_text.delta", "delta": delta}),
+        )
+    }
+
+    /// The `.done` of part `index`'s text.
+    fn text_done(index: u64, text: &str) -> Value {
+        at(
+            index,
+            json!({"type": "response.output_text.done", "text": text}),
+        )
+    }
+
+    /// What the text deltas of part `index` among `sent` say, joined.
+    fn said_of(sent: &[Value], index: u64) -> String {
+        let deltas = sent
+            .iter()
+            .filter(|e| e["type"] == "response.output_text.delta" && e["content_index"] == index);
+        deltas.filter_map(|e| e["delta"].as_str()).collect()
+    }
+
+    /// What the client gets of `events`, sent by the upstream in turn.
+    fn all_to_client(session: &mut Session, events: &[Value]) -> Vec<Value> {
+        (events.iter())
+            .flat_map(|event| to_client(session, event))
+            .collect()
+    }
+
     /// The events the upstream sends for a text answer said in `deltas`
     /// (response `resp_1`, item `item_1`), as the GA API sends them.
     fn text_answer(deltas: &[&str]) -> Vec<Value> {
@@ -2220,38 +2270,19 @@ mod tests {
     /// may, and what the client gets of each joins to its text redacted.
     #[tokio::test]
     async fn interleaved_parts_release_no_delta_inside_a_redaction() {
-        use crate::config::Config;
-        let state = Arc::new(State::new(Config::default()).unwrap());
-        let mut session = session(&state, "fg-parts");
-        let delta = |index: u64, delta: &str| {
-            json!({"type": "response.output_text.delta", "response_id": "resp_1",
-                "item_id": "item_1", "output_index": 0, "content_index": index, "delta": delta})
-        };
-        let added = |index: u64| {
-            json!({"type": "response.content_part.added", "response_id": "resp_1",
-                "item_id": "item_1", "output_index": 0, "content_index": index,
-                "part": {"type": "text", "text": ""}})
-        };
+        let mut session = session(&state(), "fg-parts");
         let events = [
-            json!({"type": "response.created", "response": {"id": "resp_1",
-                "status": "in_progress", "output": []}}),
-            added(0),
-            added(1),
+            created(),
+            part_added(0),
+            part_added(1),
             delta(0, "Write to jane."),
             delta(1, "Then save "),
             // A match may be under way at its end (`guaranteed`).
             delta(0, "doe@example.com for a guaran"),
             delta(1, "a little each week. "),
         ];
-        let sent: Vec<Value> = (events.iter())
-            .flat_map(|event| to_client(&mut session, event))
-            .collect();
-        let said = |index: u64| -> String {
-            let deltas = sent.iter().filter(|e| {
-                e["type"] == "response.output_text.delta" && e["content_index"] == index
-            });
-            deltas.filter_map(|e| e["delta"].as_str()).collect()
-        };
+        let sent = all_to_client(&mut session, &events);
+        let said = |index| said_of(&sent, index);
         assert!(!said(0).contains("jane"), "{sent:?}");
         assert!(
             "Write to [REDACTED:email] for a ".starts_with(&said(0)),
@@ -2269,50 +2300,24 @@ mod tests {
     /// it comes.
     #[tokio::test]
     async fn a_text_answer_in_parts_streams_past_each_parts_end() {
-        use crate::config::Config;
-        let state = Arc::new(State::new(Config::default()).unwrap());
-        let mut session = session(&state, "fg-parts");
+        let mut session = session(&state(), "fg-parts");
         let first = "Write to jane.doe@example.com for a review. ";
         let redacted = "Write to [REDACTED:email] for a review. ";
         let events = [
-            json!({"type": "response.created", "response": {"id": "resp_1",
-                "status": "in_progress", "output": []}}),
-            at(
-                0,
-                json!({"type": "response.content_part.added", "part": {"type": "text", "text": ""}}),
-            ),
-            at(
-                0,
-                json!({"type": "response.output_text.delta", "delta": "Write to jane.doe"}),
-            ),
-            at(
-                0,
-                json!({"type": "response.output_text.delta", "delta": "@example.com for a review. "}),
-            ),
-            at(
-                0,
-                json!({"type": "response.output_text.done", "text": first}),
-            ),
+            created(),
+            part_added(0),
+            delta(0, "Write to jane.doe"),
+            delta(0, "@example.com for a review. "),
+            text_done(0, first),
             at(
                 0,
                 json!({"type": "response.content_part.done", "part": {"type": "text", "text": first}}),
             ),
-            at(
-                1,
-                json!({"type": "response.content_part.added", "part": {"type": "text", "text": ""}}),
-            ),
-            at(
-                1,
-                json!({"type": "response.output_text.delta", "delta": "Then save "}),
-            ),
-            at(
-                1,
-                json!({"type": "response.output_text.delta", "delta": "a little each week. "}),
-            ),
+            part_added(1),
+            delta(1, "Then save "),
+            delta(1, "a little each week. "),
         ];
-        let sent: Vec<Value> = (events.iter())
-            .flat_map(|event| to_client(&mut session, event))
-            .collect();
+        let sent = all_to_client(&mut session, &events);
         let types: Vec<&str> = sent.iter().filter_map(|e| e["type"].as_str()).collect();
         let done = |name: &str| sent.iter().find(|e| e["type"] == name);
         assert_eq!(
@@ -2322,11 +2327,7 @@ mod tests {
         );
         let part = &done("response.content_part.done").unwrap()["part"]["text"];
         assert_eq!(part, redacted);
-        let second: String = (sent.iter())
-            .filter(|e| e["type"] == "response.output_text.delta" && e["content_index"] == 1)
-            .filter_map(|e| e["delta"].as_str())
-            .collect();
-        assert!(second.starts_with("Then save"), "{types:?}");
+        assert!(said_of(&sent, 1).starts_with("Then save"), "{types:?}");
         assert!(
             sent.iter().all(|e| !e.to_string().contains("jane")),
             "{sent:?}"
@@ -2338,38 +2339,21 @@ mod tests {
     /// comes), with its `.done`, and the next part streams after it.
     #[tokio::test]
     async fn a_done_parts_tail_goes_out_with_its_end() {
-        use crate::config::Config;
-        let state = Arc::new(State::new(Config::default()).unwrap());
-        let mut session = session(&state, "fg-tail");
+        let mut session = session(&state(), "fg-tail");
         // `Put all your savings` may go on to a phrase a rule blocks.
         let first = "Do not put all your savings";
         let events = [
-            json!({"type": "response.created", "response": {"id": "resp_1",
-                "status": "in_progress", "output": []}}),
-            at(
-                0,
-                json!({"type": "response.output_text.delta", "delta": first}),
-            ),
-            at(
-                0,
-                json!({"type": "response.output_text.done", "text": first}),
-            ),
-            at(
-                1,
-                json!({"type": "response.output_text.delta", "delta": "Keep a reserve. "}),
-            ),
+            created(),
+            delta(0, first),
+            text_done(0, first),
+            delta(1, "Keep a reserve. "),
         ];
-        let mut sent = Vec::new();
-        for event in &events[..2] {
-            sent.extend(to_client(&mut session, event));
-        }
+        let mut sent = all_to_client(&mut session, &events[..2]);
         assert!(
             sent.iter().all(|e| e["type"] == "response.created"),
             "{sent:?}"
         );
-        for event in &events[2..] {
-            sent.extend(to_client(&mut session, event));
-        }
+        sent.extend(all_to_client(&mut session, &events[2..]));
         let types: Vec<&str> = sent.iter().filter_map(|e| e["type"].as_str()).collect();
         assert_eq!(
             types,
@@ -2388,29 +2372,15 @@ mod tests {
     /// would: the rest of the response waits for its end.
     #[tokio::test]
     async fn text_after_a_parts_done_waits_for_the_end() {
-        use crate::config::Config;
-        let state = Arc::new(State::new(Config::default()).unwrap());
-        let mut session = session(&state, "fg-late");
+        let mut session = session(&state(), "fg-late");
         let first = "Here is a plan. ";
         let events = [
-            json!({"type": "response.created", "response": {"id": "resp_1",
-                "status": "in_progress", "output": []}}),
-            at(
-                0,
-                json!({"type": "response.output_text.delta", "delta": first}),
-            ),
-            at(
-                0,
-                json!({"type": "response.output_text.done", "text": first}),
-            ),
-            at(
-                0,
-                json!({"type": "response.output_text.delta", "delta": "Put all your savings"}),
-            ),
+            created(),
+            delta(0, first),
+            text_done(0, first),
+            delta(0, "Put all your savings"),
         ];
-        let sent: Vec<Value> = (events.iter())
-            .flat_map(|event| to_client(&mut session, event))
-            .collect();
+        let sent = all_to_client(&mut session, &events);
         assert!(
             sent.iter().all(|e| !e.to_string().contains("savings")),
             "{sent:?}"
