@@ -450,11 +450,21 @@ pub(crate) fn unescaped_hits(rules: &RuleSet, scope: Scope, text: &str, found: &
 /// `None` when it has no escape. Applied to a whole body, it gives the
 /// text of each of its strings, whatever a reader makes of the rest.
 pub(crate) fn json_unescaped(text: &str) -> Option<String> {
+    unescaped(text, true)
+}
+
+/// [`json_unescaped`] of a text that more may follow: an escape at its end
+/// that what follows may complete is left out ([`unescape_into`]).
+pub(crate) fn json_unescaped_start(text: &str) -> Option<String> {
+    unescaped(text, false)
+}
+
+fn unescaped(text: &str, last: bool) -> Option<String> {
     // memchr's search: a text without an escape, as most are, costs a
     // scan of its bytes and nothing more.
     memchr::memchr(b'\\', text.as_bytes())?;
     let mut out = String::with_capacity(text.len());
-    unescape_into(&mut out, text, true);
+    unescape_into(&mut out, text, last);
     Some(out)
 }
 

@@ -780,19 +780,10 @@ impl SafeEnd {
     }
 }
 
-/// `text` with its JSON escapes decoded ([`guard::unescape_into`]), but
-/// for an escape at its end that more text may still complete; `None`
-/// when it has no escape.
-fn decoded_start(text: &str) -> Option<String> {
-    memchr::memchr(b'\\', text.as_bytes())?;
-    let mut decoded = String::with_capacity(text.len());
-    guard::unescape_into(&mut decoded, text, false);
-    Some(decoded)
-}
-
-/// The length of [`decoded_start`] of `text`.
+/// The length of `text` with its JSON escapes decoded, as far as they
+/// can be ([`guard::json_unescaped_start`]).
 fn decoded_len(text: &str) -> usize {
-    decoded_start(text).map_or(text.len(), |decoded| decoded.len())
+    guard::json_unescaped_start(text).map_or(text.len(), |decoded| decoded.len())
 }
 
 impl Answer {
@@ -848,7 +839,7 @@ impl Answer {
         }
         // The text so far as a parser reads it: an escape it ends in
         // waits for what completes it.
-        let decoded = decoded_start(text).map(|decoded| {
+        let decoded = guard::json_unescaped_start(text).map(|decoded| {
             let shown = decoded_len(&text[..shown]);
             let from = window_start(&decoded, shown, shown, hold);
             let mut more = self.rules.scan(Scope::Response, &decoded[from..]);
