@@ -905,22 +905,24 @@ impl Answer {
         (self.redacts_of(key).iter()).any(|h| h.start < at && at < h.end)
     }
 
-    /// Part `key`'s text from where the client's ends to `to`, as the
-    /// client gets it: redacted. The client has it to `to` then.
-    fn show(&mut self, key: &PartKey, to: usize) -> String {
+    /// Takes part `key`'s text from where the client's ends to `to`: the
+    /// client has it to `to` then. That text redacted, when a redaction
+    /// rewrites it.
+    fn show(&mut self, key: &PartKey, to: usize) -> Option<String> {
         let shown = shown_of(&self.shown, key);
         let text = &self.text_of(key)[shown.text..to];
         let redacts = self.redacts_of(key).iter().filter(|h| h.end <= to);
-        let text = redact_spans(text, redacted_spans(redacts, shown.text));
+        let spans = redacted_spans(redacts, shown.text);
+        let redacted = (!spans.is_empty()).then(|| redact_spans(text, spans));
         let now = Shown {
             text: to,
-            redacted: shown.redacted + text.len(),
+            redacted: shown.redacted + redacted.as_ref().map_or(text.len(), String::len),
         };
         match self.shown.iter_mut().find(|(k, _)| k == key) {
             Some((_, shown)) => *shown = now,
             None => self.shown.push((key.clone(), now)),
         }
-        text
+        redacted
     }
 
     /// Scans each text of the response once: each part's joined deltas,
@@ -1854,11 +1856,7 @@ fn part_ends<'h>(
         }
     }
     for (key, end, rewritten) in &mut ends {
-        let from = shown_of(&answer.shown, key).text;
-        let text = answer.show(key, *end);
-        if text != answer.text_of(key)[from..*end] {
-            *rewritten = Some(Some(text));
-        }
+        *rewritten = answer.show(key, *end).map(Some);
     }
     ends
 }
