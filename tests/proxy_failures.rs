@@ -868,6 +868,43 @@ async fn an_error_event_of_the_upstream_ends_the_stream_after_its_text() {
     proxy.stop().await;
 }
 
+/// vLLM's OpenAI server once reported an error mid-stream in a shape of
+/// its own, a chunk `{"object":"error",…}` with no `error` member, then
+/// `[DONE]`. It ends the stream as OpenAI's error chunk does: the text
+/// held back goes out before it, the error as the upstream wrote it is
+/// the last event, and the stream is counted as the upstream's failure.
+#[tokio::test]
+async fn a_vllm_error_chunk_ends_the_stream_after_its_text() {
+    use fairgate::config::StreamMode;
+    let error = r#"{"object":"error","message":"The engine died","type":"InternalServerError","param":null,"code":500}"#;
+    let texts = ["Start with ", "a budget, ", "then save"].map(String::from);
+    let stream = support::openai_stream(&texts, false);
+    let last = stream.rfind("then save").unwrap();
+    let end = last + stream[last..].find("\n\n").unwrap() + 2;
+    let raw = format!("{}data: {error}\n\ndata: [DONE]\n\n", &stream[..end]);
+    let request = json!({"model": "m", "stream": true,
+        "messages": [{"role": "user", "content": "hello"}]});
+    for mode in [StreamMode::Holdback, StreamMode::Buffer] {
+        let (_mock, proxy) = support::start_with(|c| c.guard.stream_mode = mode).await;
+        let path = "/v1/chat/completions";
+        let response = proxy.post(path, json!({"raw_sse": raw}), &request).await;
+        let body = response.text().await.unwrap();
+        assert!(!body.contains("[DONE]"), "{mode:?}: {body}");
+        let events = sse_events(&body);
+        assert_eq!(
+            streamed_text(path, &events),
+            "Start with a budget, then save",
+            "{mode:?}: {body}"
+        );
+        let ending = format!("data: {error}\n\n");
+        assert!(body.ends_with(&ending), "{mode:?}: {body}");
+        let series = r#"fairgate_stream_errors_total{kind="upstream",route="chat_completions"}"#;
+        let metrics = proxy.metrics().await;
+        assert_eq!(support::metric(&metrics, series), Some(1.0), "{mode:?}");
+        proxy.stop().await;
+    }
+}
+
 /// A blocked phrase in the last event before the upstream breaks the
 /// stream off, or ends it with an error event: none of it goes out, the
 /// stream ends as a blocked one does (no error event after), and its

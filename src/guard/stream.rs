@@ -101,8 +101,9 @@
 //! passed), gets the held text checked as at an end, then the API's error
 //! event (`upstream_error`), and the error is counted: the client's SDK
 //! raises, rather than take a cut answer for whole. The upstream's own
-//! error event (an OpenAI chunk with an `error`, the Responses and
-//! Messages APIs' `error` event) ends the stream the same way, in
+//! error event (an OpenAI chunk with an `error`, or vLLM's older
+//! `{"object":"error"}` chunk, the Responses and Messages APIs' `error`
+//! event) ends the stream the same way, in
 //! holdback and buffer modes: the held text, checked as at an end, goes
 //! out before it (the SDK shows it, then raises at the error), the error
 //! as the upstream wrote it, and nothing after it; blocked, the stream
@@ -2133,6 +2134,7 @@ impl Guard {
                 self.text(event, text, 0, data)
             }
             _ if choice.finished => Kind::Final,
+            _ if event::is_error_object(data) => return Kind::Error,
             _ => return Kind::Other,
         };
         if self.setup.endpoint == Endpoint::ChatCompletions

@@ -439,6 +439,20 @@ impl<'a> Delta<'a> {
     }
 }
 
+/// Whether a chunk is an error in the shape vLLM's OpenAI server once
+/// sent mid-stream, `{"object":"error","message":…,"code":…}`, with no
+/// `error` member. Read only for chunks with no text, and only when the
+/// word is there.
+pub fn is_error_object(data: &str) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Object<'a> {
+        #[serde(borrow)]
+        object: Option<Cow<'a, str>>,
+    }
+    memmem::find(data.as_bytes(), b"\"error\"").is_some()
+        && serde_json::from_str::<Object>(data).is_ok_and(|o| o.object.as_deref() == Some("error"))
+}
+
 /// The `sequence_number` of a Responses API event (its data), and where
 /// its digits lie; `None` when it has none that is a non-negative integer,
 /// or has it twice.
