@@ -296,7 +296,9 @@ pub struct GuardConfig {
     /// /v1/messages/batches`, read whole so that each of its requests is
     /// scanned) get 413. The default is the Batch API's own limit.
     pub max_batch_bytes: usize,
-    /// Largest non-streaming response body the guard reads.
+    /// Largest non-streaming response body the guard reads, and largest
+    /// message it takes from a WebSocket session's upstream (a larger one
+    /// ends the session: the client's socket is closed with 1011).
     pub max_response_bytes: usize,
     /// Tags that mark retrieved context inside a prompt text: with
     /// `[documents]`, the text between `<documents>` and `</documents>` in a
@@ -725,6 +727,9 @@ impl Config {
         }
         if self.guard.max_batch_bytes == 0 {
             problems.push("guard.max_batch_bytes: must be at least 1".into());
+        }
+        if self.guard.max_response_bytes == 0 {
+            problems.push("guard.max_response_bytes: must be at least 1".into());
         }
         problems.extend(self.metrics.problems());
         problems

@@ -1344,6 +1344,42 @@ async fn a_client_event_over_the_body_limit_closes_the_socket_with_1009() {
     proxy.stop().await;
 }
 
+/// An upstream event larger than `guard.max_response_bytes` is not read:
+/// the session ends, the client's socket closed with 1011 and a reason
+/// that says why, and nothing of that event reaches the client.
+#[tokio::test]
+async fn an_upstream_event_over_the_response_limit_ends_the_session_with_1011() {
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+    let (addr, upstream) = Upstream::start().await;
+    let mut config = config(&format!("http://{addr}"), Path::new("rules"));
+    config.guard.max_response_bytes = 2_000;
+    let proxy = start_proxy(config).await;
+    let long = "A budget helps. ".repeat(200);
+    upstream.script(response(
+        "resp_1",
+        "item_1",
+        &["Start here. ", &long],
+        false,
+    ));
+    let mut ws = connect(&proxy).await;
+    send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+    let mut texts = Vec::new();
+    let frame = loop {
+        match tokio::time::timeout(Duration::from_secs(5), ws.next()).await {
+            Ok(Some(Ok(Message::Text(text)))) => texts.push(text.as_str().to_owned()),
+            Ok(Some(Ok(Message::Close(Some(frame))))) => break frame,
+            other => panic!("not a close with a code: {other:?}"),
+        }
+    };
+    assert_eq!(frame.code, CloseCode::Error);
+    assert!(frame.reason.contains("too big"), "{frame:?}");
+    assert!(
+        !texts.iter().any(|t| t.contains("A budget helps")),
+        "{texts:?}"
+    );
+    proxy.stop().await;
+}
+
 /// The beta API's events (`response.text.delta`,
 /// `response.audio_transcript.delta`, `conversation.item.created`) are
 /// read as the GA API's are.

@@ -330,7 +330,7 @@ fn as_text(bytes: Bytes) -> Utf8Bytes {
 pub(super) struct Limits {
     /// A client's events are requests: `guard.max_body_bytes`.
     pub client: usize,
-    /// As large as the API sends.
+    /// The upstream's events are answers: `guard.max_response_bytes`.
     pub upstream: usize,
 }
 
@@ -338,7 +338,7 @@ impl Limits {
     pub fn of(state: &State) -> Limits {
         Limits {
             client: state.config.guard.max_body_bytes,
-            upstream: 64 << 20,
+            upstream: state.config.guard.max_response_bytes,
         }
     }
 }
