@@ -300,6 +300,12 @@ pub struct GuardConfig {
     /// message it takes from a WebSocket session's upstream (a larger one
     /// ends the session: the client's socket is closed with 1011).
     pub max_response_bytes: usize,
+    /// Most bytes a streamed answer (an SSE body, or a Responses API
+    /// socket's response) may send: the guard keeps its text to scan it
+    /// whole. Past it the stream ends as one the upstream broke off does,
+    /// with the API's error event. Streamed events weigh several times
+    /// their text, so the default is above `max_response_bytes`.
+    pub max_stream_bytes: usize,
     /// Tags that mark retrieved context inside a prompt text: with
     /// `[documents]`, the text between `<documents>` and `</documents>` in a
     /// user or system message is scanned as context, not prompt.
@@ -338,6 +344,7 @@ impl Default for GuardConfig {
             max_body_bytes: 50 << 20,
             max_batch_bytes: 256 << 20,
             max_response_bytes: 50 << 20,
+            max_stream_bytes: 256 << 20,
             context_tags: Vec::new(),
             upgrades: Upgrades::Tunnel,
         }
@@ -730,6 +737,9 @@ impl Config {
         }
         if self.guard.max_response_bytes == 0 {
             problems.push("guard.max_response_bytes: must be at least 1".into());
+        }
+        if self.guard.max_stream_bytes == 0 {
+            problems.push("guard.max_stream_bytes: must be at least 1".into());
         }
         problems.extend(self.metrics.problems());
         problems

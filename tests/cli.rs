@@ -406,11 +406,17 @@ fn any_setting_can_come_from_the_environment() {
         ("FAIRGATE__GUARD__MAX_BODY_BYTES", "0"),
         ("FAIRGATE__GUARD__MAX_BATCH_BYTES", "0"),
         ("FAIRGATE__GUARD__MAX_RESPONSE_BYTES", "0"),
+        ("FAIRGATE__GUARD__MAX_STREAM_BYTES", "0"),
     ];
     let out = check(&zero, &[]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    for key in ["max_body_bytes", "max_batch_bytes", "max_response_bytes"] {
+    for key in [
+        "max_body_bytes",
+        "max_batch_bytes",
+        "max_response_bytes",
+        "max_stream_bytes",
+    ] {
         assert!(
             err.contains(&format!("guard.{key}: must be at least 1")),
             "{err}"

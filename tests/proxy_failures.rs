@@ -905,6 +905,75 @@ async fn a_vllm_error_chunk_ends_the_stream_after_its_text() {
     }
 }
 
+/// An upstream stream that sends more than `guard.max_stream_bytes` is
+/// not read on: the client gets the text the guard has checked, then the
+/// API's error event saying why, and the stream is counted as the
+/// upstream's failure, whether the answer runs on and on or one event
+/// never ends (the body held open after it: no hang).
+#[tokio::test]
+async fn a_stream_past_the_stream_limit_ends_with_an_error_event() {
+    let (_mock, proxy) = support::start_with(|c| c.guard.max_stream_bytes = 4_000).await;
+    let texts: Vec<String> = (0..100)
+        .map(|i| format!("Part {i} of a budget. "))
+        .collect();
+    let answer = texts.concat();
+    let openai = support::openai_stream(&texts, false);
+    let first = openai.find("Part 2 ").unwrap();
+    let endless = format!(
+        "{}data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{}",
+        &openai[..first],
+        "and on ".repeat(3_000)
+    );
+    let streams = [
+        ("/v1/chat/completions", json!({"raw_sse": openai})),
+        (
+            "/v1/messages",
+            json!({"raw_sse": support::anthropic_stream(&texts)}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"raw_sse": endless, "hold_open": true}),
+        ),
+    ];
+    let request = json!({"model": "m", "max_tokens": 64, "stream": true,
+        "messages": [{"role": "user", "content": "hello"}]});
+    for (path, script) in streams {
+        let response = proxy.post(path, script, &request).await;
+        let body = tokio::time::timeout(Duration::from_secs(10), response.text())
+            .await
+            .expect("no hang")
+            .expect("a stream ended, not cut");
+        let events = sse_events(&body);
+        let text = streamed_text(path, &events);
+        assert!(answer.starts_with(&text), "{path}: {body}");
+        assert!(body.len() < 8_000, "{path}: {} bytes", body.len());
+        let (name, last) = events.last().unwrap();
+        let message = match path {
+            "/v1/chat/completions" => {
+                assert_eq!(last["error"]["code"], "upstream_error", "{body}");
+                &last["error"]["message"]
+            }
+            _ => {
+                assert_eq!(name.as_deref(), Some("error"), "{body}");
+                assert_eq!(last["error"]["type"], "api_error", "{body}");
+                &last["error"]["message"]
+            }
+        };
+        let message = message.as_str().unwrap();
+        assert!(
+            message.contains("guard.max_stream_bytes (4000 bytes)"),
+            "{message}"
+        );
+        assert!(!body.contains("[DONE]"), "{body}");
+    }
+    let metrics = proxy.metrics().await;
+    for (route, count) in [("chat_completions", 2.0), ("messages", 1.0)] {
+        let series = format!(r#"fairgate_stream_errors_total{{kind="upstream",route="{route}"}}"#);
+        assert_eq!(support::metric(&metrics, &series), Some(count), "{metrics}");
+    }
+    proxy.stop().await;
+}
+
 /// A blocked phrase in the last event before the upstream breaks the
 /// stream off, or ends it with an error event: none of it goes out, the
 /// stream ends as a blocked one does (no error event after), and its

@@ -401,6 +401,44 @@ async fn a_response_that_goes_back_to_a_part_it_left_ends_in_error() {
     proxy.stop().await;
 }
 
+/// A response whose events come to more than `guard.max_stream_bytes`
+/// is not read on: the client gets the text checked so far, then the
+/// API's error event saying why; the session goes on, and the next
+/// response is guarded from its own start.
+#[tokio::test]
+async fn a_response_past_the_stream_limit_ends_in_error() {
+    let (addr, upstream) = Upstream::start().await;
+    let mut config = config(&format!("http://{addr}"), Path::new("rules"));
+    config.guard.max_stream_bytes = 8_000;
+    let proxy = start_proxy(config).await;
+    let long: Vec<String> = (0..100)
+        .map(|i| format!("Part {i} of a budget. "))
+        .collect();
+    upstream.script(&long.iter().map(String::as_str).collect::<Vec<_>>());
+    upstream.script(&SAFE);
+    let mut ws = connect(&proxy).await;
+    ws.send(create("Tell me all of it.", None)).await.unwrap();
+    let events = one_response(&mut ws).await;
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "error", "{last}");
+    let message = last["message"].as_str().unwrap();
+    assert!(
+        message.contains("guard.max_stream_bytes (8000 bytes)"),
+        "{message}"
+    );
+    let text = text_of(&events);
+    assert!(long.concat().starts_with(&text), "{text}");
+    assert!(text.len() < 8_000, "{} bytes", text.len());
+
+    ws.send(create("A tip?", None)).await.unwrap();
+    let events = one_response(&mut ws).await;
+    assert_eq!(events[0]["type"], "response.created", "{:?}", events[0]);
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    assert_eq!(text_of(&events), SAFE.concat());
+    support::hang_up(ws).await;
+    proxy.stop().await;
+}
+
 /// A mock of the Responses API's WebSocket mode that, as the API does,
 /// takes one response at a time on a connection: each `response.create`
 /// answered with the next scripted chunks' events, 10 ms apart, and one

@@ -98,7 +98,9 @@
 //! signatures) pass through in order, but behind held events still
 //! unsent. An upstream that sends a malformed event, or breaks off
 //! before the answer's final event (its connection lost, or its deadline
-//! passed), gets the held text checked as at an end, then the API's error
+//! passed), or sends more than `guard.max_stream_bytes` (the guard keeps
+//! the answer's text, and an event until its end comes), gets the held
+//! text checked as at an end, then the API's error
 //! event (`upstream_error`), and the error is counted: the client's SDK
 //! raises, rather than take a cut answer for whole. The upstream's own
 //! error event (an OpenAI chunk with an `error`, or vLLM's older
@@ -252,6 +254,11 @@ pub struct StreamSetup {
     /// are the guard's, not the upstream's: every event is guarded as
     /// before, and those numbered up to N are not sent again.
     pub resume_after: Option<u64>,
+    /// The most bytes the upstream's stream may send
+    /// (`guard.max_stream_bytes`): the guard keeps the answer's text to
+    /// scan it whole, and an event whose end has not come. Past it the
+    /// stream ends as one the upstream broke off does.
+    pub max_bytes: usize,
 }
 
 /// How a stream ended.
@@ -402,6 +409,9 @@ where
         }
         match self.upstream.next().await {
             Some(Ok(chunk)) => {
+                if guard.took(chunk.len()) {
+                    return guard.oversized_ending();
+                }
                 let began = Instant::now();
                 let mut frames = Vec::new();
                 // Numbered events are framed the same whatever the reads
@@ -617,9 +627,15 @@ impl EventGuard {
     /// Takes one event (its JSON); returns the events to send.
     pub fn on_event(&mut self, data: &str) -> Vec<ByteString> {
         let began = Instant::now();
-        let frames = match parse_event(sse_text(None, data)) {
-            Some(event) if !self.guard.finished => self.guard.on_event(event),
-            _ => Vec::new(),
+        let frames = if self.guard.finished {
+            Vec::new()
+        } else if self.guard.took(data.len()) {
+            self.guard.oversized_ending()
+        } else {
+            match parse_event(sse_text(None, data)) {
+                Some(event) => self.guard.on_event(event),
+                None => Vec::new(),
+            }
         };
         self.sent(frames, began)
     }
@@ -1361,6 +1377,8 @@ pub struct Guard {
     /// Text chunks that carry a `usage` of their own, as some
     /// OpenAI-compatible servers send on every chunk.
     running_usage: Option<Box<RunningUsage>>,
+    /// The bytes of the upstream's stream taken so far.
+    taken: usize,
 }
 
 /// The running `usage` that some OpenAI-compatible servers put on every
@@ -1445,6 +1463,7 @@ impl Guard {
             logprobs_sent: 0,
             pending_logprobs: None,
             running_usage: None,
+            taken: 0,
         }
     }
 
@@ -1876,10 +1895,34 @@ impl Guard {
     /// checked as at an end, then an error event.
     #[cold]
     fn broken_ending(&mut self, error: &dyn Display) -> Vec<Bytes> {
+        let message = format!("The upstream API's stream broke off before its end: {error}.");
+        self.failed_ending(&message)
+    }
+
+    /// Counts `bytes` more of the upstream's stream: whether that is more
+    /// than `max_bytes`, so that the stream ends ([`Guard::oversized_ending`]).
+    fn took(&mut self, bytes: usize) -> bool {
+        self.taken = self.taken.saturating_add(bytes);
+        self.taken > self.setup.max_bytes
+    }
+
+    /// The end of a stream that sent more than `max_bytes`: as the end of
+    /// one that broke off, the bytes past the limit unread.
+    #[cold]
+    fn oversized_ending(&mut self) -> Vec<Bytes> {
+        let message = format!(
+            "The upstream API's stream sent more than guard.max_stream_bytes ({} bytes); it ends there.",
+            self.setup.max_bytes
+        );
+        self.failed_ending(&message)
+    }
+
+    /// The held text, checked as at an end, then the API's error event
+    /// with `message`: the upstream failed.
+    fn failed_ending(&mut self, message: &str) -> Vec<Bytes> {
         self.upstream_failed = true;
         let mut frames = self.on_end();
-        let message = format!("The upstream API's stream broke off before its end: {error}.");
-        frames.extend(self.cut_ending(&message));
+        frames.extend(self.cut_ending(message));
         frames
     }
 
@@ -3636,6 +3679,7 @@ mod tests {
             include_usage: false,
             prefill: String::new(),
             resume_after: None,
+            max_bytes: usize::MAX,
         }
     }
 

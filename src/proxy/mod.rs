@@ -2048,6 +2048,7 @@ fn guarded_stream(
         include_usage,
         prefill: scan.prefill.clone().unwrap_or_default(),
         resume_after: None,
+        max_bytes: state.config.guard.max_stream_bytes,
     };
     // From here the guard's outcome records the exchange, however the
     // stream ends (its body dropped included).

@@ -384,6 +384,7 @@ impl Session {
             include_usage: false,
             prefill: asked.prefill,
             resume_after: None,
+            max_bytes: config.guard.max_stream_bytes,
         };
         let request_id = self.records.next_id();
         let mut draft = self.draft(request_id, asked.started, asked.model, asked.turn.prompt);

@@ -172,6 +172,7 @@ pub(super) async fn fetch(
             started: Instant::now(),
             include_usage: false,
             resume_after,
+            max_bytes: state.config.guard.max_stream_bytes,
         };
         let (counted, request_id_kept) = (state.clone(), request_id.to_owned());
         let done = move |outcome: StreamOutcome| {
