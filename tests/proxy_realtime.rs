@@ -357,7 +357,7 @@ async fn send(ws: &mut Client, text: String) {
 }
 
 async fn proxy_for(upstream: SocketAddr) -> support::Proxy {
-    start_proxy(config(&format!("http://{upstream}"), Path::new("rules"))).await
+    support::start_proxy_with(&format!("http://{upstream}"), |_| {}).await
 }
 
 /// The Realtime exchanges the proxy blocked in `scope`, by its metrics.
@@ -672,9 +672,10 @@ async fn redactions_rewrite_text_and_block_audio() {
 #[tokio::test]
 async fn a_monitored_session_passes_everything_and_records_the_block() {
     let (addr, upstream) = Upstream::start().await;
-    let mut config = config(&format!("http://{addr}"), Path::new("rules"));
-    config.guard.stream_mode = fairgate::config::StreamMode::Monitor;
-    let proxy = start_proxy(config).await;
+    let proxy = support::start_proxy_with(&format!("http://{addr}"), |c| {
+        c.guard.stream_mode = fairgate::config::StreamMode::Monitor;
+    })
+    .await;
     let script = response(
         "resp_1",
         "item_1",
@@ -901,9 +902,10 @@ async fn a_response_is_held_from_its_first_event_to_its_end() {
 #[tokio::test]
 async fn a_response_past_the_hold_limit_is_cancelled() {
     let (addr, upstream) = Upstream::start().await;
-    let mut config = config(&format!("http://{addr}"), Path::new("rules"));
-    config.guard.max_response_bytes = 4_000;
-    let proxy = start_proxy(config).await;
+    let proxy = support::start_proxy_with(&format!("http://{addr}"), |c| {
+        c.guard.max_response_bytes = 4_000;
+    })
+    .await;
     // Audio, held whole.
     let long: Vec<&str> = std::iter::repeat_n("Saving a little each month adds up. ", 60).collect();
     upstream.script(response("resp_1", "item_1", &long, true));
@@ -1121,10 +1123,11 @@ async fn a_flagged_text_answer_goes_out_as_it_comes_unless_the_flags_block() {
     close(ws, proxy).await;
 
     let (addr, upstream) = Upstream::start().await;
-    let mut config = config(&format!("http://{addr}"), Path::new("rules"));
-    // One flag in a response: 0.2 × 1/3 of the total risk.
-    config.risk.block_threshold = 0.05;
-    let proxy = start_proxy(config).await;
+    let proxy = support::start_proxy_with(&format!("http://{addr}"), |c| {
+        // One flag in a response: 0.2 × 1/3 of the total risk.
+        c.risk.block_threshold = 0.05;
+    })
+    .await;
     let script = response("resp_1", "item_1", &deltas, false);
     upstream.script(waiting_before(script, done));
     let mut ws = connect(&proxy).await;
@@ -1320,9 +1323,10 @@ async fn what_the_close_leaves_unanswered_is_recorded() {
 async fn a_client_event_over_the_body_limit_closes_the_socket_with_1009() {
     use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
     let (addr, upstream) = Upstream::start().await;
-    let mut config = config(&format!("http://{addr}"), Path::new("rules"));
-    config.guard.max_body_bytes = 2_000;
-    let proxy = start_proxy(config).await;
+    let proxy = support::start_proxy_with(&format!("http://{addr}"), |c| {
+        c.guard.max_body_bytes = 2_000;
+    })
+    .await;
     let mut ws = connect(&proxy).await;
     send(&mut ws, user_item("Should I buy gold now?", "evt_1")).await;
     upstream_took(&upstream, 1).await;
@@ -1351,9 +1355,10 @@ async fn a_client_event_over_the_body_limit_closes_the_socket_with_1009() {
 async fn an_upstream_event_over_the_response_limit_ends_the_session_with_1011() {
     use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
     let (addr, upstream) = Upstream::start().await;
-    let mut config = config(&format!("http://{addr}"), Path::new("rules"));
-    config.guard.max_response_bytes = 2_000;
-    let proxy = start_proxy(config).await;
+    let proxy = support::start_proxy_with(&format!("http://{addr}"), |c| {
+        c.guard.max_response_bytes = 2_000;
+    })
+    .await;
     let long = "A budget helps. ".repeat(200);
     upstream.script(response(
         "resp_1",

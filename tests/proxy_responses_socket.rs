@@ -351,9 +351,10 @@ async fn a_responses_socket_is_among_the_sessions_the_guard_reads() {
     use fairgate::config::Upgrades;
     let (addr, upstream) = Upstream::start().await;
     for upgrades in [Upgrades::Guarded, Upgrades::Refuse] {
-        let mut config = config(&format!("http://{addr}"), Path::new("rules"));
-        config.guard.upgrades = upgrades;
-        let proxy = start_proxy(config).await;
+        let proxy = support::start_proxy_with(&format!("http://{addr}"), |c| {
+            c.guard.upgrades = upgrades;
+        })
+        .await;
         let url = proxy.url("/v1/responses").replace("http://", "ws://");
         match tokio_tungstenite::connect_async(url).await {
             Ok((mut ws, _)) => {
@@ -408,9 +409,10 @@ async fn a_response_that_goes_back_to_a_part_it_left_ends_in_error() {
 #[tokio::test]
 async fn a_response_past_the_stream_limit_ends_in_error() {
     let (addr, upstream) = Upstream::start().await;
-    let mut config = config(&format!("http://{addr}"), Path::new("rules"));
-    config.guard.max_stream_bytes = 8_000;
-    let proxy = start_proxy(config).await;
+    let proxy = support::start_proxy_with(&format!("http://{addr}"), |c| {
+        c.guard.max_stream_bytes = 8_000;
+    })
+    .await;
     let long: Vec<String> = (0..100)
         .map(|i| format!("Part {i} of a budget. "))
         .collect();

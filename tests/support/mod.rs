@@ -947,10 +947,16 @@ pub async fn start_with_model_route(path_prefix: &str, model_prefix: &str) -> (M
 /// The same, with the configuration changed by `configure` first.
 pub async fn start_with(configure: impl FnOnce(&mut Config)) -> (Mock, Proxy) {
     let mock = start_mock().await;
-    let mut config = config(&mock.url(), Path::new("rules"));
-    configure(&mut config);
-    let proxy = start_proxy(config).await;
+    let proxy = start_proxy_with(&mock.url(), configure).await;
     (mock, proxy)
+}
+
+/// A proxy with the shipped rules in front of `upstream` (a base URL), its
+/// configuration changed by `configure`.
+pub async fn start_proxy_with(upstream: &str, configure: impl FnOnce(&mut Config)) -> Proxy {
+    let mut config = config(upstream, Path::new("rules"));
+    configure(&mut config);
+    start_proxy(config).await
 }
 
 /// Proxy in front of a fresh mock, with the shipped rules, whose admin
