@@ -300,8 +300,8 @@ pub struct GuardConfig {
     /// message it takes from a WebSocket session's upstream (a larger one
     /// ends the session: the client's socket is closed with 1011).
     pub max_response_bytes: usize,
-    /// Most bytes a streamed answer (an SSE body, or a Responses API
-    /// socket's response) may send: the guard keeps its text to scan it
+    /// Most bytes a streamed answer (an SSE body, a Responses API
+    /// socket's response, or a Realtime session's) may send: the guard keeps its text to scan it
     /// whole. Past it the stream ends as one the upstream broke off does,
     /// with the API's error event. Streamed events weigh several times
     /// their text, so the default is above `max_response_bytes`.

@@ -942,6 +942,78 @@ async fn a_response_past_the_hold_limit_is_cancelled() {
     close(ws, proxy).await;
 }
 
+/// A text answer goes out as it comes, but its texts are kept for the
+/// scan at its end: one that sends more than `guard.max_stream_bytes` is
+/// cancelled there, in monitor mode too. The client has had the text
+/// before the limit, then the response ends `failed` and the client hears
+/// of its item's deletion; nothing more of it goes out.
+#[tokio::test]
+async fn a_text_answer_past_the_stream_limit_is_cancelled_in_every_mode() {
+    for monitor in [false, true] {
+        let (addr, upstream) = Upstream::start().await;
+        let proxy = support::start_proxy_with(&format!("http://{addr}"), |c| {
+            c.guard.max_stream_bytes = 4_000;
+            if monitor {
+                c.guard.stream_mode = fairgate::config::StreamMode::Monitor;
+            }
+        })
+        .await;
+        let long: Vec<&str> =
+            std::iter::repeat_n("Saving a little each month adds up. ", 60).collect();
+        let script = response("resp_1", "item_1", &long, false);
+        upstream.script(script.clone());
+        let mut ws = connect(&proxy).await;
+        send(&mut ws, json!({"type": "response.create"}).to_string()).await;
+        let texts = until(&mut ws, "response.done").await;
+        let events = parsed(&texts);
+        let said = said_in(&events);
+        assert!(!said.is_empty(), "monitor {monitor}: {texts:?}");
+        assert!(said.len() < 4_000, "monitor {monitor}: {said}");
+        let done = &events.last().unwrap()["response"];
+        assert_eq!(done["status"], "failed", "monitor {monitor}: {done}");
+        let error = &done["status_details"]["error"];
+        assert_eq!(error["code"], "response_too_large");
+        assert!(
+            error["message"]
+                .as_str()
+                .unwrap()
+                .contains("max_stream_bytes")
+        );
+        // What went out is the script's events as they came, up to the cut.
+        let sent = &texts[..texts.len() - 1];
+        assert_eq!(sent, &script[..sent.len()], "monitor {monitor}");
+        let received = upstream_took(&upstream, 3).await;
+        let types: Vec<&str> = received
+            .iter()
+            .map(|e| e["type"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            types,
+            [
+                "response.create",
+                "response.cancel",
+                "conversation.item.delete"
+            ],
+            "monitor {monitor}"
+        );
+        // The rest of it does not reach the client; what is of no response,
+        // and the deletion of the item the client had, do.
+        let mut rest = Vec::new();
+        while rest.len() < 2 {
+            rest.push(next(&mut ws).await["type"].as_str().unwrap().to_owned());
+        }
+        rest.sort();
+        assert_eq!(
+            rest,
+            ["conversation.item.deleted", "rate_limits.updated"],
+            "monitor {monitor}"
+        );
+        let results = proxy.wait_for_results(1).await;
+        assert_eq!(results[0]["exchange"]["stream_end"], "malformed");
+        close(ws, proxy).await;
+    }
+}
+
 /// What a hosted tool (an MCP server) gave the model is read as context:
 /// the rules against injected instructions apply to it.
 #[tokio::test]

@@ -83,9 +83,11 @@
 //! audio: held, none of it was heard, and played now it would talk over
 //! the user. A route in `monitor` mode passes every event on as it
 //! comes, and scans and records only. Held events are bounded by
-//! `guard.max_response_bytes`: a response beyond it is cancelled
-//! upstream and ends, for the client, `failed` with
-//! `response_too_large`.
+//! `guard.max_response_bytes`, and all of a response's events, held or
+//! gone out (its texts are kept for the scan at its end), by
+//! `guard.max_stream_bytes`, in every mode: a response beyond either is
+//! cancelled upstream, its items deleted, and ends, for the client,
+//! `failed` with `response_too_large`; what comes of it after is dropped.
 //!
 //! A binary message is read as its text, an event like any ([`as_text`]):
 //! the SDKs read either kind of message as JSON. Everything else passes
@@ -687,6 +689,35 @@ struct Held {
     repeats: bool,
 }
 
+/// The bound a response passed ([`Session::too_large`]).
+#[derive(Debug, Clone, Copy)]
+enum Limit {
+    /// Its held events, `guard.max_response_bytes`.
+    Held,
+    /// All its events, held or gone out, `guard.max_stream_bytes`.
+    Taken,
+}
+
+impl Limit {
+    fn setting(self) -> &'static str {
+        match self {
+            Limit::Held => "guard.max_response_bytes",
+            Limit::Taken => "guard.max_stream_bytes",
+        }
+    }
+
+    fn message(self) -> &'static str {
+        match self {
+            Limit::Held => {
+                "The response was larger than fairgate holds to check (guard.max_response_bytes)."
+            }
+            Limit::Taken => {
+                "The response sent more than fairgate keeps to check (guard.max_stream_bytes)."
+            }
+        }
+    }
+}
+
 /// A response from its `response.created` on.
 struct Answer {
     rules: Arc<RuleSet>,
@@ -700,6 +731,9 @@ struct Answer {
     /// The ids of its output items.
     items: Vec<String>,
     held_bytes: usize,
+    /// The bytes of all its events so far, held or gone out: its texts
+    /// are kept to the end's scan, so `guard.max_stream_bytes` bounds it.
+    taken: usize,
     /// fairgate's own time on it.
     spent: Duration,
     /// Whether its text may still go out as it comes: only text so far,
@@ -1058,9 +1092,12 @@ struct Session {
     /// after its `response.done`, and what comes anyway is dropped (passed
     /// on, in monitor mode).
     closed: HashSet<String>,
-    /// Items fairgate deleted upstream: their acknowledgements are not
-    /// relayed.
-    deleted: HashSet<String>,
+    /// Responses fairgate cancelled for their size ([`Session::too_large`]):
+    /// what comes of them is dropped in monitor mode too.
+    cut: HashSet<String>,
+    /// Items fairgate deleted upstream, each with whether the client had
+    /// it: the acknowledgements of the others are not relayed.
+    deleted: HashMap<String, bool>,
     /// The redactions of the items of responses that passed redacted.
     redacted: HashMap<String, Vec<(String, String)>>,
     records: SessionRecords,
@@ -1089,7 +1126,8 @@ impl Session {
             items: HashMap::new(),
             held: Vec::new(),
             closed: HashSet::new(),
-            deleted: HashSet::new(),
+            cut: HashSet::new(),
+            deleted: HashMap::new(),
             redacted: HashMap::new(),
             records,
             own_events: 0,
@@ -1185,12 +1223,17 @@ impl Session {
             return Vec::new();
         };
         let kind = head.kind.as_ref();
-        // The acknowledgements of fairgate's own deletions.
+        // The acknowledgements of fairgate's own deletions: relayed when
+        // the client had the item.
         if kind == "conversation.item.deleted"
             && let Some(item) = &head.item_id
-            && self.deleted.remove(item.as_ref())
+            && let Some(told) = self.deleted.remove(item.as_ref())
         {
-            return Vec::new();
+            self.items.remove(item.as_ref());
+            return match told {
+                true => vec![Send::Client(Message::Text(text))],
+                false => Vec::new(),
+            };
         }
         if kind == "error"
             && let Some(id) = head.error.as_ref().and_then(|e| e.event_id.as_deref())
@@ -1225,7 +1268,7 @@ impl Session {
             return vec![Send::Client(Message::Text(text))];
         };
         if self.closed.contains(&response) {
-            return match self.handshake.monitor {
+            return match self.handshake.monitor && !self.cut.contains(&response) {
                 true => vec![Send::Client(Message::Text(text))],
                 false => Vec::new(),
             };
@@ -1244,6 +1287,7 @@ impl Session {
                 repeats: Vec::new(),
                 items: Vec::new(),
                 held_bytes: 0,
+                taken: 0,
                 spent: Duration::ZERO,
                 streams: true,
                 flagged: Vec::new(),
@@ -1313,6 +1357,7 @@ impl Session {
         let created = kind == "response.created";
         let audio = is_audio_delta(kind);
         let monitor = self.handshake.monitor;
+        answer.taken = answer.taken.saturating_add(text.len());
         let mut sends = Vec::new();
         if monitor {
             sends.push(Send::Client(Message::Text(text)));
@@ -1334,7 +1379,9 @@ impl Session {
         if let Some(done) = done {
             sends.extend(self.decide(&response, done));
         } else if !monitor && answer.held_bytes > self.state.config.guard.max_response_bytes {
-            sends.extend(self.too_large(&response));
+            sends.extend(self.too_large(&response, Limit::Held));
+        } else if answer.taken > self.state.config.guard.max_stream_bytes {
+            sends.extend(self.too_large(&response, Limit::Taken));
         } else if streams {
             sends.extend(self.stream_early(&response));
         }
@@ -1545,12 +1592,8 @@ impl Session {
         items
             .iter()
             .map(|item| {
-                if told {
-                    // Of no response now, its acknowledgement passes.
-                    self.items.remove(item);
-                } else {
-                    self.deleted.insert(item.clone());
-                }
+                // Its events until then are of its response still: dropped.
+                self.deleted.insert(item.clone(), told);
                 let event = json!({
                     "type": "conversation.item.delete",
                     "event_id": self.own_event_id(),
@@ -1561,22 +1604,24 @@ impl Session {
             .collect()
     }
 
-    /// Ends a response whose held events passed `guard.max_response_bytes`:
-    /// cancelled upstream, `failed` for the client.
-    fn too_large(&mut self, response: &str) -> Vec<Send> {
+    /// Ends a response past `limit`: cancelled upstream, `failed` for the
+    /// client, and what comes of it after dropped, in every mode.
+    fn too_large(&mut self, response: &str, limit: Limit) -> Vec<Send> {
         let Some(mut answer) = self.answers.remove(response) else {
             return Vec::new();
         };
+        let setting = limit.setting();
         tracing::warn!(
             request_id = self.handshake.request_id,
-            "a Realtime response passed guard.max_response_bytes: cancelled"
+            "a Realtime response passed {setting}: cancelled"
         );
         self.closed.insert(response.to_owned());
+        self.cut.insert(response.to_owned());
         let held = self.take_held(response);
         let details = json!({"type": "failed", "error": {
             "type": "server_error",
             "code": "response_too_large",
-            "message": "The response was larger than fairgate holds to check (guard.max_response_bytes).",
+            "message": limit.message(),
         }});
         let cancel = json!({
             "type": "response.cancel",
@@ -1584,7 +1629,9 @@ impl Session {
             "response_id": response,
         });
         let mut sends = vec![Send::Upstream(Message::text(cancel.to_string()))];
-        sends.extend(self.delete_items(&answer.items, answer.seen()));
+        // A monitored session's client has had all of it so far.
+        let told = answer.seen() || self.handshake.monitor;
+        sends.extend(self.delete_items(&answer.items, told));
         sends.extend(self.replaced(response, held, None, "failed", details));
         let scanned = answer.scan(&self.state.config.risk);
         let request_id = self.records.next_id();
