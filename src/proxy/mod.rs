@@ -14,6 +14,7 @@ mod lines;
 mod media;
 mod parts;
 mod realtime;
+pub mod replay;
 pub mod respond;
 mod responses_socket;
 mod stall;

@@ -301,6 +301,11 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
     relay(Session::new(state, handshake), (client, upstream), limits).await;
 }
 
+/// A session of `handshake` without its sockets ([`super::replay`]).
+pub(super) fn unsocketed(state: Arc<State>, handshake: Handshake) -> Box<dyn Relay> {
+    Box::new(Session::new(state, handshake))
+}
+
 /// What a guarded WebSocket session does with each side's events: its
 /// messages, text or binary ([`as_text`]). Closes pass as they come;
 /// pings are answered by the sockets themselves.
@@ -322,7 +327,7 @@ pub(super) trait Relay {
 /// one passed on unread could carry an answer past the guard. Bytes that
 /// are not UTF-8 are not JSON either, and read as the text they make
 /// (an event that does not read).
-fn as_text(bytes: Bytes) -> Utf8Bytes {
+pub(super) fn as_text(bytes: Bytes) -> Utf8Bytes {
     Utf8Bytes::try_from(bytes.clone())
         .unwrap_or_else(|_| Utf8Bytes::from(String::from_utf8_lossy(&bytes).into_owned()))
 }

@@ -103,6 +103,11 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
     super::realtime::relay(session, (client, upstream), limits).await;
 }
 
+/// A session of `handshake` without its sockets ([`super::replay`]).
+pub(super) fn unsocketed(state: Arc<State>, handshake: Handshake) -> Box<dyn Relay> {
+    Box::new(Session::new(state, handshake))
+}
+
 /// The events that end a response.
 const LAST_EVENTS: [&str; 4] = [
     "response.completed",

@@ -1,0 +1,121 @@
+//! A WebSocket session's messages, either side's, in any order, through
+//! the guard of a Realtime API session or a Responses API socket with the
+//! shipped rules: nothing panics, and in a guarded Realtime session no
+//! text delta the client gets joins, with the others of its part, into a
+//! text a rule blocks or redacts.
+//!
+//! Input: byte 0 picks the kind of session (bit 0: Realtime, Responses
+//! API socket), the mode (bits 1 and 2: holdback, buffer, monitor) and
+//! the limits (bit 3: the embedded defaults, or small ones that the
+//! longer inputs pass); the rest is messages, one a line: a line that
+//! begins with `>` is the client's (the `>` not sent), any other the
+//! upstream's.
+
+#![no_main]
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, LazyLock, Mutex};
+
+use fairgate::config::{Config, StreamMode};
+use fairgate::proxy::State;
+use fairgate::proxy::replay::{Kind, Replay, Sent};
+use fairgate::record::{QueueItem, StreamEnd};
+use fairgate::rules::{Action, Scope};
+use libfuzzer_sys::fuzz_target;
+use serde_json::Value;
+use tokio::sync::mpsc::Receiver;
+
+/// A state on the shipped rules, with the limits of `small`, and the
+/// receiver of its side queue, drained after each input.
+fn state(small: bool) -> (Arc<State>, Mutex<Receiver<QueueItem>>) {
+    let mut config = Config::default();
+    config.rules.dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rules");
+    config.rules.watch = false;
+    if small {
+        config.guard.max_response_bytes = 2_000;
+        config.guard.max_stream_bytes = 3_000;
+    }
+    let state = State::new(config).expect("a state on the shipped rules");
+    let records = state.queue.take_receiver().expect("the queue's receiver");
+    (Arc::new(state), Mutex::new(records))
+}
+
+static STATES: LazyLock<[(Arc<State>, Mutex<Receiver<QueueItem>>); 2]> =
+    LazyLock::new(|| [state(false), state(true)]);
+
+static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+});
+
+const MODES: [StreamMode; 4] = [
+    StreamMode::Holdback,
+    StreamMode::Buffer,
+    StreamMode::Monitor,
+    StreamMode::Holdback,
+];
+
+fuzz_target!(|data: &[u8]| {
+    let [pick, messages @ ..] = data else {
+        return;
+    };
+    let kind = match pick & 1 {
+        0 => Kind::Realtime,
+        _ => Kind::ResponsesSocket,
+    };
+    let mode = MODES[usize::from(pick >> 1 & 3)];
+    let (state, records) = &STATES[usize::from(pick >> 3 & 1)];
+    let _runtime = RUNTIME.enter();
+    let mut session = Replay::new(state.clone(), kind, mode);
+    let mut to_client = Vec::new();
+    for line in messages.split(|&b| b == b'\n') {
+        let sent = match line.strip_prefix(b">") {
+            Some(message) => session.from_client(message),
+            None => session.from_upstream(line),
+        };
+        to_client.extend(sent.into_iter().filter(|s| s.to_client));
+    }
+    session.end(StreamEnd::ClientClosed);
+    if kind == Kind::Realtime && mode != StreamMode::Monitor {
+        nothing_blocked_went_out(state, &to_client);
+    }
+    let mut records = records.lock().expect("the receiver");
+    while records.try_recv().is_ok() {}
+});
+
+/// Each text part's deltas that reached the client, joined: none holds a
+/// match of a rule that blocks or redacts.
+fn nothing_blocked_went_out(state: &State, to_client: &[Sent]) {
+    let mut parts: HashMap<(String, String, String, String), String> = HashMap::new();
+    for text in to_client.iter().filter_map(|s| s.text.as_deref()) {
+        let Ok(event) = serde_json::from_str::<Value>(text) else {
+            continue;
+        };
+        let field = |name: &str| event.get(name).and_then(Value::as_str);
+        let (Some(kind), Some(response), Some(delta)) =
+            (field("type"), field("response_id"), field("delta"))
+        else {
+            continue;
+        };
+        if !kind.ends_with("text.delta") {
+            continue;
+        }
+        let index = event.get("content_index").map(Value::to_string);
+        let key = (
+            response.to_owned(),
+            field("item_id").unwrap_or_default().to_owned(),
+            index.unwrap_or_default(),
+            kind.to_owned(),
+        );
+        parts.entry(key).or_default().push_str(delta);
+    }
+    let rules = state.rules.snapshot();
+    for (key, text) in parts {
+        let hits = rules.scan(Scope::Response, &text);
+        let leaked = hits.iter().find(|hit| hit.action >= Action::Redact);
+        assert!(leaked.is_none(), "{key:?} went out as {text:?}: {leaked:?}");
+    }
+}
