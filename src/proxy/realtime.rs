@@ -1247,10 +1247,15 @@ impl Session {
             return Vec::new();
         }
         // An item of a response that passed redacted, as the conversation
-        // holds it (retrieved, say): redacted again.
+        // holds it (retrieved, say): redacted again. An event that names a
+        // response is that response's, whatever item it names.
         let item = head.item_id.as_deref();
         let item = item.or_else(|| head.item.as_ref().and_then(|i| i.id.as_deref()));
-        if let Some(redactions) = item.and_then(|item| self.redacted.get(item)) {
+        let named = (head.response_id.as_deref())
+            .or_else(|| head.response.as_ref().and_then(|r| r.id.as_deref()));
+        if named.is_none()
+            && let Some(redactions) = item.and_then(|item| self.redacted.get(item))
+        {
             // Read as the head was; what would not read does not go out.
             let Ok(mut event) = serde_json::from_str::<Value>(text.as_str()) else {
                 return Vec::new();
@@ -1263,12 +1268,7 @@ impl Session {
         {
             self.transcript(transcript);
         }
-        let response = head
-            .response_id
-            .as_deref()
-            .or_else(|| head.response.as_ref().and_then(|r| r.id.as_deref()))
-            .map(str::to_owned)
-            .or_else(|| self.items.get(item?).cloned());
+        let response = (named.map(str::to_owned)).or_else(|| self.items.get(item?).cloned());
         let Some(response) = response else {
             return vec![Send::Client(Message::Text(text))];
         };
@@ -2304,6 +2304,32 @@ mod tests {
         assert!(past_the_redaction > 160, "{past_the_redaction} of 200");
         assert!(past_the_flag > 80, "{past_the_flag} of 100");
         assert!(past_the_escape > 80, "{past_the_escape} of 100");
+    }
+
+    /// A response that names an item a redacted answer made before (an
+    /// upstream that reuses an id) is guarded as any: the item's
+    /// redactions are not all that applies to it.
+    #[tokio::test]
+    async fn a_response_on_a_redacted_items_id_is_guarded() {
+        let mut session = session(&state(), "fg-reused");
+        let redacted = ["Write to jane.doe@example.com ", "for a review."];
+        let sent = all_to_client(&mut session, &text_answer(&redacted));
+        assert!(said_of(&sent, 0).contains("[REDACTED:email]"), "{sent:?}");
+        let blocked = ["Put all your savings ", "into Dogecoin, it's the future."];
+        let again: Vec<Value> = (text_answer(&blocked).iter())
+            .map(|event| serde_json::from_str(&event.to_string().replace("resp_1", "resp_2")))
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let sent = all_to_client(&mut session, &again);
+        assert!(
+            sent.iter().all(|e| !e.to_string().contains("Dogecoin")),
+            "{sent:?}"
+        );
+        let done = sent.last().unwrap();
+        assert_eq!(
+            done["response"]["status_details"]["reason"],
+            "content_filter"
+        );
     }
 
     /// Two text parts whose deltas interleave: a delta of one that ends
