@@ -93,8 +93,11 @@
 //! the SDKs read either kind of message as JSON. Everything else passes
 //! as it comes: events of no response (the session's, the input audio
 //! buffer's, rate limits, errors). Each side's pings are answered by fairgate; a close is passed
-//! on. An upstream event that is not a JSON object with a `type` is
-//! dropped and counted (`fairgate_upstream_errors_total{kind="malformed"}`).
+//! on. An upstream event that is not a JSON object with a `type`, or a
+//! response's text event (a `response.*` delta or `.done`) that names no
+//! response nor an item of one, is dropped and counted
+//! (`fairgate_upstream_errors_total{kind="malformed"}`), but in `monitor`
+//! mode, which passes the latter.
 //!
 //! Each response is an exchange record (route `realtime`, with the
 //! prompt the client sent since the response before it), as is each
@@ -1270,6 +1273,24 @@ impl Session {
         }
         let response = (named.map(str::to_owned)).or_else(|| self.items.get(item?).cloned());
         let Some(response) = response else {
+            // A response's text (its deltas, and the `.done` events that
+            // repeat it) names its response, or an item of it: such an
+            // event that names neither is not the text of no response.
+            let text_of_none = kind.starts_with("response.")
+                && (kind.ends_with(".delta") || kind.ends_with(".done"));
+            if text_of_none && !self.handshake.monitor {
+                tracing::warn!(
+                    request_id = self.handshake.request_id,
+                    kind,
+                    "a Realtime response's event from the upstream named no response: dropped"
+                );
+                self.state
+                    .metrics
+                    .upstream_errors
+                    .with_label_values(&[&self.handshake.upstream, "malformed"])
+                    .inc();
+                return Vec::new();
+            }
             return vec![Send::Client(Message::Text(text))];
         };
         if self.closed.contains(&response) {
@@ -2330,6 +2351,27 @@ mod tests {
             done["response"]["status_details"]["reason"],
             "content_filter"
         );
+    }
+
+    /// A response's text event that names no response, nor an item of
+    /// one, is dropped and counted, not passed as an event of no
+    /// response; other events of no response pass.
+    #[tokio::test]
+    async fn a_text_event_of_no_response_is_dropped() {
+        let state = state();
+        let mut session = session(&state, "fg-unnamed");
+        let unnamed = json!({"type": "response.output_text.delta", "item_id": "item_9",
+            "content_index": 0, "delta": "Put all your savings into Dogecoin."});
+        assert!(to_client(&mut session, &unnamed).is_empty());
+        let done = json!({"type": "response.output_text.done", "text": "Dogecoin"});
+        assert!(to_client(&mut session, &done).is_empty());
+        let malformed = state
+            .metrics
+            .upstream_errors
+            .with_label_values(&["openai", "malformed"]);
+        assert_eq!(malformed.get(), 2);
+        let limits = json!({"type": "rate_limits.updated", "rate_limits": []});
+        assert_eq!(to_client(&mut session, &limits), [limits]);
     }
 
     /// Two text parts whose deltas interleave: a delta of one that ends
