@@ -2327,15 +2327,20 @@ mod tests {
         assert!(past_the_escape > 80, "{past_the_escape} of 100");
     }
 
-    /// A response that names an item a redacted answer made before (an
-    /// upstream that reuses an id) is guarded as any: the item's
-    /// redactions are not all that applies to it.
+    /// An event that names a response is that response's: after a
+    /// redacted answer, its late deltas are dropped, and a response that
+    /// names the item the answer made (an upstream that reuses an id) is
+    /// guarded as any, the item's redactions not all that applies to it.
     #[tokio::test]
-    async fn a_response_on_a_redacted_items_id_is_guarded() {
+    async fn an_event_naming_a_response_is_its_own_whatever_its_item() {
         let mut session = session(&state(), "fg-reused");
         let redacted = ["Write to jane.doe@example.com ", "for a review."];
         let sent = all_to_client(&mut session, &text_answer(&redacted));
         assert!(said_of(&sent, 0).contains("[REDACTED:email]"), "{sent:?}");
+        // What comes of the answer after its end is dropped, the item's
+        // redactions or not (the fuzz target `sessions` found it passing).
+        let late = [delta(0, "jane.doe@exa"), delta(0, "mple.com")];
+        assert!(all_to_client(&mut session, &late).is_empty());
         let blocked = ["Put all your savings ", "into Dogecoin, it's the future."];
         let again: Vec<Value> = (text_answer(&blocked).iter())
             .map(|event| serde_json::from_str(&event.to_string().replace("resp_1", "resp_2")))
