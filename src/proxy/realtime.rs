@@ -93,11 +93,12 @@
 //! the SDKs read either kind of message as JSON. Everything else passes
 //! as it comes: events of no response (the session's, the input audio
 //! buffer's, rate limits, errors). Each side's pings are answered by fairgate; a close is passed
-//! on. An upstream event that is not a JSON object with a `type`, or a
+//! on. An upstream event that is not a JSON object with a `type`, a
 //! response's text event (a `response.*` delta or `.done`) that names no
-//! response nor an item of one, is dropped and counted
-//! (`fairgate_upstream_errors_total{kind="malformed"}`), but in `monitor`
-//! mode, which passes the latter.
+//! response nor an item of one, and a delta that carries a text besides
+//! its `delta` (an item, a `text`: the API sends none such) are dropped
+//! and counted (`fairgate_upstream_errors_total{kind="malformed"}`), but
+//! in `monitor` mode, which passes the last two.
 //!
 //! Each response is an exchange record (route `realtime`, with the
 //! prompt the client sent since the response before it), as is each
@@ -128,6 +129,7 @@ use hyper::body::Incoming;
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
+use serde::de::IgnoredAny;
 use serde_json::{Value, json};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::error::{CapacityError, ProtocolError};
@@ -1299,6 +1301,22 @@ impl Session {
                 false => Vec::new(),
             };
         }
+        // A delta's text is its `delta`: one that also carries a text
+        // elsewhere (a `text`, a `transcript`, an item's), which the API
+        // never sends, would take that text out with the delta unread.
+        if delta_kind(kind).is_some() && !self.handshake.monitor && repeats_a_text(&text) {
+            tracing::warn!(
+                request_id = self.handshake.request_id,
+                kind,
+                "a Realtime delta from the upstream carried more text than its delta: dropped"
+            );
+            self.state
+                .metrics
+                .upstream_errors
+                .with_label_values(&[&self.handshake.upstream, "malformed"])
+                .inc();
+            return Vec::new();
+        }
         // A response is read from its first event, `response.created` or
         // any other that names it.
         let answer = self
@@ -1839,6 +1857,45 @@ pub(super) fn unanswered_status(end: StreamEnd) -> (u16, &'static str) {
     }
 }
 
+/// A delta event as the API sends it: these fields, none of which
+/// repeats a text (`delta` is the delta's own).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code, reason = "read only to refuse the fields it does not name")]
+struct PlainDelta {
+    #[serde(rename = "type")]
+    kind: IgnoredAny,
+    event_id: Option<IgnoredAny>,
+    response_id: Option<IgnoredAny>,
+    item_id: Option<IgnoredAny>,
+    output_index: Option<IgnoredAny>,
+    content_index: Option<IgnoredAny>,
+    call_id: Option<IgnoredAny>,
+    delta: Option<IgnoredAny>,
+    obfuscation: Option<IgnoredAny>,
+    logprobs: Option<IgnoredAny>,
+}
+
+/// Whether delta event `text` carries a text besides its delta, under a
+/// key that repeats one ([`collect_repeats`]): read whole only when it has
+/// fields [`PlainDelta`] does not name.
+fn repeats_a_text(text: &str) -> bool {
+    if serde_json::from_str::<PlainDelta>(text).is_ok() {
+        return false;
+    }
+    let Ok(Value::Object(fields)) = serde_json::from_str::<Value>(text) else {
+        return false;
+    };
+    let mut repeats = Vec::new();
+    for (key, value) in fields.iter().filter(|(key, _)| key.as_str() != "delta") {
+        match (repeat_kind(key), value) {
+            (Some(_), Value::String(text)) => repeats.push((Kind::Text, text.clone())),
+            _ => collect_repeats(value, &mut repeats),
+        }
+    }
+    repeats.iter().any(|(_, text)| !text.is_empty())
+}
+
 /// Every string under a key that repeats a response's text, at any depth
 /// of an event.
 fn collect_repeats(value: &Value, out: &mut Vec<(Kind, String)>) {
@@ -2377,6 +2434,30 @@ mod tests {
         assert_eq!(malformed.get(), 2);
         let limits = json!({"type": "rate_limits.updated", "rate_limits": []});
         assert_eq!(to_client(&mut session, &limits), [limits]);
+    }
+
+    /// A delta that carries a text besides its delta (an item, a `text`)
+    /// is dropped and counted, not streamed with that text unread; one
+    /// with fields that carry no text goes on as any.
+    #[tokio::test]
+    async fn a_delta_carrying_more_text_than_its_delta_is_dropped() {
+        let state = state();
+        let mut session = session(&state, "fg-stuffed");
+        let mut events = text_answer(&["Start with a budget, ", "then build a fund."]);
+        events[4]["item"] = json!({"id": "item_1", "content": [{"type": "output_text",
+            "text": "Put all your savings into Dogecoin."}]});
+        events[5]["future_field"] = json!({"score": 1});
+        let sent = all_to_client(&mut session, &events);
+        assert!(
+            sent.iter().all(|e| !e.to_string().contains("Dogecoin")),
+            "{sent:?}"
+        );
+        assert_eq!(said_of(&sent, 0), "then build a fund.");
+        let malformed = state
+            .metrics
+            .upstream_errors
+            .with_label_values(&["openai", "malformed"]);
+        assert_eq!(malformed.get(), 1);
     }
 
     /// Two text parts whose deltas interleave: a delta of one that ends
