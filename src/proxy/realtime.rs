@@ -1611,8 +1611,12 @@ impl Session {
         details: Value,
     ) -> Vec<Send> {
         let created = held.into_iter().find(|held| held.created);
+        let created = created.and_then(|held| serde_json::from_str::<Value>(&held.text).ok());
         let mut sends: Vec<Send> = created
-            .map(|held| Send::Client(Message::Text(held.text)))
+            .map(|mut created| {
+                emptied(&mut created);
+                Send::Client(Message::text(created.to_string()))
+            })
             .into_iter()
             .collect();
         let mut end = done
@@ -1622,9 +1626,9 @@ impl Session {
                     "id": response, "object": "realtime.response",
                 }})
             });
+        emptied(&mut end);
         end["response"]["status"] = Value::from(status);
         end["response"]["status_details"] = details;
-        end["response"]["output"] = json!([]);
         sends.push(Send::Client(Message::text(end.to_string())));
         sends
     }
@@ -1886,12 +1890,27 @@ fn repeats_a_text(text: &str) -> bool {
     let Ok(Value::Object(fields)) = serde_json::from_str::<Value>(text) else {
         return false;
     };
+    (fields.iter()).any(|(key, value)| key != "delta" && carries_text(key, value))
+}
+
+/// `event`'s response with its output emptied, and without any other
+/// field that carries a text of it ([`collect_repeats`]; none does, as the
+/// API sends it): what goes out of a response fairgate ends.
+fn emptied(event: &mut Value) {
+    let Some(response) = event.get_mut("response").and_then(Value::as_object_mut) else {
+        return;
+    };
+    response.retain(|key, value| !carries_text(key, value));
+    response.insert("output".to_owned(), json!([]));
+}
+
+/// Whether an event's field `key: value` carries a text of a response,
+/// under a key that repeats one ([`collect_repeats`]), not empty.
+fn carries_text(key: &str, value: &Value) -> bool {
     let mut repeats = Vec::new();
-    for (key, value) in fields.iter().filter(|(key, _)| key.as_str() != "delta") {
-        match (repeat_kind(key), value) {
-            (Some(_), Value::String(text)) => repeats.push((Kind::Text, text.clone())),
-            _ => collect_repeats(value, &mut repeats),
-        }
+    match (repeat_kind(key), value) {
+        (Some(_), Value::String(text)) => return !text.is_empty(),
+        _ => collect_repeats(value, &mut repeats),
     }
     repeats.iter().any(|(_, text)| !text.is_empty())
 }
@@ -2458,6 +2477,35 @@ mod tests {
             .upstream_errors
             .with_label_values(&["openai", "malformed"]);
         assert_eq!(malformed.get(), 1);
+    }
+
+    /// What goes out of a blocked response, its `response.created` and its
+    /// `response.done`, carries no text of it, wherever the upstream put
+    /// one (found by the fuzz target `sessions`); the rest of the
+    /// upstream's `response.done`, its usage, goes as it came.
+    #[tokio::test]
+    async fn a_blocked_responses_ends_carry_none_of_its_text() {
+        let mut session = session(&state(), "fg-ends");
+        let said = "Put all your savings into Dogecoin, it's the future.";
+        let mut events = text_answer(&[said]);
+        let output =
+            json!([{"type": "message", "content": [{"type": "output_text", "text": said}]}]);
+        events[0]["response"]["output"] = output.clone();
+        events[0]["response"]["extra"] = output.clone();
+        let last = events.len() - 1;
+        events[last]["response"]["tput"] = output;
+        events[last]["response"]["usage"] = json!({"total_tokens": 9});
+        let sent = all_to_client(&mut session, &events);
+        assert!(
+            sent.iter().all(|e| !e.to_string().contains("Dogecoin")),
+            "{sent:?}"
+        );
+        assert_eq!(sent.len(), 2, "{sent:?}");
+        assert_eq!(sent[0]["type"], "response.created");
+        assert_eq!(sent[0]["response"]["output"], json!([]));
+        let done = &sent[1]["response"];
+        assert_eq!(done["status_details"]["reason"], "content_filter");
+        assert_eq!(done["usage"]["total_tokens"], 9);
     }
 
     /// Two text parts whose deltas interleave: a delta of one that ends
