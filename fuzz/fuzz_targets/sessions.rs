@@ -2,7 +2,8 @@
 //! the guard of a Realtime API session or a Responses API socket with the
 //! shipped rules: nothing panics, and in a guarded Realtime session no
 //! text delta the client gets joins, with the others of its part, into a
-//! text a rule blocks or redacts.
+//! text a rule blocks or redacts, nor does any text an event of a
+//! response carries whole hold such a match.
 //!
 //! Input: byte 0 picks the kind of session (bit 0: Realtime, Responses
 //! API socket), the mode (bits 1 and 2: holdback, buffer, monitor) and
@@ -86,14 +87,31 @@ fuzz_target!(|data: &[u8]| {
     while records.try_recv().is_ok() {}
 });
 
-/// Each text part's deltas that reached the client, joined: none holds a
-/// match of a rule that blocks or redacts.
+/// Each text part's deltas that reached the client, joined, and every
+/// text an event of a response carries whole (a part's, an item's, a
+/// call's arguments): none holds a match of a rule that blocks or
+/// redacts.
 fn nothing_blocked_went_out(state: &State, to_client: &[Sent]) {
+    let rules = state.rules.snapshot();
+    let unsafe_in = |text: &str| {
+        let hits = rules.scan(Scope::Response, text);
+        hits.into_iter().find(|hit| hit.action >= Action::Redact)
+    };
     let mut parts: HashMap<(String, String, String, String), String> = HashMap::new();
     for text in to_client.iter().filter_map(|s| s.text.as_deref()) {
         let Ok(event) = serde_json::from_str::<Value>(text) else {
             continue;
         };
+        let of_response = event.get("response_id").is_some_and(Value::is_string)
+            || event.pointer("/response/id").is_some_and(Value::is_string);
+        if of_response {
+            let mut whole = Vec::new();
+            whole_texts(&event, &mut whole);
+            for text in whole {
+                let leaked = unsafe_in(text);
+                assert!(leaked.is_none(), "{event} went out: {leaked:?}");
+            }
+        }
         let field = |name: &str| event.get(name).and_then(Value::as_str);
         let (Some(kind), Some(response), Some(delta)) =
             (field("type"), field("response_id"), field("delta"))
@@ -112,10 +130,27 @@ fn nothing_blocked_went_out(state: &State, to_client: &[Sent]) {
         );
         parts.entry(key).or_default().push_str(delta);
     }
-    let rules = state.rules.snapshot();
     for (key, text) in parts {
-        let hits = rules.scan(Scope::Response, &text);
-        let leaked = hits.iter().find(|hit| hit.action >= Action::Redact);
+        let leaked = unsafe_in(&text);
         assert!(leaked.is_none(), "{key:?} went out as {text:?}: {leaked:?}");
+    }
+}
+
+/// The strings under the keys that carry a response's texts whole, in
+/// `value` and all it holds.
+fn whole_texts<'v>(value: &'v Value, texts: &mut Vec<&'v str>) {
+    match value {
+        Value::Object(map) => {
+            for (key, value) in map {
+                match (key.as_str(), value) {
+                    ("text" | "transcript" | "arguments" | "refusal", Value::String(text)) => {
+                        texts.push(text)
+                    }
+                    _ => whole_texts(value, texts),
+                }
+            }
+        }
+        Value::Array(values) => values.iter().for_each(|value| whole_texts(value, texts)),
+        _ => {}
     }
 }
