@@ -23,8 +23,9 @@
 //! conversation's `conversation.item.*` events do), are held until its
 //! `response.done` (but for a text answer's, which go as they come:
 //! below); what comes of it after that is dropped. Then its
-//! texts are scanned: each part's text, transcript and function call
-//! arguments (its deltas joined) and every text the `.done` events,
+//! texts are scanned: each part's text, transcript and function or MCP
+//! call arguments (its deltas joined; a delta of a kind the guard does not
+//! know is read as arguments are) and every text the `.done` events,
 //! items and `response.done` repeat, with the hits of the prompt it
 //! answers; what a hosted tool (an MCP server) gave the model, an item's
 //! `output`, is scanned as context. If it passes, the events go out as
@@ -1058,13 +1059,14 @@ struct ErrorHead<'a> {
 }
 
 /// The deltas of a part's text, by the API's event names (the GA API's
-/// and the beta's).
+/// and the beta's): a text answer's stream; any other delta of a
+/// response but audio (a transcript's, a call's arguments, an MCP call's,
+/// and any the guard does not know) is read whole, at the end.
 fn delta_kind(event: &str) -> Option<Kind> {
     match event {
         "response.output_text.delta" | "response.text.delta" => Some(Kind::Text),
-        "response.output_audio_transcript.delta"
-        | "response.audio_transcript.delta"
-        | "response.function_call_arguments.delta" => Some(Kind::Whole),
+        _ if is_audio_delta(event) => None,
+        _ if event.starts_with("response.") && event.ends_with(".delta") => Some(Kind::Whole),
         _ => None,
     }
 }
@@ -2506,6 +2508,37 @@ mod tests {
         let done = &sent[1]["response"];
         assert_eq!(done["status_details"]["reason"], "content_filter");
         assert_eq!(done["usage"]["total_tokens"], 9);
+    }
+
+    /// An MCP call's arguments, and a delta of a kind the guard does not
+    /// know, are held and read whole at the response's end: none of them
+    /// goes out early, though the response's text so far streams.
+    #[tokio::test]
+    async fn an_mcp_calls_arguments_are_held_to_the_end() {
+        for kind in [
+            "response.mcp_call_arguments.delta",
+            "response.new_kind.delta",
+        ] {
+            let mut session = session(&state(), "fg-mcp");
+            let call = |delta: &str| {
+                json!({"type": kind, "response_id": "resp_1", "item_id": "item_2",
+                    "output_index": 1, "delta": delta})
+            };
+            let mut events = text_answer(&["Start with a budget, then build an emergency fund. "]);
+            let done = events.pop().unwrap();
+            events.push(call("{\"note\": \"Put all your savings "));
+            events.push(call("into Dogecoin\"}"));
+            let early = all_to_client(&mut session, &events);
+            assert!(!said_of(&early, 0).is_empty(), "{kind}: {early:?}");
+            assert!(early.iter().all(|e| e["type"] != kind), "{kind}: {early:?}");
+            let end = to_client(&mut session, &done);
+            assert!(
+                end.iter().all(|e| !e.to_string().contains("Dogecoin")),
+                "{end:?}"
+            );
+            let reason = &end.last().unwrap()["response"]["status_details"]["reason"];
+            assert_eq!(reason, "content_filter", "{kind}");
+        }
     }
 
     /// Two text parts whose deltas interleave: a delta of one that ends
