@@ -74,8 +74,9 @@
 //! summaries and text, the `reasoning_content` or `reasoning` of
 //! OpenAI-compatible servers, Mistral's `thinking` parts of a chat
 //! completion's content; the summary of an Anthropic compaction block,
-//! signed too; the transcript of a chat completion's audio, with the
-//! audio that says it) is response text too. In
+//! signed too; the transcript of a chat completion's or a Responses API
+//! answer's audio, with the audio that says it; a Responses API delta of
+//! a kind the guard does not know) is response text too. In
 //! `holdback` its events are held back as text is, but whole: an event
 //! goes out unchanged, as it came, once all of its text lies before any
 //! match under way (checked as text is: every delta of the first 64
@@ -2324,11 +2325,34 @@ impl Guard {
                 self.scan_tool_results(data);
                 Kind::BlockEnd
             }
+            // Spoken output: the audio says what its transcript does, so
+            // none of either goes out before the transcript's whole text
+            // is read (as a chat completion's audio).
+            Some("response.audio.delta" | "response.audio.transcript.delta") => Kind::Held {
+                text: match event.kind.as_deref() {
+                    Some("response.audio.transcript.delta") => event.delta_text.as_ref(),
+                    _ => None,
+                }
+                .map(|t| t.value.to_string())
+                .unwrap_or_default(),
+                finished: false,
+                opens: None,
+                whole: true,
+            },
+            Some("response.audio.done" | "response.audio.transcript.done") => {
+                Kind::held(String::new())
+            }
             Some("response.completed" | "response.incomplete" | "response.failed") => Kind::Final,
             Some("error") => Kind::Error,
             Some("response.created" | "response.in_progress" | "response.queued") => {
                 self.response_event = Some(data.to_owned());
                 Kind::Other
+            }
+            // A delta of a kind the guard does not know carries the
+            // model's words all the same: held, and read as the others.
+            Some(kind) if kind.ends_with(".delta") && event.delta_text.is_some() => {
+                let text = event.delta_text.as_ref().map(|t| t.value.to_string());
+                Kind::held(text.unwrap_or_default())
             }
             _ => Kind::Other,
         }
@@ -4420,6 +4444,26 @@ mod tests {
                 r#"held "{\"q" false"#,
             ),
             (
+                Endpoint::Responses,
+                r#"{"type":"response.audio.transcript.delta","delta":"Put all"}"#,
+                r#"held "Put all" false"#,
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.audio.delta","delta":"UklGRiQA"}"#,
+                r#"held "" false"#,
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.some_new_text.delta","delta":"words"}"#,
+                r#"held "words" false"#,
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"type":"response.some_new_kind.delta","delta":{"x":1}}"#,
+                "other",
+            ),
+            (
                 Endpoint::Messages,
                 r#"{"type":"content_block_stop","index":0}"#,
                 "block end",
@@ -5376,6 +5420,53 @@ mod tests {
         frames.extend(guard.deferred_check());
         frames.extend(guard.on_end());
         (guard, frames)
+    }
+
+    /// A Responses API stream of spoken output: no audio and no
+    /// transcript goes out before the transcript's whole text is read, so
+    /// a blocked one sends neither; a clean one goes out as it came. A
+    /// delta of a kind the guard does not know is read as the others.
+    #[test]
+    fn responses_audio_and_unknown_deltas_are_read_before_they_go() {
+        let said = ["Sure. Put all your ", "savings into Dogecoin."];
+        let clean = ["Start with a budget, ", "then build an emergency fund."];
+        for (words, blocks) in [(said, true), (clean, false)] {
+            for kind in [
+                "response.audio.transcript.delta",
+                "response.new_words.delta",
+            ] {
+                let mut events: Vec<(Option<&str>, Value)> = vec![(
+                    None,
+                    json!({"type": "response.created", "response": {"id": "r", "output": []}}),
+                )];
+                for word in words {
+                    events.push((
+                        None,
+                        json!({"type": "response.audio.delta", "delta": "UklG"}),
+                    ));
+                    events.push((None, json!({"type": kind, "delta": word})));
+                }
+                events.push((
+                    None,
+                    json!({"type": "response.completed", "response": {"id": "r", "output": []}}),
+                ));
+                let setup = setup(Endpoint::Responses, StreamMode::Holdback);
+                let (_, frames) = guard_stream_with(setup, events.clone());
+                let sent = sent_events(&frames);
+                let types: Vec<&str> = (sent.iter())
+                    .filter_map(|(_, data)| data.as_ref()?["type"].as_str())
+                    .collect();
+                if blocks {
+                    assert_eq!(types, ["response.created", "response.incomplete"], "{kind}");
+                } else {
+                    let came: Vec<&str> = events
+                        .iter()
+                        .filter_map(|(_, e)| e["type"].as_str())
+                        .collect();
+                    assert_eq!(types, came, "{kind}");
+                }
+            }
+        }
     }
 
     #[test]
