@@ -307,6 +307,14 @@ pub async fn run(state: Arc<State>, handshake: Handshake, client: Upgraded, upst
     relay(Session::new(state, handshake), (client, upstream), limits).await;
 }
 
+/// Counts an event from `upstream` that did not read as the API's:
+/// `fairgate_upstream_errors_total{kind="malformed"}`.
+pub(super) fn count_malformed(state: &State, upstream: &str) {
+    (state.metrics.upstream_errors)
+        .with_label_values(&[upstream, "malformed"])
+        .inc();
+}
+
 /// A session of `handshake` without its sockets ([`super::replay`]).
 pub(super) fn unsocketed(state: Arc<State>, handshake: Handshake) -> Box<dyn Relay> {
     Box::new(Session::new(state, handshake))
@@ -1220,19 +1228,18 @@ impl Session {
         Send::Client(Message::text(event.to_string()))
     }
 
+    /// Drops an upstream event the guard does not pass on: logged with
+    /// `why`, and counted as malformed.
+    fn dropped(&self, why: &str) -> Vec<Send> {
+        tracing::warn!(request_id = self.handshake.request_id, "{why}: dropped");
+        count_malformed(&self.state, &self.handshake.upstream);
+        Vec::new()
+    }
+
     fn upstream_text(&mut self, text: Utf8Bytes) -> Vec<Send> {
         let started = Instant::now();
         let Ok(head) = serde_json::from_str::<Head>(text.as_str()) else {
-            tracing::warn!(
-                request_id = self.handshake.request_id,
-                "a Realtime event from the upstream could not be read: dropped"
-            );
-            self.state
-                .metrics
-                .upstream_errors
-                .with_label_values(&[&self.handshake.upstream, "malformed"])
-                .inc();
-            return Vec::new();
+            return self.dropped("a Realtime event from the upstream could not be read");
         };
         let kind = head.kind.as_ref();
         // The acknowledgements of fairgate's own deletions: relayed when
@@ -1283,17 +1290,9 @@ impl Session {
             let text_of_none = kind.starts_with("response.")
                 && (kind.ends_with(".delta") || kind.ends_with(".done"));
             if text_of_none && !self.handshake.monitor {
-                tracing::warn!(
-                    request_id = self.handshake.request_id,
-                    kind,
-                    "a Realtime response's event from the upstream named no response: dropped"
-                );
-                self.state
-                    .metrics
-                    .upstream_errors
-                    .with_label_values(&[&self.handshake.upstream, "malformed"])
-                    .inc();
-                return Vec::new();
+                return self.dropped(&format!(
+                    "a Realtime response's {kind} from the upstream named no response"
+                ));
             }
             return vec![Send::Client(Message::Text(text))];
         };
@@ -1307,17 +1306,9 @@ impl Session {
         // elsewhere (a `text`, a `transcript`, an item's), which the API
         // never sends, would take that text out with the delta unread.
         if delta_kind(kind).is_some() && !self.handshake.monitor && repeats_a_text(&text) {
-            tracing::warn!(
-                request_id = self.handshake.request_id,
-                kind,
-                "a Realtime delta from the upstream carried more text than its delta: dropped"
-            );
-            self.state
-                .metrics
-                .upstream_errors
-                .with_label_values(&[&self.handshake.upstream, "malformed"])
-                .inc();
-            return Vec::new();
+            return self.dropped(&format!(
+                "a Realtime {kind} from the upstream carried more text than its delta"
+            ));
         }
         // A response is read from its first event, `response.created` or
         // any other that names it.

@@ -269,11 +269,7 @@ impl Relay for Session {
     fn upstream_event(&mut self, text: Utf8Bytes) -> Vec<Send> {
         let Ok(head) = serde_json::from_str::<Head>(text.as_str()) else {
             tracing::warn!("a Responses API socket event that is not a JSON object: dropped");
-            self.state
-                .metrics
-                .upstream_errors
-                .with_label_values(&[&self.handshake.upstream, "malformed"])
-                .inc();
+            super::realtime::count_malformed(&self.state, &self.handshake.upstream);
             return Vec::new();
         };
         let key = head.stream_id.as_deref().unwrap_or_default();
