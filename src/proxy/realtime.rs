@@ -1069,12 +1069,13 @@ struct ErrorHead<'a> {
 /// The deltas of a part's text, by the API's event names (the GA API's
 /// and the beta's): a text answer's stream; any other delta of a
 /// response but audio (a transcript's, a call's arguments, an MCP call's,
-/// and any the guard does not know) is read whole, at the end.
+/// and any the guard does not know, whatever its name) is read whole, at
+/// the end.
 fn delta_kind(event: &str) -> Option<Kind> {
     match event {
         "response.output_text.delta" | "response.text.delta" => Some(Kind::Text),
         _ if is_audio_delta(event) => None,
-        _ if event.starts_with("response.") && event.ends_with(".delta") => Some(Kind::Whole),
+        _ if event.ends_with(".delta") => Some(Kind::Whole),
         _ => None,
     }
 }
@@ -2502,13 +2503,14 @@ mod tests {
     }
 
     /// An MCP call's arguments, and a delta of a kind the guard does not
-    /// know, are held and read whole at the response's end: none of them
+    /// know (whatever its name), are held and read whole at the response's end: none of them
     /// goes out early, though the response's text so far streams.
     #[tokio::test]
     async fn an_mcp_calls_arguments_are_held_to_the_end() {
         for kind in [
             "response.mcp_call_arguments.delta",
             "response.new_kind.delta",
+            "odd.delta",
         ] {
             let mut session = session(&state(), "fg-mcp");
             let call = |delta: &str| {
