@@ -121,11 +121,12 @@ fn nothing_blocked_went_out(state: &State, to_client: &[Sent]) {
         if !kind.ends_with("text.delta") {
             continue;
         }
-        let index = event.get("content_index").map(Value::to_string);
+        // As the guard reads it: 0 when absent.
+        let index = event.get("content_index").and_then(Value::as_u64);
         let key = (
             response.to_owned(),
             field("item_id").unwrap_or_default().to_owned(),
-            index.unwrap_or_default(),
+            index.unwrap_or(0).to_string(),
             kind.to_owned(),
         );
         parts.entry(key).or_default().push_str(delta);

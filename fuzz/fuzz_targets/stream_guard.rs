@@ -140,6 +140,12 @@ fn nothing_blocked_went_out(endpoint: Endpoint, prefill: &str, sent: &[u8]) {
     }
 }
 
+/// The index at `key` of `value`, as the guard reads it: 0 when it is
+/// absent or not a whole number.
+fn index_of(value: &Value, key: &str) -> u64 {
+    value.get(key).and_then(Value::as_u64).unwrap_or(0)
+}
+
 /// The string at `pointer` in `value`.
 fn str_at<'v>(value: &'v Value, pointer: &str) -> Option<&'v str> {
     value.pointer(pointer).and_then(Value::as_str)
@@ -156,19 +162,19 @@ fn texts_of(endpoint: Endpoint, event: &Value) -> Vec<(String, &str)> {
             };
             choices()
                 .filter_map(|choice| {
-                    let index = choice.get("index").map(Value::to_string).unwrap_or_default();
+                    let index = index_of(choice, "index");
                     Some((format!("choice {index}"), str_at(choice, field)?))
                 })
                 .collect()
         }
         Endpoint::Responses if event["type"] == "response.output_text.delta" => {
             let item = str_at(event, "/item_id").unwrap_or_default();
-            let index = event.get("content_index").map(Value::to_string).unwrap_or_default();
+            let index = index_of(event, "content_index");
             let key = format!("item {item} part {index}");
             str_at(event, "/delta").map(|text| (key, text)).into_iter().collect()
         }
         Endpoint::Messages if event["type"] == "content_block_delta" => {
-            let index = event.get("index").map(Value::to_string).unwrap_or_default();
+            let index = index_of(event, "index");
             let text = str_at(event, "/delta/text").filter(|_| event["delta"]["type"] == "text_delta");
             text.map(|text| (format!("block {index}"), text)).into_iter().collect()
         }
