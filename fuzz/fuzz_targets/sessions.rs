@@ -98,6 +98,9 @@ fn nothing_blocked_went_out(state: &State, to_client: &[Sent]) {
         hits.into_iter().find(|hit| hit.action >= Action::Redact)
     };
     let mut parts: HashMap<(String, String, String, String), String> = HashMap::new();
+    // The response of each item, as the events that name both tell (the
+    // guard's own reading of an event that names only its item).
+    let mut items: HashMap<String, String> = HashMap::new();
     for text in to_client.iter().filter_map(|s| s.text.as_deref()) {
         let Ok(event) = serde_json::from_str::<Value>(text) else {
             continue;
@@ -113,8 +116,12 @@ fn nothing_blocked_went_out(state: &State, to_client: &[Sent]) {
             }
         }
         let field = |name: &str| event.get(name).and_then(Value::as_str);
-        let (Some(kind), Some(response), Some(delta)) =
-            (field("type"), field("response_id"), field("delta"))
+        let item = field("item_id").or_else(|| event.pointer("/item/id")?.as_str());
+        if let (Some(response), Some(item)) = (field("response_id"), item) {
+            items.entry(item.to_owned()).or_insert_with(|| response.to_owned());
+        }
+        let response = field("response_id").or_else(|| Some(items.get(item?)?.as_str()));
+        let (Some(kind), Some(response), Some(delta)) = (field("type"), response, field("delta"))
         else {
             continue;
         };
