@@ -922,12 +922,8 @@ async fn a_response_past_the_hold_limit_is_cancelled() {
         "response_too_large"
     );
     let received = upstream_took(&upstream, 3).await;
-    let sent: Vec<&str> = received
-        .iter()
-        .map(|e| e["type"].as_str().unwrap())
-        .collect();
     assert_eq!(
-        sent,
+        types_of(&received),
         [
             "response.create",
             "response.cancel",
@@ -983,12 +979,8 @@ async fn a_text_answer_past_the_stream_limit_is_cancelled_in_every_mode() {
         let sent = &texts[..texts.len() - 1];
         assert_eq!(sent, &script[..sent.len()], "monitor {monitor}");
         let received = upstream_took(&upstream, 3).await;
-        let types: Vec<&str> = received
-            .iter()
-            .map(|e| e["type"].as_str().unwrap())
-            .collect();
         assert_eq!(
-            types,
+            types_of(&received),
             [
                 "response.create",
                 "response.cancel",

@@ -2217,6 +2217,9 @@ impl Guard {
             return Kind::Malformed;
         }
         let part = self.parts;
+        // The text of a delta the guard holds whole.
+        let delta_text =
+            || (event.delta_text.as_ref()).map_or_else(String::new, |t| t.value.to_string());
         match event.kind.as_deref() {
             Some("response.output_text.delta") => {
                 let Some(text) = &event.delta_text else {
@@ -2288,13 +2291,7 @@ impl Guard {
                 | "response.reasoning_summary_text.delta"
                 | "response.reasoning_text.delta"
                 | "response.shell_call_command.delta",
-            ) => Kind::held(
-                event
-                    .delta_text
-                    .as_ref()
-                    .map(|t| t.value.to_string())
-                    .unwrap_or_default(),
-            ),
+            ) => Kind::held(delta_text()),
             // They repeat the text of the deltas held before them, or (an
             // annotation) point into text that may not be released yet.
             Some(
@@ -2328,17 +2325,17 @@ impl Guard {
             // Spoken output: the audio says what its transcript does, so
             // none of either goes out before the transcript's whole text
             // is read (as a chat completion's audio).
-            Some("response.audio.delta" | "response.audio.transcript.delta") => Kind::Held {
-                text: match event.kind.as_deref() {
-                    Some("response.audio.transcript.delta") => event.delta_text.as_ref(),
-                    _ => None,
+            Some(kind @ ("response.audio.delta" | "response.audio.transcript.delta")) => {
+                Kind::Held {
+                    text: match kind {
+                        "response.audio.transcript.delta" => delta_text(),
+                        _ => String::new(),
+                    },
+                    finished: false,
+                    opens: None,
+                    whole: true,
                 }
-                .map(|t| t.value.to_string())
-                .unwrap_or_default(),
-                finished: false,
-                opens: None,
-                whole: true,
-            },
+            }
             Some("response.audio.done" | "response.audio.transcript.done") => {
                 Kind::held(String::new())
             }
@@ -2351,8 +2348,7 @@ impl Guard {
             // A delta of a kind the guard does not know carries the
             // model's words all the same: held, and read as the others.
             Some(kind) if kind.ends_with(".delta") && event.delta_text.is_some() => {
-                let text = event.delta_text.as_ref().map(|t| t.value.to_string());
-                Kind::held(text.unwrap_or_default())
+                Kind::held(delta_text())
             }
             _ => Kind::Other,
         }

@@ -1899,14 +1899,15 @@ fn emptied(event: &mut Value) {
 }
 
 /// Whether an event's field `key: value` carries a text of a response,
-/// under a key that repeats one ([`collect_repeats`]), not empty.
+/// not empty, under a key that repeats one at any depth (what
+/// [`collect_repeats`] would collect).
 fn carries_text(key: &str, value: &Value) -> bool {
-    let mut repeats = Vec::new();
     match (repeat_kind(key), value) {
-        (Some(_), Value::String(text)) => return !text.is_empty(),
-        _ => collect_repeats(value, &mut repeats),
+        (Some(_), Value::String(text)) => !text.is_empty(),
+        (_, Value::Object(fields)) => fields.iter().any(|(key, value)| carries_text(key, value)),
+        (_, Value::Array(items)) => items.iter().any(|item| carries_text("", item)),
+        _ => false,
     }
-    repeats.iter().any(|(_, text)| !text.is_empty())
 }
 
 /// Every string under a key that repeats a response's text, at any depth
@@ -2195,6 +2196,13 @@ mod tests {
         event
     }
 
+    /// The upstream events `state` counted as malformed.
+    fn malformed(state: &State) -> u64 {
+        (state.metrics.upstream_errors)
+            .with_label_values(&["openai", "malformed"])
+            .get()
+    }
+
     /// A state on the embedded defaults.
     fn state() -> Arc<State> {
         Arc::new(State::new(crate::config::Config::default()).unwrap())
@@ -2440,11 +2448,7 @@ mod tests {
         assert!(to_client(&mut session, &unnamed).is_empty());
         let done = json!({"type": "response.output_text.done", "text": "Dogecoin"});
         assert!(to_client(&mut session, &done).is_empty());
-        let malformed = state
-            .metrics
-            .upstream_errors
-            .with_label_values(&["openai", "malformed"]);
-        assert_eq!(malformed.get(), 2);
+        assert_eq!(malformed(&state), 2);
         let limits = json!({"type": "rate_limits.updated", "rate_limits": []});
         assert_eq!(to_client(&mut session, &limits), [limits]);
     }
@@ -2466,11 +2470,7 @@ mod tests {
             "{sent:?}"
         );
         assert_eq!(said_of(&sent, 0), "then build a fund.");
-        let malformed = state
-            .metrics
-            .upstream_errors
-            .with_label_values(&["openai", "malformed"]);
-        assert_eq!(malformed.get(), 1);
+        assert_eq!(malformed(&state), 1);
     }
 
     /// What goes out of a blocked response, its `response.created` and its
