@@ -1648,6 +1648,60 @@ async fn a_match_across_text_blocks_is_stopped() {
     proxy.stop().await;
 }
 
+/// An upstream that goes on with a part it ended (a content block after
+/// its stop, a chat choice after its finish), which the SDKs join to it:
+/// the text that makes an e-mail address of what went out at the part's
+/// end cannot be redacted whole, so the stream ends blocked and none of
+/// the address arrives.
+#[tokio::test]
+async fn text_that_goes_on_with_an_ended_part_is_read_joined() {
+    let (_mock, proxy) = start().await;
+    let (sent, more) = (
+        "Then build an emergency fund.",
+        ["jane.doe@exa", "mple.com today."],
+    );
+    let delta = |text: &str| {
+        block_event(
+            "content_block_delta",
+            json!(0),
+            json!({"delta": {"type": "text_delta", "text": text}}),
+        )
+    };
+    let mut raw = anthropic_start()
+        + &block_event(
+            "content_block_start",
+            json!(0),
+            json!({"content_block": {"type": "text", "text": ""}}),
+        )
+        + &delta(sent)
+        + &block_event("content_block_stop", json!(0), json!({}));
+    raw += &more.map(delta).concat();
+    raw += &anthropic_end("end_turn");
+    let body = relay_stream(&proxy, "/v1/messages", raw, &messages("Plan?", true)).await;
+    let (text, stop, _) = support::anthropic_stream_text(&body);
+    assert_eq!(
+        (text.as_str(), stop.as_deref()),
+        (sent, Some("refusal")),
+        "{body}"
+    );
+
+    let chunk = |text: &str, finish: Value| {
+        let chunk = json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]});
+        format!("data: {chunk}\n\n")
+    };
+    let mut raw = chunk(sent, Value::Null) + &chunk("", json!("stop"));
+    raw += &more.map(|text| chunk(text, Value::Null)).concat();
+    raw += "data: [DONE]\n\n";
+    let body = relay_stream(&proxy, "/v1/chat/completions", raw, &chat("Plan?", true)).await;
+    // The choice's finish went out with its text; the text after it
+    // blocks, and goes no further.
+    let (text, _, done) = sdk_stream_text(&body);
+    assert_eq!((text.as_str(), done), (sent, true), "{body}");
+    assert!(!body.contains("mple.com"), "{body}");
+    proxy.stop().await;
+}
+
 /// Extended thinking reaches the client too, so it is response text: a
 /// short thinking block is held until its end (its signature covers its
 /// text, so it can be neither re-framed nor redacted), then sent as it

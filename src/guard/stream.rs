@@ -49,7 +49,11 @@
 //!   it) is held, its text read as the answer's, and so is a tool's block
 //!   whose start carries its input (which the API sends empty, and the
 //!   helpers keep when no delta follows). Redactions apply before
-//!   release. *Cost*: text that no match may cover goes out at the next
+//!   release. A part's end sends all of its text; should the upstream
+//!   go on with a part it ended (a chat choice's text after its finish, a
+//!   content block's after its stop, a Responses API part's after its
+//!   `.done`), which the SDKs join to it, the text is read joined too,
+//!   and a redaction that begins in what went out blocks. *Cost*: text that no match may cover goes out at the next
 //!   check; a phrase that a rule would block if it went on waits until it
 //!   ends or turns harmless. A check rescans a window of the longest
 //!   match plus 256 bytes (or back to the release point, if further),
@@ -2888,12 +2892,19 @@ impl Guard {
     }
 
     /// Scans `acc[window_start..]`, keeping new hits; returns the window's
-    /// normalized view when the scan made one.
+    /// normalized view when the scan made one. A redaction that begins in
+    /// text sent already blocks: it can no longer be replaced whole.
+    /// Holdback never sends the start of a match under way, but a part's
+    /// end sends all of its text, and an upstream may go on with a part it
+    /// ended (whose text the SDKs join).
     fn scan_window(&mut self, window_start: usize) -> Option<Normalized> {
         let view = scan_into(&self.setup.rules, &self.acc, window_start, &mut self.hits);
         if window_start < self.prefill {
             super::continuation_hits(&mut self.hits, self.prefill);
         }
+        let released = self.released;
+        let sent_in_part = |hit: &&mut Hit| hit.start < released && released < hit.end;
+        super::redactions_block(self.hits.iter_mut().filter(sent_in_part));
         view
     }
 
@@ -5462,6 +5473,93 @@ mod tests {
                     assert_eq!(types, came, "{kind}");
                 }
             }
+        }
+    }
+
+    #[test]
+    /// A part the stream ended (its text checked and all of it sent) that
+    /// the upstream then goes on with: the text that joins what went out
+    /// into a match the guard can no longer redact whole (an e-mail
+    /// address, whose first letters went out) blocks, in each dialect.
+    fn text_that_joins_a_sent_part_into_a_redaction_blocks() {
+        let (sent, more) = (
+            "Then build an emergency fund.",
+            ["jane.doe@exa", "mple.com today."],
+        );
+        let anthropic = |text: &str| {
+            let delta = json!({"type": "text_delta", "text": text});
+            (
+                Some("content_block_delta"),
+                json!({"type": "content_block_delta", "index": 0, "delta": delta}),
+            )
+        };
+        let chat = |text: &str, finish: Value| {
+            let choice = json!({"index": 0, "delta": {"content": text}, "finish_reason": finish});
+            (
+                None,
+                json!({"object": "chat.completion.chunk", "choices": [choice]}),
+            )
+        };
+        let responses = |text: &str| {
+            let at = json!({"type": "response.output_text.delta", "item_id": "i", "output_index": 0, "content_index": 0, "delta": text});
+            (None, at)
+        };
+        let item = json!({"type": "message", "id": "i", "role": "assistant",
+            "content": [{"type": "output_text", "text": sent}]});
+        type Events<'a> = Vec<(Option<&'a str>, Value)>;
+        let streams: [(Endpoint, Events); 3] = [
+            (Endpoint::Messages, {
+                let mut events = vec![
+                    (
+                        Some("message_start"),
+                        json!({"type": "message_start", "message": {"id": "m", "role": "assistant", "content": []}}),
+                    ),
+                    (
+                        Some("content_block_start"),
+                        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+                    ),
+                    anthropic(sent),
+                    (
+                        Some("content_block_stop"),
+                        json!({"type": "content_block_stop", "index": 0}),
+                    ),
+                ];
+                events.extend(more.map(anthropic));
+                events.push((Some("message_stop"), json!({"type": "message_stop"})));
+                events
+            }),
+            (Endpoint::ChatCompletions, {
+                let mut events = vec![chat(sent, Value::Null), chat("", json!("stop"))];
+                events.extend(more.map(|text| chat(text, Value::Null)));
+                events.push((None, json!("[DONE]")));
+                events
+            }),
+            (Endpoint::Responses, {
+                let mut events = vec![
+                    (
+                        None,
+                        json!({"type": "response.created", "response": {"id": "r", "output": []}}),
+                    ),
+                    responses(sent),
+                    (
+                        None,
+                        json!({"type": "response.output_text.done", "item_id": "i", "output_index": 0, "content_index": 0, "text": sent}),
+                    ),
+                    (
+                        None,
+                        json!({"type": "response.output_item.done", "output_index": 0, "item": item}),
+                    ),
+                ];
+                events.extend(more.map(responses));
+                events.push((None, json!({"type": "response.completed", "response": {"id": "r", "output": [item]}})));
+                events
+            }),
+        ];
+        for (endpoint, events) in streams {
+            let (guard, frames) = guard_stream_with(setup(endpoint, StreamMode::Holdback), events);
+            let out: String = frames.iter().map(|f| String::from_utf8_lossy(f)).collect();
+            assert!(!out.contains("mple.com"), "{endpoint:?}: {out}");
+            assert!(guard.should_block(), "{endpoint:?}: {out}");
         }
     }
 
