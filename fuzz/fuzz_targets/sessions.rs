@@ -1,9 +1,9 @@
 //! A WebSocket session's messages, either side's, in any order, through
 //! the guard of a Realtime API session or a Responses API socket with the
-//! shipped rules: nothing panics, and in a guarded Realtime session no
-//! text delta the client gets joins, with the others of its part, into a
-//! text a rule blocks or redacts, nor does any text an event of a
-//! response carries whole hold such a match.
+//! shipped rules: nothing panics, and in a guarded session (holdback or
+//! buffer) no text delta the client gets joins, with the others of its
+//! part, into a text a rule blocks or redacts, nor does any text an event
+//! of a response carries whole hold such a match.
 //!
 //! Input: byte 0 picks the kind of session (bit 0: Realtime, Responses
 //! API socket), the mode (bits 1 and 2: holdback, buffer, monitor) and
@@ -80,8 +80,8 @@ fuzz_target!(|data: &[u8]| {
         to_client.extend(sent.into_iter().filter(|s| s.to_client));
     }
     session.end(StreamEnd::ClientClosed);
-    if kind == Kind::Realtime && mode != StreamMode::Monitor {
-        nothing_blocked_went_out(state, &to_client);
+    if mode != StreamMode::Monitor {
+        nothing_blocked_went_out(state, kind, &to_client);
     }
     let mut records = records.lock().expect("the receiver");
     while records.try_recv().is_ok() {}
@@ -91,22 +91,22 @@ fuzz_target!(|data: &[u8]| {
 /// text an event of a response carries whole (a part's, an item's, a
 /// call's arguments): none holds a match of a rule that blocks or
 /// redacts.
-fn nothing_blocked_went_out(state: &State, to_client: &[Sent]) {
+fn nothing_blocked_went_out(state: &State, kind: Kind, to_client: &[Sent]) {
     let rules = state.rules.snapshot();
     let unsafe_in = |text: &str| {
         let hits = rules.scan(Scope::Response, text);
         hits.into_iter().find(|hit| hit.action >= Action::Redact)
     };
-    let mut parts: HashMap<(String, String, String, String), String> = HashMap::new();
-    // The response of each item, as the events that name both tell (the
-    // guard's own reading of an event that names only its item).
-    let mut items: HashMap<String, String> = HashMap::new();
+    let mut read = match kind {
+        Kind::Realtime => realtime_reading(),
+        Kind::ResponsesSocket => lanes_reading(),
+    };
+    let mut parts: HashMap<String, String> = HashMap::new();
     for text in to_client.iter().filter_map(|s| s.text.as_deref()) {
         let Ok(event) = serde_json::from_str::<Value>(text) else {
             continue;
         };
-        let of_response = event.get("response_id").is_some_and(Value::is_string)
-            || event.pointer("/response/id").is_some_and(Value::is_string);
+        let Reading { of_response, part } = read(&event);
         if of_response {
             let mut whole = Vec::new();
             whole_texts(&event, &mut whole);
@@ -116,32 +116,89 @@ fn nothing_blocked_went_out(state: &State, to_client: &[Sent]) {
             }
         }
         let field = |name: &str| event.get(name).and_then(Value::as_str);
-        let item = field("item_id").or_else(|| event.pointer("/item/id")?.as_str());
-        if let (Some(response), Some(item)) = (field("response_id"), item) {
-            items.entry(item.to_owned()).or_insert_with(|| response.to_owned());
-        }
-        let response = field("response_id").or_else(|| Some(items.get(item?)?.as_str()));
-        let (Some(kind), Some(response), Some(delta)) = (field("type"), response, field("delta"))
-        else {
+        let (Some(part), Some(kind), Some(delta)) = (part, field("type"), field("delta")) else {
             continue;
         };
-        if !kind.ends_with("text.delta") {
-            continue;
+        if kind.ends_with("text.delta") {
+            parts
+                .entry(format!("{part} {kind}"))
+                .or_default()
+                .push_str(delta);
         }
-        // As the guard reads it: 0 when absent.
-        let index = event.get("content_index").and_then(Value::as_u64);
-        let key = (
-            response.to_owned(),
-            field("item_id").unwrap_or_default().to_owned(),
-            index.unwrap_or(0).to_string(),
-            kind.to_owned(),
-        );
-        parts.entry(key).or_default().push_str(delta);
     }
     for (key, text) in parts {
         let leaked = unsafe_in(&text);
-        assert!(leaked.is_none(), "{key:?} went out as {text:?}: {leaked:?}");
+        assert!(leaked.is_none(), "{key} went out as {text:?}: {leaked:?}");
     }
+}
+
+/// What the check reads of an event the client got: whether it is of a
+/// response, and the part its delta (if any) is of, as the guard tells
+/// them apart.
+struct Reading {
+    of_response: bool,
+    part: Option<String>,
+}
+
+/// The content index of `event`, as the guard reads it: 0 when absent.
+fn content_index(event: &Value) -> u64 {
+    event
+        .get("content_index")
+        .and_then(Value::as_u64)
+        .unwrap_or(0)
+}
+
+/// A Realtime session's events: of a response when they name one; a
+/// part is a response's item's content index, the response of an event
+/// that names only its item told by the events that name both (the
+/// guard's own reading).
+fn realtime_reading() -> Box<dyn FnMut(&Value) -> Reading> {
+    let mut items: HashMap<String, String> = HashMap::new();
+    Box::new(move |event| {
+        let field = |name: &str| event.get(name).and_then(Value::as_str);
+        let of_response = field("response_id").is_some()
+            || event.pointer("/response/id").is_some_and(Value::is_string);
+        let item = field("item_id").or_else(|| event.pointer("/item/id")?.as_str());
+        if let (Some(response), Some(item)) = (field("response_id"), item) {
+            items
+                .entry(item.to_owned())
+                .or_insert_with(|| response.to_owned());
+        }
+        let response = field("response_id").or_else(|| Some(items.get(item?)?.as_str()));
+        let part = response.map(|response| {
+            let item = field("item_id").unwrap_or_default();
+            format!("{response} {item} {}", content_index(event))
+        });
+        Reading { of_response, part }
+    })
+}
+
+/// A Responses API socket's events: every `response.*` event but a
+/// steer's acknowledgement (which passes as it came) is of the response
+/// under way on its lane (its `stream_id`), which ends with its last
+/// event; a part is that response's item's content index.
+fn lanes_reading() -> Box<dyn FnMut(&Value) -> Reading> {
+    // Of each lane, how many of its responses have ended.
+    let mut ended: HashMap<String, u64> = HashMap::new();
+    Box::new(move |event| {
+        let field = |name: &str| event.get(name).and_then(Value::as_str);
+        let kind = field("type").unwrap_or_default();
+        let lane = field("stream_id").unwrap_or_default();
+        let of_response = kind.starts_with("response.") && !kind.starts_with("response.steer.");
+        let response = ended.get(lane).copied().unwrap_or(0);
+        let item = field("item_id").unwrap_or_default();
+        let part = Some(format!("{lane} {response} {item} {}", content_index(event)));
+        let in_flight = event.pointer("/error/code").and_then(Value::as_str)
+            == Some("response_already_in_flight");
+        let last = matches!(
+            kind,
+            "response.completed" | "response.failed" | "response.incomplete" | "error"
+        );
+        if last && !in_flight {
+            *ended.entry(lane.to_owned()).or_default() += 1;
+        }
+        Reading { of_response, part }
+    })
 }
 
 /// The strings under the keys that carry a response's texts whole, in
