@@ -3,7 +3,9 @@
 //! shipped rules: nothing panics, and in a guarded session (holdback or
 //! buffer) no text delta the client gets joins, with the others of its
 //! part, into a text a rule blocks or redacts, nor does any text an event
-//! of a response carries whole hold such a match.
+//! of a response carries whole hold such a match (in a Responses API
+//! socket, where the API repeats a response's texts: see
+//! `repeated_texts`).
 //!
 //! Input: byte 0 picks the kind of session (bit 0: Realtime, Responses
 //! API socket), the mode (bits 1 and 2: holdback, buffer, monitor) and
@@ -109,7 +111,10 @@ fn nothing_blocked_went_out(state: &State, kind: Kind, to_client: &[Sent]) {
         let Reading { of_response, part } = read(&event);
         if of_response {
             let mut whole = Vec::new();
-            whole_texts(&event, &mut whole);
+            match kind {
+                Kind::Realtime => whole_texts(&event, &mut whole),
+                Kind::ResponsesSocket => repeated_texts(&event, &mut whole),
+            }
             for text in whole {
                 let leaked = unsafe_in(text);
                 assert!(leaked.is_none(), "{event} went out: {leaked:?}");
@@ -217,5 +222,28 @@ fn whole_texts<'v>(value: &'v Value, texts: &mut Vec<&'v str>) {
         }
         Value::Array(values) => values.iter().for_each(|value| whole_texts(value, texts)),
         _ => {}
+    }
+}
+
+/// The strings where the Responses API repeats a response's texts, the
+/// members the SDKs read: a done event's, its `part`'s and `item`'s, and
+/// those of the `content` and `summary` of the items of the `output` of
+/// its `response`. (The guard reads these; a member the API does not
+/// define passes unread, as the stream guard's doc says.)
+fn repeated_texts<'v>(value: &'v Value, texts: &mut Vec<&'v str>) {
+    let Value::Object(map) = value else {
+        return;
+    };
+    for (key, value) in map {
+        match (key.as_str(), value) {
+            ("text" | "transcript" | "arguments" | "refusal", Value::String(text)) => {
+                texts.push(text)
+            }
+            ("part" | "item" | "response", _) => repeated_texts(value, texts),
+            ("output" | "content" | "summary", Value::Array(values)) => {
+                values.iter().for_each(|value| repeated_texts(value, texts))
+            }
+            _ => {}
+        }
     }
 }
