@@ -192,7 +192,7 @@ fn lanes_reading() -> Box<dyn FnMut(&Value) -> Reading> {
         let of_response = kind.starts_with("response.") && !kind.starts_with("response.steer.");
         let response = ended.get(lane).copied().unwrap_or(0);
         let item = field("item_id").unwrap_or_default();
-        let part = Some(format!("{lane} {response} {item} {}", content_index(event)));
+        let part = of_response.then(|| format!("{lane} {response} {item} {}", content_index(event)));
         let in_flight = event.pointer("/error/code").and_then(Value::as_str)
             == Some("response_already_in_flight");
         let last = matches!(
