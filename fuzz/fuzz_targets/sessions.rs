@@ -225,8 +225,8 @@ fn whole_texts<'v>(value: &'v Value, texts: &mut Vec<&'v str>) {
     }
 }
 
-/// The strings where the Responses API repeats a response's texts, the
-/// members the SDKs read: a done event's, its `part`'s and `item`'s, and
+/// The `text`, `arguments` and `refusal` strings where the Responses API
+/// repeats a response's texts, the members the SDKs read: a done event's, its `part`'s and `item`'s, and
 /// those of the `content` and `summary` of the items of the `output` of
 /// its `response`. (The guard reads these; a member the API does not
 /// define passes unread, as the stream guard's doc says.)
@@ -236,9 +236,7 @@ fn repeated_texts<'v>(value: &'v Value, texts: &mut Vec<&'v str>) {
     };
     for (key, value) in map {
         match (key.as_str(), value) {
-            ("text" | "transcript" | "arguments" | "refusal", Value::String(text)) => {
-                texts.push(text)
-            }
+            ("text" | "arguments" | "refusal", Value::String(text)) => texts.push(text),
             ("part" | "item" | "response", _) => repeated_texts(value, texts),
             ("output" | "content" | "summary", Value::Array(values)) => {
                 values.iter().for_each(|value| repeated_texts(value, texts))
