@@ -125,8 +125,9 @@
 //! output item's end is its `response.output_item.done`; an annotation
 //! waits for the end of the part it points into; redacted text is
 //! replaced wherever an event repeats it. Repeated text the stream never
-//! carried (an upstream whose deltas and repetitions disagree) is scanned
-//! on its own: redacted in place, or the stream ends blocked; so does an
+//! carried (an upstream whose deltas and repetitions disagree), or that
+//! no scan has read yet (an event of a kind the guard does not know,
+//! which goes out with no check before it), is scanned on its own: redacted in place, or the stream ends blocked; so does an
 //! event that nests its texts deeper than the guard reads. Since
 //! re-framing merges text events and a block adds one, the events'
 //! `sequence_number`s are rewritten in the order sent. A blocked stream
@@ -1783,8 +1784,8 @@ impl Guard {
     }
 
     /// Checks the text an event repeats (a part's, an item's, the whole
-    /// response's). Text the stream carried, and the guard read, is
-    /// redacted as it was; other text (an upstream whose deltas and
+    /// response's). Text the stream carried, and the guard read (scanned),
+    /// is redacted as it was; other text (an upstream whose deltas and
     /// repetitions disagree) is scanned now, and redacted in place, or
     /// `None` when a rule blocks it. The event's data rewritten, when it
     /// changed. The texts are read where they stand in the data, and only
@@ -1798,8 +1799,15 @@ impl Guard {
             return None;
         }
         let mut edits = Vec::new();
+        // Text is read once its scan has come past it: an event the guard
+        // does not know goes out with no check before it.
+        let read = |text: &str, checked: usize, value: &str| {
+            text.get(..checked).is_some_and(|read| read.contains(value))
+        };
         for Text { value, token } in texts {
-            if self.acc.contains(&*value) || self.held_text.contains(&*value) {
+            if read(&self.acc, self.checked, &value)
+                || read(&self.held_text, self.held_checked, &value)
+            {
                 let mut edited: Option<String> = None;
                 // Matches that overlap go as one, as `redact` takes them.
                 for (span, placeholder) in redacted_spans(&self.hits, 0) {
@@ -5474,6 +5482,61 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    /// An event the guard does not know goes out with no check before it:
+    /// text it repeats that the deltas carried but no scan has read yet
+    /// (they came in the same read) is read on its own, and redacted.
+    fn an_unknown_event_repeating_unread_text_is_read() {
+        let text = "Write to jane.doe@example.com for a review.";
+        let at = json!({"item_id": "i", "output_index": 0, "content_index": 0});
+        let with = |kind: &str, members: Value| {
+            let mut event = at.clone();
+            event["type"] = json!(kind);
+            event
+                .as_object_mut()
+                .unwrap()
+                .extend(members.as_object().unwrap().clone());
+            (None, event)
+        };
+        let item = json!({"type": "message", "id": "i", "role": "assistant",
+            "content": [{"type": "output_text", "text": text}]});
+        let events = vec![
+            (
+                None,
+                json!({"type": "response.created", "response": {"id": "r", "output": []}}),
+            ),
+            with(
+                "response.output_item.added",
+                json!({"item": {"type": "message", "id": "i", "content": []}}),
+            ),
+            with(
+                "response.content_part.added",
+                json!({"part": {"type": "output_text", "text": ""}}),
+            ),
+            // With the two after it, one read (see `guard_stream_with`).
+            with(
+                "response.output_text.delta",
+                json!({"delta": "Write to jane.doe@"}),
+            ),
+            with(
+                "response.output_text.delta",
+                json!({"delta": "example.com for a review."}),
+            ),
+            with("response.output_item.revised", json!({"item": item})),
+            with("response.output_text.done", json!({"text": text})),
+            (
+                None,
+                json!({"type": "response.completed", "response": {"id": "r", "output": [item]}}),
+            ),
+        ];
+        let (_, frames) =
+            guard_stream_with(setup(Endpoint::Responses, StreamMode::Holdback), events);
+        let out: String = frames.iter().map(|f| String::from_utf8_lossy(f)).collect();
+        assert!(!out.contains("jane.doe@"), "{out}");
+        assert!(out.contains("response.output_item.revised"), "{out}");
+        assert!(out.contains("[REDACTED:email]"), "{out}");
     }
 
     #[test]
