@@ -588,6 +588,57 @@ async fn repeated_text_that_was_not_streamed_is_guarded() {
     proxy.stop().await;
 }
 
+/// An event of a kind the guard does not know goes out with no check
+/// before it: the text it repeats is read, whether or not a scan has read
+/// the deltas that carried it (here the last one, too short to be due a
+/// check of its own).
+#[tokio::test]
+async fn text_an_unknown_event_repeats_is_guarded() {
+    let (_mock, proxy) = start().await;
+    let first = "Start with a budget, then build an emergency fund, and then save more. ";
+    let last = "Write to jane.doe@example.com for a review.";
+    let text = format!("{first}{last}");
+    let at = json!({"item_id": "msg_1", "output_index": 0, "content_index": 0});
+    let with = |extra: Value| support::merged(&at, extra);
+    let message = json!({"id": "msg_1", "type": "message", "content": [{"type": "output_text", "text": text}]});
+    let raw = support::numbered_stream(vec![
+        (
+            "response.created",
+            json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}}),
+        ),
+        (
+            "response.content_part.added",
+            with(json!({"part": {"type": "output_text", "text": ""}})),
+        ),
+        ("response.output_text.delta", with(json!({"delta": first}))),
+        ("response.output_text.delta", with(json!({"delta": last}))),
+        (
+            "response.output_item.revised",
+            json!({"output_index": 0, "item": message}),
+        ),
+        ("response.output_text.done", with(json!({"text": text}))),
+        (
+            "response.output_item.done",
+            json!({"output_index": 0, "item": message}),
+        ),
+        (
+            "response.completed",
+            json!({"response": {"id": "resp_mock", "status": "completed", "output": [message]}}),
+        ),
+    ]);
+    let body = relay(&proxy, raw).await;
+    assert!(!body.contains("jane.doe"), "{body}");
+    let sent = events(&body);
+    let revised = sent
+        .iter()
+        .find(|(name, _)| name == "response.output_item.revised");
+    let revised = &revised.expect("the unknown event goes on").1;
+    let expected = format!("{first}Write to [REDACTED:email] for a review.");
+    assert_eq!(revised["item"]["content"][0]["text"], *expected, "{body}");
+    assert_eq!(delta_text(&sent), expected);
+    proxy.stop().await;
+}
+
 /// An event is what its data's `type` says, as the SDKs read it, whatever
 /// its SSE name: events that repeat text named as deltas are checked too.
 #[tokio::test]

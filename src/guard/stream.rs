@@ -127,8 +127,9 @@
 //! replaced wherever an event repeats it. Repeated text the stream never
 //! carried (an upstream whose deltas and repetitions disagree), or that
 //! no scan has read yet (an event of a kind the guard does not know,
-//! which goes out with no check before it), is scanned on its own: redacted in place, or the stream ends blocked; so does an
-//! event that nests its texts deeper than the guard reads. Since
+//! which goes out with no check before it), is scanned on its own:
+//! redacted in place, or the stream ends blocked; so does an event that
+//! nests its texts deeper than the guard reads. Since
 //! re-framing merges text events and a block adds one, the events'
 //! `sequence_number`s are rewritten in the order sent. A blocked stream
 //! ends with `response.incomplete` whose `incomplete_details.reason` is
