@@ -39,8 +39,10 @@
 //!   that carries several choices is read, and sent, as a chunk of each
 //!   (see `split_choices`), in every mode but monitor; a stream that goes
 //!   back to a tool call, content block, item or part it had left, which
-//!   the SDKs would gather apart from what the guard read with it, is
-//!   malformed, see `Reached`);
+//!   the SDKs would gather apart from what the guard read with it, or
+//!   starts a Responses API item or content part again (whose deltas the
+//!   SDKs would join to the first one's text), is malformed, see
+//!   `Reached`);
 //!   Anthropic, `content_block_stop`, a `message_delta` with
 //!   `stop_reason: "refusal"` (its `stop_details` explained by the rule's
 //!   message), and `message_stop`, after a `message_start` (content
@@ -1247,6 +1249,11 @@ struct Reached {
     item: u64,
     part: u64,
     summary: u64,
+    /// The last Responses API item added, and content part: the SDKs add
+    /// another on a second start, but put the deltas of its index in the
+    /// first, joined to its text.
+    item_added: Option<u64>,
+    part_added: Option<(u64, u64)>,
 }
 
 /// The stream guard as a state machine: events in, frames out. No I/O, so
@@ -2009,7 +2016,8 @@ impl Guard {
 
     /// Whether a Responses API event comes in turn: not of an item before
     /// the last one reached, nor of a content or summary part of the item
-    /// before its last one reached.
+    /// before its last one reached, nor the start of an item or a content
+    /// part that has started already.
     fn item_in_order(&mut self, event: &Event) -> bool {
         let Some(item) = event.output_index else {
             return true;
@@ -2017,7 +2025,17 @@ impl Guard {
         if item > self.reached.item {
             (self.reached.part, self.reached.summary) = (0, 0);
         }
-        self.reach(|reached| &mut reached.item, item)
+        let reached = &mut self.reached;
+        let started_again = match event.kind.as_deref() {
+            Some("response.output_item.added") => reached.item_added.replace(item) >= Some(item),
+            Some("response.content_part.added") => {
+                let part = (item, event.content_index.unwrap_or(0));
+                reached.part_added.replace(part) >= Some(part)
+            }
+            _ => false,
+        };
+        !started_again
+            && self.reach(|reached| &mut reached.item, item)
             && event
                 .content_index
                 .is_none_or(|part| self.reach(|reached| &mut reached.part, part))
@@ -6254,6 +6272,82 @@ mod tests {
             blocked > 30 && redacted > 30,
             "{blocked} blocked, {redacted} redacted"
         );
+    }
+
+    #[test]
+    /// A Responses API item or content part started a second time: the
+    /// SDKs add another, but put the deltas of its index in the first,
+    /// joined to its text (an e-mail address from two halves the guard
+    /// would read apart). The stream ends as malformed at the second
+    /// start, nothing of the second part sent.
+    fn a_part_or_item_started_again_is_malformed() {
+        let at = json!({"item_id": "i", "output_index": 0, "content_index": 0});
+        let with = |kind: &str, members: Value| {
+            let mut event = at.clone();
+            event["type"] = json!(kind);
+            (event.as_object_mut().unwrap()).extend(members.as_object().unwrap().clone());
+            (None, event)
+        };
+        let item = json!({"type": "message", "id": "i", "role": "assistant", "content": []});
+        let part_added = with(
+            "response.content_part.added",
+            json!({"part": {"type": "output_text", "text": ""}}),
+        );
+        let item_added = (
+            None,
+            json!({"type": "response.output_item.added", "output_index": 0, "item": item}),
+        );
+        for again in [
+            vec![part_added.clone()],
+            vec![item_added.clone(), part_added.clone()],
+        ] {
+            let mut events = vec![
+                (
+                    None,
+                    json!({"type": "response.created", "response": {"id": "r", "output": []}}),
+                ),
+                item_added.clone(),
+                part_added.clone(),
+                with(
+                    "response.output_text.delta",
+                    json!({"delta": "Write to jane.doe@exa"}),
+                ),
+                with(
+                    "response.output_text.done",
+                    json!({"text": "Write to jane.doe@exa"}),
+                ),
+            ];
+            events.extend(again);
+            events.push(with(
+                "response.output_text.delta",
+                json!({"delta": "mple.com today."}),
+            ));
+            let (guard, frames) =
+                guard_stream_with(setup(Endpoint::Responses, StreamMode::Holdback), events);
+            let out: String = frames.iter().map(|f| String::from_utf8_lossy(f)).collect();
+            assert!(guard.malformed, "{out}");
+            assert!(!out.contains("mple.com"), "{out}");
+        }
+        // Parts and items in turn are no such thing.
+        let events = vec![
+            item_added.clone(),
+            part_added.clone(),
+            with(
+                "response.content_part.added",
+                json!({"content_index": 1, "part": {"type": "output_text", "text": ""}}),
+            ),
+            (
+                None,
+                json!({"type": "response.output_item.added", "output_index": 1, "item": item}),
+            ),
+            with(
+                "response.content_part.added",
+                json!({"output_index": 1, "part": {"type": "output_text", "text": ""}}),
+            ),
+        ];
+        let (guard, _) =
+            guard_stream_with(setup(Endpoint::Responses, StreamMode::Holdback), events);
+        assert!(!guard.malformed);
     }
 
     #[test]
