@@ -639,6 +639,47 @@ async fn text_an_unknown_event_repeats_is_guarded() {
     proxy.stop().await;
 }
 
+/// A content part started a second time: the SDKs would join the deltas
+/// after it to the first part's text, so the stream ends there, with the
+/// API's error event, and nothing of the second part arrives.
+#[tokio::test]
+async fn a_content_part_started_again_ends_the_stream() {
+    let (_mock, proxy) = start().await;
+    let at = json!({"item_id": "msg_1", "output_index": 0, "content_index": 0});
+    let with = |extra: Value| support::merged(&at, extra);
+    let part_added = (
+        "response.content_part.added",
+        with(json!({"part": {"type": "output_text", "text": ""}})),
+    );
+    let raw = support::numbered_stream(vec![
+        (
+            "response.created",
+            json!({"response": {"id": "resp_mock", "status": "in_progress", "output": []}}),
+        ),
+        part_added.clone(),
+        (
+            "response.output_text.delta",
+            with(json!({"delta": "Write to jane.doe@exa"})),
+        ),
+        (
+            "response.output_text.done",
+            with(json!({"text": "Write to jane.doe@exa"})),
+        ),
+        part_added,
+        (
+            "response.output_text.delta",
+            with(json!({"delta": "mple.com today."})),
+        ),
+    ]);
+    let body = relay(&proxy, raw).await;
+    assert!(!body.contains("mple.com"), "{body}");
+    let sent = events(&body);
+    let (name, last) = sent.last().unwrap();
+    assert_eq!(name, "error", "{body}");
+    assert_eq!(last["code"], "upstream_error", "{body}");
+    proxy.stop().await;
+}
+
 /// An event is what its data's `type` says, as the SDKs read it, whatever
 /// its SSE name: events that repeat text named as deltas are checked too.
 #[tokio::test]
