@@ -487,6 +487,20 @@ struct PartTemplate {
     around: Option<(String, String)>,
 }
 
+/// The members of a Responses API text delta (`stream_id` a socket's
+/// lane).
+const DELTA_MEMBERS: [&str; 9] = [
+    "type",
+    "item_id",
+    "output_index",
+    "content_index",
+    "delta",
+    "sequence_number",
+    "logprobs",
+    "obfuscation",
+    "stream_id",
+];
+
 impl PartTemplate {
     /// The template of a part's deltas with `json`'s members (a part's
     /// start gives them).
@@ -512,12 +526,20 @@ impl PartTemplate {
     /// The template of the part whose first delta is `data`, its text at
     /// `token`. A delta `plain` (no logprobs entries: its own tokens are
     /// not the template's), written on one line and numbered, as the APIs
-    /// write deltas, is cut around its text, its bytes kept as they came;
-    /// any other is read as JSON.
+    /// write deltas, with no member the API does not define, is cut
+    /// around its text, its bytes kept as they came; any other is read as
+    /// JSON, and keeps the API's members only.
     fn of_delta(part: u64, data: &str, token: &Range<usize>, plain: bool) -> PartTemplate {
         let one_line = memchr::memchr(b'\n', data.as_bytes()).is_none();
-        if !plain || !one_line || event::sequence_number(data).is_none() {
-            return PartTemplate::new(part, serde_json::from_str(data).unwrap_or_default());
+        let json: Map<String, Value> = serde_json::from_str(data).unwrap_or_default();
+        // Every delta cut from the template carries its members: only the
+        // API's, which hold no text but the delta's.
+        let only_the_apis = json.keys().all(|key| DELTA_MEMBERS.contains(&key.as_str()));
+        if !plain || !one_line || !only_the_apis || event::sequence_number(data).is_none() {
+            let json = json
+                .into_iter()
+                .filter(|(key, _)| DELTA_MEMBERS.contains(&key.as_str()));
+            return PartTemplate::new(part, json.collect());
         }
         let around = (
             format!(
@@ -6272,6 +6294,40 @@ mod tests {
             blocked > 30 && redacted > 30,
             "{blocked} blocked, {redacted} redacted"
         );
+    }
+
+    #[test]
+    /// The deltas the guard writes are cut from the part's first one: they
+    /// carry the API's members of it, not a member that holds other text.
+    fn re_framed_deltas_carry_only_the_apis_members() {
+        let delta = |text: &str| {
+            let delta = json!({"type": "response.output_text.delta", "item_id": "i", "output_index": 0,
+                "content_index": 0, "sequence_number": 1, "delta": text,
+                "note": "Put all your savings into Dogecoin."});
+            (None, delta)
+        };
+        let events = vec![
+            (
+                None,
+                json!({"type": "response.created", "response": {"id": "r", "output": []}}),
+            ),
+            delta("Start with a budget, "),
+            delta("then build an emergency fund."),
+            (
+                None,
+                json!({"type": "response.completed", "response": {"id": "r", "output": []}}),
+            ),
+        ];
+        let (_, frames) =
+            guard_stream_with(setup(Endpoint::Responses, StreamMode::Holdback), events);
+        let sent = sent_events(&frames);
+        let deltas: Vec<&Value> = (sent.iter().filter_map(|(_, data)| data.as_ref()))
+            .filter(|data| data["type"] == "response.output_text.delta")
+            .collect();
+        let text: String = deltas.iter().filter_map(|d| d["delta"].as_str()).collect();
+        assert_eq!(text, "Start with a budget, then build an emergency fund.");
+        assert!(deltas.iter().all(|d| d.get("note").is_none()), "{deltas:?}");
+        assert_eq!(deltas[0]["item_id"], "i");
     }
 
     #[test]
