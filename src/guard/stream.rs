@@ -55,7 +55,8 @@
 //!   go on with a part it ended (a chat choice's text after its finish, a
 //!   content block's after its stop, a Responses API part's after its
 //!   `.done`), which the SDKs join to it, the text is read joined too,
-//!   and a redaction that begins in what went out blocks. *Cost*: text that no match may cover goes out at the next
+//!   and a redaction that begins in what went out blocks. *Cost*: text
+//!   that no match may cover goes out at the next
 //!   check; a phrase that a rule would block if it went on waits until it
 //!   ends or turns harmless. A check rescans a window of the longest
 //!   match plus 256 bytes (or back to the release point, if further),
@@ -189,6 +190,7 @@ mod event;
 
 use std::borrow::Cow;
 use std::cell::OnceCell;
+use std::collections::HashMap;
 use std::fmt::Display;
 use std::ops::Range;
 use std::sync::Arc;
@@ -200,6 +202,7 @@ use futures_util::{Stream, StreamExt};
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use jiter::Peek;
+use serde::de::IgnoredAny;
 use serde_json::{Map, Value, json};
 
 use crate::config::StreamMode;
@@ -531,11 +534,13 @@ impl PartTemplate {
     /// JSON, and keeps the API's members only.
     fn of_delta(part: u64, data: &str, token: &Range<usize>, plain: bool) -> PartTemplate {
         let one_line = memchr::memchr(b'\n', data.as_bytes()).is_none();
-        let json: Map<String, Value> = serde_json::from_str(data).unwrap_or_default();
         // Every delta cut from the template carries its members: only the
-        // API's, which hold no text but the delta's.
-        let only_the_apis = json.keys().all(|key| DELTA_MEMBERS.contains(&key.as_str()));
+        // API's, which hold no text but the delta's. (Read by their names
+        // alone; a name with escapes is read as JSON.)
+        let members = serde_json::from_str::<HashMap<&str, IgnoredAny>>(data);
+        let only_the_apis = members.is_ok_and(|m| m.keys().all(|key| DELTA_MEMBERS.contains(key)));
         if !plain || !one_line || !only_the_apis || event::sequence_number(data).is_none() {
+            let json: Map<String, Value> = serde_json::from_str(data).unwrap_or_default();
             let json = json
                 .into_iter()
                 .filter(|(key, _)| DELTA_MEMBERS.contains(&key.as_str()));
@@ -5525,22 +5530,24 @@ mod tests {
         }
     }
 
+    /// A Responses API event `kind` of the first content part of item `i`,
+    /// with `members` besides.
+    fn part_event(kind: &str, members: Value) -> (Option<&'static str>, Value) {
+        let mut event =
+            json!({"type": kind, "item_id": "i", "output_index": 0, "content_index": 0});
+        if let (Some(event), Value::Object(members)) = (event.as_object_mut(), members) {
+            event.extend(members);
+        }
+        (None, event)
+    }
+
     #[test]
     /// An event the guard does not know goes out with no check before it:
     /// text it repeats that the deltas carried but no scan has read yet
     /// (they came in the same read) is read on its own, and redacted.
     fn an_unknown_event_repeating_unread_text_is_read() {
         let text = "Write to jane.doe@example.com for a review.";
-        let at = json!({"item_id": "i", "output_index": 0, "content_index": 0});
-        let with = |kind: &str, members: Value| {
-            let mut event = at.clone();
-            event["type"] = json!(kind);
-            event
-                .as_object_mut()
-                .unwrap()
-                .extend(members.as_object().unwrap().clone());
-            (None, event)
-        };
+        let with = part_event;
         let item = json!({"type": "message", "id": "i", "role": "assistant",
             "content": [{"type": "output_text", "text": text}]});
         let events = vec![
@@ -5604,10 +5611,8 @@ mod tests {
                 json!({"object": "chat.completion.chunk", "choices": [choice]}),
             )
         };
-        let responses = |text: &str| {
-            let at = json!({"type": "response.output_text.delta", "item_id": "i", "output_index": 0, "content_index": 0, "delta": text});
-            (None, at)
-        };
+        let responses =
+            |text: &str| part_event("response.output_text.delta", json!({"delta": text}));
         let item = json!({"type": "message", "id": "i", "role": "assistant",
             "content": [{"type": "output_text", "text": sent}]});
         type Events<'a> = Vec<(Option<&'a str>, Value)>;
@@ -6337,13 +6342,7 @@ mod tests {
     /// would read apart). The stream ends as malformed at the second
     /// start, nothing of the second part sent.
     fn a_part_or_item_started_again_is_malformed() {
-        let at = json!({"item_id": "i", "output_index": 0, "content_index": 0});
-        let with = |kind: &str, members: Value| {
-            let mut event = at.clone();
-            event["type"] = json!(kind);
-            (event.as_object_mut().unwrap()).extend(members.as_object().unwrap().clone());
-            (None, event)
-        };
+        let with = part_event;
         let item = json!({"type": "message", "id": "i", "role": "assistant", "content": []});
         let part_added = with(
             "response.content_part.added",
